@@ -1,0 +1,146 @@
+"""EngineArgs (what the user sets, named as vLLM's) -> EngineConfig (frozen, validated).
+
+This module imports neither torch nor transformers at import time: ``core/`` reads the scheduler
+and cache configs from here. Validation errors are ValueError naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp16", "fp32")
+_DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "priority"  # "priority" (larger value sooner, then arrival) | "fcfs"
+    preemption_mode: str = "recompute"
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int
+    num_blocks: int
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model as resolved: where it lives, its HF config, the compute dtype and context length."""
+
+    model: str
+    source: Any  # pagedllm.loader.ModelSource
+    hf_config: Any  # transformers.PretrainedConfig
+    dtype: str  # "float32" | "bfloat16" | "float16"
+    max_model_len: int
+    tokenizer: str | None = None
+    served_model_name: str = ""
+    seed: int = 0
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config.vocab_size)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.hf_config.num_hidden_layers)
+
+    @property
+    def num_kv_heads(self) -> int:
+        c = self.hf_config
+        return int(getattr(c, "num_key_value_heads", None) or c.num_attention_heads)
+
+    @property
+    def head_dim(self) -> int:
+        c = self.hf_config
+        return int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+
+    def kv_bytes_per_token(self, cache_dtype_bytes: int) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * cache_dtype_bytes
+
+
+@dataclass
+class EngineArgs:
+    """Engine arguments with vLLM's names and meanings (``model=None`` is the embedded SmolLM2)."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "priority"
+    preemption_mode: str = "recompute"
+    enforce_eager: bool = False
+    device: str = "auto"
+    attention_backend: str = "auto"
+    max_logprobs: int = 20
+    disable_log_stats: bool = True
+    num_gpu_blocks_override: int | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:  # noqa: C901 - flat list of checks
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory",
+                     "num_gpu_blocks_override"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if not isinstance(self.block_size, int) or self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            raise ValueError(f"block_size must be a power of two in [1, 256], got {self.block_size!r}")
+        if not (0.0 < float(self.gpu_memory_utilization) <= 1.0):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.scheduling_policy not in ("priority", "fcfs"):
+            raise ValueError(f"scheduling_policy must be 'priority' or 'fcfs', got {self.scheduling_policy!r}")
+        if self.preemption_mode != "recompute":
+            raise ValueError(f"preemption_mode must be 'recompute' (swap is not supported yet), got {self.preemption_mode!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.attention_backend not in ("auto", "torch_ref", "triton"):
+            raise ValueError(f"attention_backend must be 'auto', 'torch_ref' or 'triton', got {self.attention_backend!r}")
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if (
+            not self.enable_chunked_prefill
+            and self.max_num_batched_tokens is not None
+            and self.max_model_len is not None
+            and self.max_num_batched_tokens < self.max_model_len
+        ):
+            raise ValueError(
+                "max_num_batched_tokens must be >= max_model_len when enable_chunked_prefill is False "
+                f"(got {self.max_num_batched_tokens} < {self.max_model_len}): a prompt could never be scheduled"
+            )
+
+    def replace(self, **changes: Any) -> EngineArgs:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    device: str
+    enforce_eager: bool
+    attention_backend: str
+    max_logprobs: int
+    log_stats: bool
+    extra: dict = field(default_factory=dict)

@@ -1,0 +1,92 @@
+"""The only data that crosses between the scheduler and the model runner (DESIGN rule 2).
+
+SchedulerOutput goes down (diffs, not state: the runner keeps per-request state between steps);
+ModelRunnerOutput comes back; EngineCoreOutput is what the scheduler reports per request per step.
+All plain Python: building one costs O(number of scheduled requests + new block ids).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has no state for: first scheduling, or resumption after preemption.
+
+    ``output_token_ids`` is non-empty when a preempted request is resumed (its KV is recomputed).
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """A request the runner already tracks: only the blocks added this step."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    # req_id -> number of tokens to compute this step (all scheduled requests).
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    # Requests that finished, were aborted or were preempted since the last step: drop their state.
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probabilities at one position: ``token_ids[0]`` is the chosen token, then the top-k.
+
+    ``ranks[i]`` is the 1-based rank of ``token_ids[i]`` in the distribution.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]
+    # Per request (same order as req_ids): tokens sampled this step; empty for a partial prefill.
+    sampled_token_ids: list[list[int]]
+    # Per request: logprobs of each sampled token (only when the request asked for logprobs).
+    logprobs: list[list[TokenLogprobs] | None] | None = None
+    # req_id -> logprobs of the prompt positions computed this step (prompt_logprobs requests).
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+
+
+@dataclass
+class EngineCoreOutput:
+    """What happened to one request in one step."""
+
+    req_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    new_prompt_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
