@@ -1,0 +1,71 @@
+"""EngineCore: the loop body. step() = schedule -> execute -> update_from_output.
+
+Owns the scheduler (pure Python) and the model runner (tensors); the only things crossing
+between them are SchedulerOutput and ModelRunnerOutput (DESIGN rule 2).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from pagedllm.config import CacheConfig, EngineConfig
+from pagedllm.core.sched_output import EngineCoreOutput
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.request import Request, RequestStatus
+from pagedllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("pagedllm")
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        t0 = time.perf_counter()
+        self.runner = ModelRunner(config)
+        num_blocks = self.runner.determine_num_blocks()
+        self.runner.initialize_kv_cache(num_blocks)
+        cache_config = CacheConfig(
+            block_size=config.cache_config.block_size,
+            num_blocks=num_blocks,
+            enable_prefix_caching=config.cache_config.enable_prefix_caching,
+        )
+        self.config = config
+        self.cache_config = cache_config
+        self.scheduler = Scheduler(config.scheduler_config, cache_config)
+        self.runner.warm_up()
+        logger.info(
+            "engine ready in %.1f s: %d KV blocks of %d tokens (%d tokens, %.2f GiB) on %s",
+            time.perf_counter() - t0, num_blocks, cache_config.block_size, num_blocks * cache_config.block_size,
+            num_blocks * self.runner.block_bytes() / 2**30, config.device,
+        )
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_stopped(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
+
+    def step(self) -> list[EngineCoreOutput]:
+        sched_out = self.scheduler.schedule()
+        if sched_out.total_num_scheduled_tokens == 0 and not sched_out.scheduled_new_reqs:
+            # Nothing runnable; still report requests the scheduler finished on its own.
+            return self.scheduler.update_from_output(sched_out, self.runner.execute_model(sched_out))
+        runner_out = self.runner.execute_model(sched_out)
+        return self.scheduler.update_from_output(sched_out, runner_out)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.get_num_unfinished_requests()
+
+    def shutdown(self) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()

@@ -1,0 +1,59 @@
+"""Prompt normalisation and validation: user prompt -> (prompt text, token ids).
+
+Accepts a str, ``{"prompt": str}``, ``{"prompt_token_ids": [...]}`` or a list of ints. Every
+rejection is a ValueError/TypeError naming the field, raised before anything is queued.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedllm.sampling_params import SamplingParams
+
+
+def tokenize_prompt(prompt: Any, tokenizer, tokenization_kwargs: dict | None = None) -> tuple[str | None, list[int]]:
+    if isinstance(prompt, str):
+        text, ids = prompt, None
+    elif isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
+        elif "prompt" in prompt:
+            text, ids = prompt["prompt"], None
+        else:
+            raise ValueError("prompt dict must contain 'prompt' or 'prompt_token_ids'")
+    elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        text, ids = None, list(prompt)
+    else:
+        raise TypeError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
+    if ids is None:
+        if not isinstance(text, str):
+            raise TypeError(f"prompt must be a string, got {type(text).__name__}")
+        if not text:
+            raise ValueError("prompt must not be empty")
+        kwargs = dict(tokenization_kwargs or {})
+        kwargs.setdefault("add_special_tokens", True)
+        ids = tokenizer.encode(text, **kwargs)
+    else:
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise TypeError("prompt_token_ids must be a list of integers")
+        ids = list(ids)
+    if not ids:
+        raise ValueError("prompt must not be empty (it has no tokens)")
+    return text, ids
+
+
+def validate_prompt(ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> int:
+    """Check ids and lengths; return the effective max_tokens (clipped to the context length)."""
+    bad = [t for t in ids if t < 0 or t >= vocab_size]
+    if bad:
+        raise ValueError(f"prompt_token_ids contains ids outside the vocabulary (size {vocab_size}): {bad[:5]}")
+    if params.truncate_prompt_tokens is not None:
+        ids[:] = ids[-params.truncate_prompt_tokens :]
+    if len(ids) >= max_model_len:
+        raise ValueError(
+            f"prompt is too long: {len(ids)} tokens, but max_model_len is {max_model_len} "
+            "(the prompt plus at least one generated token must fit)"
+        )
+    params.verify_vocab(vocab_size)
+    room = max_model_len - len(ids)
+    return room if params.max_tokens is None else min(params.max_tokens, room)

@@ -1,0 +1,142 @@
+"""LLMEngine: the synchronous engine API (vLLM-compatible).
+
+add_request -> tokenization + validation -> Request(s) into the EngineCore; step() runs one
+engine iteration and returns RequestOutputs; abort_request frees the request at once and its
+final output (finish_reason "abort") is returned by the next step().
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from pagedllm.config import EngineArgs, EngineConfig, ModelConfig, create_engine_config
+from pagedllm.engine.engine_core import EngineCore
+from pagedllm.engine.input_processor import tokenize_prompt, validate_prompt
+from pagedllm.engine.output_processor import OutputProcessor, ParentRequest, RequestState
+from pagedllm.outputs import RequestOutput
+from pagedllm.request import Request
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedllm")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, tokenizer=None) -> None:
+        from pagedllm.loader import load_tokenizer
+
+        self.config = config
+        self.model_config = config.model_config
+        self.tokenizer = tokenizer or load_tokenizer(config.model_config.source, config.model_config.tokenizer)
+        self.engine_core = EngineCore(config)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._pending_abort_outputs: list[RequestOutput] = []
+        self.eos_token_id = self._eos_token_id()
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
+        return cls(create_engine_config(engine_args))
+
+    def _eos_token_id(self) -> int | None:
+        eos = getattr(self.model_config.hf_config, "eos_token_id", None)
+        if isinstance(eos, (list, tuple)):
+            eos = eos[0] if eos else None
+        return eos if eos is not None else self.tokenizer.eos_token_id
+
+    def get_model_config(self) -> ModelConfig:
+        return self.model_config
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    # -- requests -------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        lora_request: Any = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        trace_headers: Mapping[str, str] | None = None,
+        priority: int = 0,
+    ) -> None:
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
+        if self.output_processor.has_request(request_id):
+            raise ValueError(f"request_id {request_id!r} is already in use by a live request")
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if lora_request is not None:
+            raise ValueError("lora_request is not supported: this engine serves base models only")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"priority must be an integer, got {priority!r}")
+        self._check_logprobs(params)
+        prompt_text, prompt_ids = tokenize_prompt(prompt, self.tokenizer, tokenization_kwargs)
+        max_tokens = validate_prompt(prompt_ids, params, self.model_config.vocab_size, self.model_config.max_model_len)
+        if params.bad_words:
+            params._bad_words_token_ids = self._bad_words_ids(params.bad_words)
+        arrival = time.time() if arrival_time is None else arrival_time
+        num_seqs = params.best_of or params.n
+        child_ids = [request_id] if num_seqs == 1 else [f"{i}_{request_id}" for i in range(num_seqs)]
+        parent = ParentRequest(request_id, params, child_ids, params.n) if num_seqs > 1 else None
+        for index, child_id in enumerate(child_ids):
+            child_params = params if num_seqs == 1 else self._child_params(params, index, num_seqs)
+            state = RequestState(child_id, parent.request_id if parent else None, index, prompt_text, prompt_ids,
+                                 child_params, self.tokenizer, params.output_kind)
+            self.output_processor.add_request(state, parent)
+            request = Request(child_id, prompt_ids, child_params, self.eos_token_id, arrival, priority, max_tokens)
+            self.engine_core.add_request(request)
+
+    @staticmethod
+    def _child_params(params: SamplingParams, index: int, num_seqs: int) -> SamplingParams:
+        child = params.clone()
+        child.n, child.best_of = 1, None
+        if params.seed is not None:
+            child.seed = params.seed + index
+        if params.best_of is not None and params.best_of > params.n and child.logprobs is None:
+            child.logprobs = 0  # best_of ranks sequences by cumulative logprob
+        return child
+
+    def _check_logprobs(self, params: SamplingParams) -> None:
+        limit = self.config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(params, name)
+            if v is not None and v > limit:
+                raise ValueError(f"{name} must be <= max_logprobs ({limit}), got {v}")
+
+    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        ids = []
+        for w in words:
+            for variant in (w, " " + w.lstrip()):
+                toks = self.tokenizer.encode(variant, add_special_tokens=False)
+                if toks and toks not in ids:
+                    ids.append(toks)
+        return ids
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Abort requests now (blocks freed at once); unknown or finished ids are ignored. Their
+        final outputs, with finish_reason "abort", come from the next step()."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        live = [r for r in ids if self.output_processor.has_request(r)]
+        seq_ids = [c for r in live for c in self.output_processor.child_ids(r)]
+        self.engine_core.abort_requests(seq_ids)
+        self._pending_abort_outputs.extend(self.output_processor.finish_aborted(live))
+
+    # -- the loop -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending_abort_outputs = self._pending_abort_outputs, []
+        if self.engine_core.has_unfinished_requests():
+            core_outputs = self.engine_core.step()
+            request_outputs, stopped = self.output_processor.process_outputs(core_outputs)
+            self.engine_core.finish_stopped(stopped)
+            outputs.extend(request_outputs)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._pending_abort_outputs) or self.engine_core.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.engine_core.get_num_unfinished_requests()

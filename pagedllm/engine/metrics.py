@@ -1,0 +1,226 @@
+"""Engine metrics: Prometheus collectors named as vLLM's (prefix ``pagedllm:``) and a periodic log line.
+
+``EngineMetrics`` is fed by the engine loop (one thread): ``on_request_added`` when a request
+enters the engine, ``on_step`` after every step with that step's RequestOutputs and the
+scheduler's stats. The collectors live in a registry of their own (several engines in one
+process, as in tests, do not collide); ``render()`` gives the text exposition for ``/metrics``.
+Cost: O(outputs of the step) per step, plus O(requests not yet scheduled) for queue times.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import RequestOutputKind
+
+logger = logging.getLogger("pagedllm")
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0)
+_ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0)
+_LATENCY_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+
+@dataclass
+class _RequestTimes:
+    arrival_time: float
+    output_kind: RequestOutputKind
+    seq_ids: list[str]
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+
+@dataclass
+class _Interval:
+    """Counts since the last log line."""
+
+    start: float = field(default_factory=time.monotonic)
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+
+
+class EngineMetrics:
+    """Prometheus collectors + per-request timing. Invariant: one writer (the engine loop thread)."""
+
+    def __init__(self, model_name: str, log_interval_s: float | None = 10.0) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        self.log_interval_s = log_interval_s
+        labels = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(name, doc, labels, registry=self.registry).labels(model_name)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(name, doc, labels, registry=self.registry).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple) -> Any:
+            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
+
+        self.num_running = gauge("pagedllm:num_requests_running", "Number of requests in the running batch.")
+        self.num_waiting = gauge("pagedllm:num_requests_waiting", "Number of requests waiting to be scheduled.")
+        self.kv_usage = gauge("pagedllm:kv_cache_usage_perc",
+                              "KV-cache usage: fraction of blocks held by live requests (1 = full).")
+        self.prefix_queries = counter("pagedllm:prefix_cache_queries",
+                                      "Prefix-cache queries, in tokens (prompt tokens looked up).")
+        self.prefix_hits = counter("pagedllm:prefix_cache_hits", "Prefix-cache hits, in tokens.")
+        self.preemptions = counter("pagedllm:num_preemptions", "Cumulative number of preemptions.")
+        self.prompt_tokens = counter("pagedllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("pagedllm:generation_tokens", "Number of generation tokens processed.")
+        self._success = Counter("pagedllm:request_success", "Count of finished requests by finish reason.",
+                                labels + ["finished_reason"], registry=self.registry)
+        self.ttft = histogram("pagedllm:time_to_first_token_seconds", "Time to first token in seconds.",
+                              _TTFT_BUCKETS)
+        self.itl = histogram("pagedllm:inter_token_latency_seconds", "Time between output tokens in seconds.",
+                             _ITL_BUCKETS)
+        self.e2e = histogram("pagedllm:e2e_request_latency_seconds",
+                             "End-to-end request latency (arrival to finish) in seconds.", _LATENCY_BUCKETS)
+        self.queue_time = histogram("pagedllm:request_queue_time_seconds",
+                                    "Time a request spent waiting before it was first scheduled.",
+                                    _LATENCY_BUCKETS)
+        self.request_prompt_tokens = histogram("pagedllm:request_prompt_tokens",
+                                               "Number of prompt tokens per finished request.", _TOKEN_BUCKETS)
+        self.request_generation_tokens = histogram("pagedllm:request_generation_tokens",
+                                                   "Number of generated tokens per finished request.",
+                                                   _TOKEN_BUCKETS)
+        self._requests: dict[str, _RequestTimes] = {}
+        self._awaiting_schedule: dict[str, _RequestTimes] = {}
+        self._last_prefix = (0, 0)
+        self._last_preemptions = 0
+        self._interval = _Interval()
+        self._last_stats: Any = None
+
+    # -- fed by the engine loop ----------------------------------------------------------------
+    def on_request_added(self, request_id: str, arrival_time: float, output_kind: RequestOutputKind,
+                         seq_ids: list[str]) -> None:
+        times = _RequestTimes(arrival_time, output_kind, seq_ids)
+        self._requests[request_id] = times
+        self._awaiting_schedule[request_id] = times
+
+    def on_step(self, outputs: list[RequestOutput], stats: Any, scheduler: Any, step_start: float) -> None:
+        """Record one step: ``stats`` is the scheduler's SchedulerStats (or None)."""
+        now = time.time()
+        if self._awaiting_schedule:
+            aborted = {o.request_id for o in outputs if o.finished and o.outputs
+                       and o.outputs[0].finish_reason == "abort"}
+            self._record_queue_times(scheduler, step_start, aborted)
+        for out in outputs:
+            self._record_output(out, now)
+        if stats is not None:
+            self._record_scheduler(stats)
+
+    def forget(self, request_id: str) -> None:
+        """Drop a request that ended without a final output (engine failure)."""
+        self._requests.pop(request_id, None)
+        self._awaiting_schedule.pop(request_id, None)
+
+    def _record_queue_times(self, scheduler: Any, step_start: float, aborted: set[str]) -> None:
+        get = getattr(scheduler, "get_request", None)
+        if get is None:
+            self._awaiting_schedule.clear()
+            return
+        for rid, times in list(self._awaiting_schedule.items()):
+            req = get(times.seq_ids[0])
+            if req is not None:
+                scheduled = getattr(req, "first_scheduled_time", None)
+                if scheduled is None:
+                    continue  # still waiting
+            elif rid in aborted:
+                del self._awaiting_schedule[rid]  # aborted before it ran: no queue time
+                continue
+            else:
+                scheduled = step_start  # first scheduled and finished within this very step
+            self.queue_time.observe(max(0.0, scheduled - times.arrival_time))
+            del self._awaiting_schedule[rid]
+
+    def _record_output(self, out: RequestOutput, now: float) -> None:
+        times = self._requests.get(out.request_id)
+        if times is None:
+            return
+        n = sum(len(c.token_ids) for c in out.outputs)
+        if times.output_kind == RequestOutputKind.DELTA:
+            new = n
+        else:
+            new = max(0, n - times.num_generation_tokens)
+        if new:
+            if times.first_token_time is None:
+                times.first_token_time = now
+                times.num_prompt_tokens = len(out.prompt_token_ids)
+                self.ttft.observe(now - times.arrival_time)
+                self.prompt_tokens.inc(times.num_prompt_tokens)
+                self._interval.prompt_tokens += times.num_prompt_tokens
+            elif times.last_token_time is not None:
+                self.itl.observe(now - times.last_token_time)
+            times.last_token_time = now
+            times.num_generation_tokens += new
+            self.generation_tokens.inc(new)
+            self._interval.generation_tokens += new
+        if out.finished:
+            del self._requests[out.request_id]
+            reason = out.outputs[0].finish_reason if out.outputs else "abort"
+            self._success.labels(self.model_name, reason or "abort").inc()
+            self.e2e.observe(now - times.arrival_time)
+            if times.first_token_time is not None:
+                self.request_prompt_tokens.observe(times.num_prompt_tokens)
+                self.request_generation_tokens.observe(times.num_generation_tokens)
+
+    def _record_scheduler(self, stats: Any) -> None:
+        self._last_stats = stats
+        self.num_running.set(stats.num_running)
+        self.num_waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        q, h = stats.prefix_cache_queries, stats.prefix_cache_hits
+        dq, dh = max(0, q - self._last_prefix[0]), max(0, h - self._last_prefix[1])
+        self._last_prefix = (q, h)
+        if dq:
+            self.prefix_queries.inc(dq)
+            self._interval.prefix_queries += dq
+        if dh:
+            self.prefix_hits.inc(dh)
+            self._interval.prefix_hits += dh
+        dp = max(0, stats.num_preemptions_total - self._last_preemptions)
+        self._last_preemptions = stats.num_preemptions_total
+        if dp:
+            self.preemptions.inc(dp)
+
+    # -- periodic log line ---------------------------------------------------------------------
+    def maybe_log(self) -> str | None:
+        """Log the throughput line when the interval has passed and something happened in it."""
+        if self.log_interval_s is None:
+            return None
+        iv = self._interval
+        elapsed = time.monotonic() - iv.start
+        if elapsed < self.log_interval_s:
+            return None
+        stats = self._last_stats
+        busy = stats is not None and (stats.num_running or stats.num_waiting)
+        self._interval = _Interval()
+        if not (iv.prompt_tokens or iv.generation_tokens or busy):
+            return None
+        hit_rate = 100.0 * iv.prefix_hits / iv.prefix_queries if iv.prefix_queries else 0.0
+        line = (
+            f"Avg prompt throughput: {iv.prompt_tokens / elapsed:.1f} tokens/s, "
+            f"Avg generation throughput: {iv.generation_tokens / elapsed:.1f} tokens/s, "
+            f"Running: {stats.num_running if stats else 0} reqs, Waiting: {stats.num_waiting if stats else 0} reqs, "
+            f"KV cache usage: {100.0 * (stats.kv_cache_usage if stats else 0.0):.1f}%, "
+            f"Prefix cache hit rate: {hit_rate:.1f}%"
+        )
+        logger.info(line)
+        return line
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every collector."""
+        return generate_latest(self.registry)

@@ -1,0 +1,197 @@
+"""OutputProcessor: EngineCoreOutputs -> RequestOutputs (detokenization, stop strings, logprobs, n).
+
+Holds one RequestState per live sequence and one ParentRequest per user request with n > 1.
+Stop strings are matched in the detokenized text (across token boundaries); a match finishes the
+sequence, and the engine tells the scheduler to free it. While a stop string could still be
+forming at the end of the text, that tail is held back from streamed outputs (unless
+include_stop_str_in_output), so no consumer ever sees text that is later trimmed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedllm.core.sched_output import EngineCoreOutput, TokenLogprobs
+from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+
+@dataclass
+class ParentRequest:
+    """A user request fanned out into ``len(children)`` sequences (n, or best_of when set)."""
+
+    request_id: str
+    params: SamplingParams
+    children: list[str]
+    n: int
+    finished: set[str] = field(default_factory=set)
+
+
+class RequestState:
+    def __init__(self, request_id, parent_id, index, prompt, prompt_token_ids, params: SamplingParams,
+                 tokenizer, output_kind: RequestOutputKind) -> None:
+        self.request_id = request_id
+        self.parent_id = parent_id
+        self.index = index
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.output_kind = output_kind
+        self.detok = (
+            IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens,
+                                   params.spaces_between_special_tokens)
+            if params.detokenize and tokenizer is not None else None
+        )
+        self.tokenizer = tokenizer
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
+            [None] if params.prompt_logprobs is not None else None
+        )
+        self.cumulative_logprob = 0.0 if params.logprobs is not None else None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.num_cached_tokens = 0
+        self.sent_tokens = 0
+        self.sent_text = 0
+        self.hold_back = 0 if params.include_stop_str_in_output or not params.stop else max(map(len, params.stop)) - 1
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def update(self, out: EngineCoreOutput) -> bool:
+        """Apply one step's output; return True when a stop string finished the sequence here."""
+        self.token_ids.extend(out.new_token_ids)
+        self.num_cached_tokens = out.num_cached_tokens
+        if out.new_logprobs and self.logprobs is not None:
+            for lp in out.new_logprobs:
+                self.logprobs.append(self._to_logprob_dict(lp))
+                self.cumulative_logprob += lp.logprobs[0]
+        if out.new_prompt_logprobs and self.prompt_logprobs is not None:
+            self.prompt_logprobs.extend(self._to_logprob_dict(lp) for lp in out.new_prompt_logprobs)
+        stopped_by_string = False
+        if self.detok is not None and out.new_token_ids:
+            delta = self.detok.add_tokens(out.new_token_ids)
+            stopped_by_string = self._append_text(delta)
+        if stopped_by_string:
+            return True
+        if out.finish_reason is not None:
+            self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
+        return False
+
+    def _append_text(self, delta: str) -> bool:
+        if not delta:
+            return False
+        start = max(0, len(self.text) - max((len(s) for s in self.params.stop), default=0) + 1)
+        self.text += delta
+        for stop in self.params.stop:
+            idx = self.text.find(stop, start)
+            if idx != -1:
+                end = idx + len(stop) if self.params.include_stop_str_in_output else idx
+                self.text = self.text[:end]
+                self.finish_reason, self.stop_reason = "stop", stop
+                return True
+        return False
+
+    def _to_logprob_dict(self, lp: TokenLogprobs) -> dict[int, Logprob]:
+        d: dict[int, Logprob] = {}
+        for tid, val, rank in zip(lp.token_ids, lp.logprobs, lp.ranks):
+            if tid not in d:
+                d[tid] = Logprob(val, rank, self._decode_token(tid))
+        return d
+
+    def _decode_token(self, token_id: int) -> str | None:
+        if self.tokenizer is None or not self.params.detokenize:
+            return None
+        return self.tokenizer.decode([token_id])
+
+    def completion(self) -> CompletionOutput:
+        """The CompletionOutput to send now, honouring the output kind (cumulative / delta)."""
+        visible = len(self.text) if self.finished else max(self.sent_text, len(self.text) - self.hold_back)
+        if self.output_kind == RequestOutputKind.DELTA:
+            text = self.text[self.sent_text : visible]
+            token_ids = self.token_ids[self.sent_tokens :]
+            logprobs = self.logprobs[self.sent_tokens :] if self.logprobs is not None else None
+        else:
+            text, token_ids, logprobs = self.text[:visible], list(self.token_ids), self.logprobs
+            logprobs = list(logprobs) if logprobs is not None else None
+        self.sent_text, self.sent_tokens = visible, len(self.token_ids)
+        return CompletionOutput(
+            index=self.index, text=text, token_ids=token_ids, cumulative_logprob=self.cumulative_logprob,
+            logprobs=logprobs, finish_reason=self.finish_reason, stop_reason=self.stop_reason,
+        )
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}
+        self.parents: dict[str, ParentRequest] = {}
+
+    def add_request(self, state: RequestState, parent: ParentRequest | None = None) -> None:
+        self.states[state.request_id] = state
+        if parent is not None:
+            self.parents[parent.request_id] = parent
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.states or request_id in self.parents
+
+    def child_ids(self, request_id: str) -> list[str]:
+        """The sequence ids behind a user request id (itself when n == 1)."""
+        if request_id in self.parents:
+            return list(self.parents[request_id].children)
+        return [request_id] if request_id in self.states else []
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Returns (request outputs to hand to the user, sequence ids stopped by a stop string)."""
+        touched: dict[str, None] = {}
+        stopped: list[str] = []
+        for out in outputs:
+            state = self.states.get(out.req_id)
+            if state is None or state.finished:
+                continue
+            if state.update(out):
+                stopped.append(out.req_id)
+            touched[state.parent_id or state.request_id] = None
+        return [ro for rid in touched if (ro := self._make_output(rid)) is not None], stopped
+
+    def finish_aborted(self, request_ids: list[str]) -> list[RequestOutput]:
+        """Mark user requests aborted; return their final outputs (finish_reason "abort")."""
+        results = []
+        for rid in request_ids:
+            for cid in self.child_ids(rid):
+                st = self.states[cid]
+                if not st.finished:
+                    st.finish_reason, st.stop_reason = "abort", None
+            ro = self._make_output(rid)
+            if ro is not None:
+                results.append(ro)
+        return results
+
+    def _make_output(self, user_request_id: str) -> RequestOutput | None:
+        parent = self.parents.get(user_request_id)
+        child_ids = parent.children if parent else [user_request_id]
+        children = [self.states[c] for c in child_ids]
+        finished = all(c.finished for c in children)
+        first = children[0]
+        if first.output_kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        if parent is not None and finished and parent.n < len(children):
+            # best_of: keep the n sequences with the highest cumulative logprob, best first.
+            children = sorted(children, key=lambda s: s.cumulative_logprob or 0.0, reverse=True)[: parent.n]
+        completions = [c.completion() for c in children]
+        if parent is not None and finished and parent.n < len(child_ids):
+            for i, comp in enumerate(completions):
+                comp.index = i
+        if finished:
+            for c in child_ids:
+                self.states.pop(c, None)
+            self.parents.pop(user_request_id, None)
+        return RequestOutput(
+            request_id=user_request_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
+            prompt_logprobs=first.prompt_logprobs, outputs=completions, finished=finished,
+            num_cached_tokens=first.num_cached_tokens,
+        )

@@ -1,0 +1,136 @@
+"""LLM: offline batch generation and chat (vLLM-compatible front door)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from pagedllm.config import EngineArgs
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+
+class LLM:
+    """``LLM()`` loads the embedded default model; ``LLM("folder" | "file.gguf" | "org/name", **engine_args)``."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Any,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request: Any = None,
+        priority: list[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for one prompt or a list; outputs come back in input order."""
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = _per_prompt(sampling_params, len(prompts))
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"priority must have one entry per prompt ({len(prompts)}), got {len(priority)}")
+        ids = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                p = p.clone()
+                p.output_kind = RequestOutputKind.FINAL_ONLY
+                rid = f"offline-{next(self._counter)}"
+                self.llm_engine.add_request(rid, prompt, p, lora_request=lora_request,
+                                            priority=priority[i] if priority else 0)
+                ids.append(rid)
+        except Exception:
+            self.llm_engine.abort_request(ids)
+            while self.llm_engine.has_unfinished_requests():
+                self.llm_engine.step()
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        out_tokens = 0
+        try:
+            while self.llm_engine.has_unfinished_requests():
+                for out in self.llm_engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        out_tokens += sum(len(c.token_ids) for c in out.outputs)
+                        bar.update(1)
+                        bar.set_postfix(output_toks=out_tokens, refresh=False)
+        finally:
+            bar.close()
+        return [results[r] for r in ids]
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[RequestOutput]:
+        """Apply the chat template to each conversation and generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            {"prompt_token_ids": apply_chat_template(self.get_tokenizer(), conv, chat_template,
+                                                     add_generation_prompt, continue_final_message)}
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def apply_chat_template(tokenizer, messages: list[dict], chat_template: str | None = None,
+                        add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
+    """Render a conversation to token ids. Message content may be a str or a list of text parts."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+    normalised = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m:
+            raise ValueError(f"messages[{i}] must be a dict with a 'role'")
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if isinstance(part, dict) and part.get("type") == "text":
+                    parts.append(part.get("text", ""))
+                elif isinstance(part, str):
+                    parts.append(part)
+                else:
+                    raise ValueError(f"messages[{i}].content: only text parts are supported")
+            content = "".join(parts) if len(parts) <= 1 else "\n".join(parts)
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
+        normalised.append({**m, "content": content})
+    text = tokenizer.apply_chat_template(
+        normalised, chat_template=chat_template, tokenize=False,
+        add_generation_prompt=add_generation_prompt and not continue_final_message,
+        continue_final_message=continue_final_message,
+    )
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _per_prompt(sampling_params, n: int) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * n
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * n
+    params = list(sampling_params)
+    if len(params) != n:
+        raise ValueError(f"sampling_params must be one SamplingParams or one per prompt ({n}), got {len(params)}")
+    return params

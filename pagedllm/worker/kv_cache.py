@@ -1,0 +1,49 @@
+"""KV cache sizing and allocation.
+
+CPU: the pool is ``kv_cache_memory`` bytes (default: enough for max_num_seqs full-length requests,
+capped at 2 GiB). CUDA: a memory profile — run the largest batch once, then give the KV cache
+``gpu_memory_utilization * total - (peak use during the profile)``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger("pagedllm")
+
+_DEFAULT_CPU_KV_BYTES = 2 * 1024**3
+
+
+def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+
+def cpu_num_blocks(kv_cache_memory: int | None, block_bytes: int, block_size: int, max_num_seqs: int,
+                   max_model_len: int) -> int:
+    if kv_cache_memory is None:
+        blocks_needed = max_num_seqs * ((max_model_len + block_size - 1) // block_size) + 1
+        return max(1, min(blocks_needed, _DEFAULT_CPU_KV_BYTES // block_bytes))
+    num_blocks = kv_cache_memory // block_bytes
+    if num_blocks < 1:
+        raise ValueError(f"kv_cache_memory={kv_cache_memory} bytes is smaller than one KV block ({block_bytes} bytes)")
+    return int(num_blocks)
+
+
+def cuda_num_blocks(device: torch.device, gpu_memory_utilization: float, peak_bytes: int, block_bytes: int) -> int:
+    """Blocks that fit in the share of device memory left after the profiled peak use."""
+    free, total = torch.cuda.mem_get_info(device)
+    used_by_others = total - free - torch.cuda.memory_reserved(device)
+    budget = int(total * gpu_memory_utilization) - peak_bytes - max(used_by_others, 0)
+    num_blocks = budget // block_bytes
+    if num_blocks < 1:
+        raise ValueError(
+            f"gpu_memory_utilization={gpu_memory_utilization} leaves no room for the KV cache "
+            f"(total {total / 2**30:.1f} GiB, model peak {peak_bytes / 2**30:.1f} GiB): raise it"
+        )
+    return int(num_blocks)
+
+
+def allocate_kv_caches(num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
