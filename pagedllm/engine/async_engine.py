@@ -286,6 +286,7 @@ class AsyncLLMEngine:
             stream.loop.call_soon_threadsafe(stream.put_error, e)
         else:
             self._streams[rid] = stream
+            self._num_waiting += 1  # until the next step's stats say otherwise
             _call_soon(stream.loop, stream.accept)
             seq_ids = self.engine.output_processor.child_ids(rid) or [rid]
             self.metrics.on_request_added(rid, arrival, stream.output_kind, seq_ids)

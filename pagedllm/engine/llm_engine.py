@@ -12,7 +12,8 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from pagedllm.config import EngineArgs, EngineConfig, ModelConfig, create_engine_config
+from pagedllm.config import EngineArgs, EngineConfig, ModelConfig
+from pagedllm.engine.config_builder import create_engine_config
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.input_processor import tokenize_prompt, validate_prompt
 from pagedllm.engine.output_processor import OutputProcessor, ParentRequest, RequestState

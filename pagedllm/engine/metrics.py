@@ -16,6 +16,13 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+try:  # no "<name>_created" series beside every counter and histogram (as vLLM's exposition)
+    from prometheus_client import disable_created_metrics
+
+    disable_created_metrics()
+except ImportError:  # pragma: no cover - older prometheus_client
+    pass
+
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind
 

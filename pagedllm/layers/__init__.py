@@ -1,1 +1,24 @@
-"""pagedllm.layers."""
+"""pagedllm.layers: the building blocks of our models (not transformers' classes)."""
+
+from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.attention import Attention
+from pagedllm.layers.embedding import LMHead, VocabEmbedding
+from pagedllm.layers.linear import Linear, MergedLinear, QKVLinear, default_weight_loader
+from pagedllm.layers.norm import RMSNorm
+from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary, compute_inv_freq, get_rope_parameters
+
+__all__ = [
+    "Attention",
+    "LMHead",
+    "Linear",
+    "MergedLinear",
+    "QKVLinear",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "SiluAndMul",
+    "VocabEmbedding",
+    "apply_rotary",
+    "compute_inv_freq",
+    "default_weight_loader",
+    "get_rope_parameters",
+]

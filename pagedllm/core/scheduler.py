@@ -1,0 +1,432 @@
+"""Scheduler: one token budget per step, shared by every request (DESIGN rule 1).
+
+There is no prefill phase and no decode phase. A request has ``num_computed_tokens`` (KV written)
+and ``num_tokens`` (prompt + output so far); each step hands out at most
+``max_num_batched_tokens`` tokens to at most ``max_num_seqs`` requests so that the first catches
+up with the second. A decode is a request one token behind; a prefill is one many tokens behind
+and may be split over steps (chunked prefill); a prefix-cache hit starts ``num_computed_tokens``
+above zero; preemption by recompute sets it back to zero. Mixed batches are the normal case.
+
+One step, in order:
+1. Running requests, in policy order, each get ``min(num_tokens - num_computed_tokens, budget)``.
+   If the KV pool has no room, the lowest-ranked running request (the back of the running queue,
+   possibly the request itself) is preempted until it fits.
+2. Waiting requests, in policy order, only if nobody was preempted in this step: prefix-cache
+   lookup, then as many tokens as the budget allows. The queue never skips ahead: if the head
+   cannot be allocated (or, without chunked prefill, does not fit the rest of the budget),
+   nothing behind it is admitted either.
+
+Semantics fixed here:
+- ``num_computed_tokens`` advances in ``schedule()`` (as in vLLM): the output carries each
+  request's value *before* the step; ``update_from_output`` only appends sampled tokens. A step
+  that ends inside the prompt (partial prefill) returns an empty sampled list for that request.
+- Full blocks enter the prefix cache in ``update_from_output``, after the runner wrote their KV,
+  so a hit never depends on KV being written in the same forward pass.
+- Ids of requests that finished, were aborted or were finished by ``finish_requests`` since the
+  previous ``schedule()`` go out in the next ``SchedulerOutput.finished_req_ids``; the runner
+  drops their state (before it adds ``scheduled_new_reqs``). Preempted ids go out in the same
+  step's ``preempted_req_ids``; a preempted request is never re-admitted in the step that
+  preempted it, and comes back as a ``NewRequestData`` carrying its output tokens so far.
+- A request whose tokens need more blocks than the whole pool holds (or, without chunked prefill,
+  more tokens than a whole step's budget) can never run; rather than block the queue forever it
+  is finished as FINISHED_ABORTED when it reaches the head of the waiting queue, and reported
+  (finish_reason "abort") by the next ``update_from_output``. The engine must therefore call
+  ``update_from_output`` after every ``schedule()``, even an empty one.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.core.block_pool import BlockPool
+from pagedllm.core.kv_cache_manager import KVCacheManager, cdiv
+from pagedllm.core.sched_output import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from pagedllm.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions_total: int
+
+
+class RequestQueue:
+    """Requests kept sorted by a policy key: the front is scheduled first, the back preempted first.
+
+    Invariant: ``_keys`` is sorted and unique (the key ends in an insertion number) and
+    ``_requests[i]`` has key ``_keys[i]``. Cost: add / remove / popleft O(n) (binary search plus a
+    list shift, fast for the few thousand requests an engine holds); peek, pop (back), len O(1).
+    """
+
+    def __init__(self, key: Callable[[Request], tuple]) -> None:
+        self._key = key
+        self._keys: list[tuple] = []
+        self._requests: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        key = self._key(request)
+        i = bisect.bisect_left(self._keys, key)
+        self._keys.insert(i, key)
+        self._requests.insert(i, request)
+
+    def remove(self, request: Request) -> None:
+        i = bisect.bisect_left(self._keys, self._key(request))
+        if i == len(self._requests) or self._requests[i] is not request:
+            raise ValueError(f"{request} is not in the queue")
+        del self._keys[i]
+        del self._requests[i]
+
+    def peek(self) -> Request:
+        return self._requests[0]
+
+    def popleft(self) -> Request:
+        del self._keys[0]
+        return self._requests.pop(0)
+
+    def pop(self) -> Request:
+        self._keys.pop()
+        return self._requests.pop()
+
+    def __getitem__(self, i: int) -> Request:
+        return self._requests[i]
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(list(self._requests))
+
+    def is_sorted(self) -> bool:
+        return all(a < b for a, b in zip(self._keys, self._keys[1:]))
+
+
+class Scheduler:
+    """Decides, each step, which requests compute how many tokens, and applies the results.
+
+    Invariant (``check_integrity``): every unfinished request is in exactly one of ``waiting``
+    (WAITING/PREEMPTED, no blocks, nothing computed) or ``running`` (RUNNING, blocks covering its
+    computed tokens); ``len(running) <= max_num_seqs``; block ref counts match holders.
+    Policy order: "priority" = larger ``priority`` first, then earlier ``arrival_time``, then
+    insertion order; "fcfs" = earlier ``arrival_time``, then insertion order.
+    Cost per step: O(scheduled requests + their new blocks + prefix-lookup blocks), plus O(n) list
+    shifts for queue insertions and removals.
+    """
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+        if scheduler_config.scheduling_policy not in ("priority", "fcfs"):
+            raise ValueError(f"scheduling_policy must be 'priority' or 'fcfs', got {scheduler_config.scheduling_policy!r}")
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.block_size = cache_config.block_size
+        self.kv_cache_manager = KVCacheManager(
+            cache_config.block_size, cache_config.num_blocks, cache_config.enable_prefix_caching
+        )
+        self.requests: dict[str, Request] = {}
+        self._insertion_number: dict[str, int] = {}
+        self._num_added = 0
+        self.waiting = RequestQueue(self._policy_key)
+        self.running = RequestQueue(self._policy_key)
+        # Finished since the previous schedule(): sent to the runner in the next SchedulerOutput.
+        self.finished_req_ids: set[str] = set()
+        # Finished inside schedule() (could never fit): reported by the next update_from_output.
+        self._pending_outputs: list[EngineCoreOutput] = []
+        self.num_preemptions_total = 0
+
+    @property
+    def block_pool(self) -> BlockPool:
+        return self.kv_cache_manager.block_pool
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached prefixes; refused (False) while any request holds blocks."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def _policy_key(self, request: Request) -> tuple:
+        order = self._insertion_number[request.request_id]
+        if self.scheduler_config.scheduling_policy == "priority":
+            return (-request.priority, request.arrival_time, order)
+        return (request.arrival_time, order)
+
+    # -- requests in and out -----------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self._insertion_number[request.request_id] = self._num_added
+        self._num_added += 1
+        request.status = RequestStatus.WAITING
+        self.waiting.add(request)
+
+    def finish_requests(self, req_ids: str | Iterable[str], status: RequestStatus) -> list[Request]:
+        """Finish requests from outside (abort, stop string): free blocks, forget them.
+
+        Idempotent; unknown or already finished ids are ignored. Returns the requests finished now.
+        """
+        if not RequestStatus.is_finished(status):
+            raise ValueError(f"status must be a finished status, got {status!r}")
+        if isinstance(req_ids, str):
+            req_ids = (req_ids,)
+        finished = []
+        for req_id in req_ids:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            queue = self.running if request.status == RequestStatus.RUNNING else self.waiting
+            queue.remove(request)
+            request.status = status
+            self._release(request)
+            finished.append(request)
+        return finished
+
+    def _release(self, request: Request) -> None:
+        """Forget a finished request: free its blocks; the runner hears of it next step."""
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        del self._insertion_number[request.request_id]
+        self.finished_req_ids.add(request.request_id)
+
+    def get_request(self, req_id: str) -> Request | None:
+        return self.requests.get(req_id)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    def has_finished_requests(self) -> bool:
+        """Finished ids the runner has not heard of yet (step once more to deliver them)."""
+        return bool(self.finished_req_ids) or bool(self._pending_outputs)
+
+    # -- schedule ------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
+        self.finished_req_ids = set()
+        self._schedule_running(out)
+        if not out.preempted_req_ids:
+            self._schedule_waiting(out)
+        for req_id, num_tokens in out.num_scheduled_tokens.items():
+            self.requests[req_id].num_computed_tokens += num_tokens
+        return out
+
+    def _budget_left(self, out: SchedulerOutput) -> int:
+        return self.scheduler_config.max_num_batched_tokens - out.total_num_scheduled_tokens
+
+    def _record(self, out: SchedulerOutput, request: Request, num_tokens: int) -> None:
+        out.num_scheduled_tokens[request.request_id] = num_tokens
+        out.total_num_scheduled_tokens += num_tokens
+
+    def _schedule_running(self, out: SchedulerOutput) -> None:
+        i = 0
+        while i < len(self.running) and self._budget_left(out) > 0:
+            request = self.running[i]
+            num_remaining = request.num_tokens - request.num_computed_tokens
+            num_new_tokens = min(num_remaining, self._budget_left(out))
+            if num_new_tokens <= 0 or (
+                not self.scheduler_config.enable_chunked_prefill and num_new_tokens < num_remaining
+            ):
+                i += 1  # nothing to do, or a prefill that must not be split: it waits
+                continue
+            new_block_ids = self._allocate_or_preempt(request, num_new_tokens, out)
+            if new_block_ids is None:
+                break  # it preempted itself: it was the back of the queue, nobody is left
+            out.scheduled_cached_reqs.append(
+                CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens)
+            )
+            self._record(out, request, num_new_tokens)
+            i += 1
+
+    def _allocate_or_preempt(self, request: Request, num_new_tokens: int, out: SchedulerOutput) -> list[int] | None:
+        """Allocate, preempting from the back of the running queue until it fits.
+
+        Returns the new block ids, or None if ``request`` itself had to be preempted. Victims
+        always come after ``request`` in the running queue, so none was scheduled this step.
+        """
+        while True:
+            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            if new_block_ids is not None:
+                return new_block_ids
+            victim = self.running.pop()
+            self._preempt(victim, out)
+            if victim is request:
+                return None
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        """Preempt by recompute: drop the KV; the request waits at its policy place (the front)."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.add(request)
+        out.preempted_req_ids.add(request.request_id)
+
+    def _schedule_waiting(self, out: SchedulerOutput) -> None:
+        config = self.scheduler_config
+        while self.waiting and len(self.running) < config.max_num_seqs and self._budget_left(out) > 0:
+            request = self.waiting.peek()
+            hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            num_new_tokens = request.num_tokens - num_hit_tokens
+            if self._can_never_run(request, num_new_tokens):
+                self.waiting.popleft()
+                self._abort_unschedulable(request)
+                continue
+            if not config.enable_chunked_prefill and num_new_tokens > self._budget_left(out):
+                break
+            num_new_tokens = min(num_new_tokens, self._budget_left(out))
+            new_block_ids = self.kv_cache_manager.allocate_slots(
+                request, num_new_tokens, hit_blocks, num_hit_tokens
+            )
+            if new_block_ids is None:
+                break  # no skipping ahead: the head waits for blocks, and so does everyone behind
+            self.waiting.popleft()
+            self._admit(request, num_hit_tokens, num_new_tokens, out)
+
+    def _can_never_run(self, request: Request, num_new_tokens: int) -> bool:
+        if cdiv(request.num_tokens, self.block_size) > self.kv_cache_manager.num_blocks:
+            return True
+        config = self.scheduler_config
+        return not config.enable_chunked_prefill and num_new_tokens > config.max_num_batched_tokens
+
+    def _abort_unschedulable(self, request: Request) -> None:
+        request.status = RequestStatus.FINISHED_ABORTED
+        self._release(request)
+        self._pending_outputs.append(
+            EngineCoreOutput(
+                request.request_id, [], finish_reason=request.get_finish_reason(),
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+            )
+        )
+
+    def _admit(self, request: Request, num_hit_tokens: int, num_new_tokens: int, out: SchedulerOutput) -> None:
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_hit_tokens
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit_tokens
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.time()
+        self.running.add(request)
+        out.scheduled_new_reqs.append(
+            NewRequestData(
+                req_id=request.request_id,
+                prompt_token_ids=list(request.prompt_token_ids),
+                output_token_ids=list(request.output_token_ids),
+                sampling_params=request.sampling_params,
+                block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+                num_computed_tokens=num_hit_tokens,
+            )
+        )
+        self._record(out, request, num_new_tokens)
+
+    # -- results -------------------------------------------------------------------------------
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Apply one step's results: cache full blocks, append tokens, stop, free the finished.
+
+        Returns one EngineCoreOutput per request that got tokens or prompt logprobs or finished.
+        """
+        outputs, self._pending_outputs = self._pending_outputs, []
+        row = {req_id: i for i, req_id in enumerate(model_runner_output.req_ids)}
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # finished (aborted) while the step ran
+            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+            i = row.get(req_id)
+            sampled = model_runner_output.sampled_token_ids[i] if i is not None else []
+            new_token_ids = self._append_and_check_stop(request, sampled)
+            new_logprobs = None
+            if i is not None and model_runner_output.logprobs is not None:
+                row_logprobs = model_runner_output.logprobs[i]
+                new_logprobs = row_logprobs[: len(new_token_ids)] if row_logprobs is not None else None
+            new_prompt_logprobs = model_runner_output.prompt_logprobs.get(req_id)
+            if new_token_ids or new_prompt_logprobs or request.is_finished():
+                outputs.append(
+                    EngineCoreOutput(
+                        req_id, new_token_ids, new_logprobs, new_prompt_logprobs,
+                        finish_reason=request.get_finish_reason(), stop_reason=request.stop_reason,
+                        num_cached_tokens=max(request.num_cached_tokens, 0),
+                    )
+                )
+            if request.is_finished():
+                self.running.remove(request)
+                self._release(request)
+        return outputs
+
+    def _append_and_check_stop(self, request: Request, sampled_token_ids: list[int]) -> list[int]:
+        """Append tokens one by one until a stop condition; tokens after a stop are dropped."""
+        kept: list[int] = []
+        for token_id in sampled_token_ids:
+            request.append_output_token_ids([token_id])
+            kept.append(token_id)
+            if self._check_stop(request, token_id):
+                break
+        if kept and request.first_token_time is None:
+            request.first_token_time = time.time()
+        return kept
+
+    def _check_stop(self, request: Request, token_id: int) -> bool:
+        """stop_token_ids, then EOS (both ignored below min_tokens), then the length limits."""
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token_id
+                return True
+            if not params.ignore_eos and token_id == request.eos_token_id:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = None
+                return True
+        if (
+            request.num_output_tokens >= request.max_tokens
+            or request.num_tokens >= self.scheduler_config.max_model_len
+        ):
+            request.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
+    # -- introspection -------------------------------------------------------------------------
+    def stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions_total=self.num_preemptions_total,
+        )
+
+    def check_integrity(self) -> None:
+        """Assert the scheduler's and the KV cache's invariants (for tests; O(requests + blocks))."""
+        self.kv_cache_manager.check_integrity()
+        running_ids = {r.request_id for r in self.running}
+        waiting_ids = {r.request_id for r in self.waiting}
+        assert len(running_ids) == len(self.running) and len(waiting_ids) == len(self.waiting)
+        assert not running_ids & waiting_ids, "a request is both running and waiting"
+        assert running_ids | waiting_ids == set(self.requests), "a request is lost or stale"
+        assert len(self.running) <= self.scheduler_config.max_num_seqs
+        assert self.running.is_sorted() and self.waiting.is_sorted()
+        assert set(self.kv_cache_manager.req_to_blocks) == running_ids, "blocks held outside running"
+        for request in self.running:
+            assert request.status == RequestStatus.RUNNING, request
+            num_blocks = len(self.kv_cache_manager.req_to_blocks[request.request_id])
+            assert num_blocks * self.block_size >= request.num_computed_tokens, request
+            assert request.num_computed_tokens <= request.num_tokens, request
+        for request in self.waiting:
+            assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), request
+            assert request.num_computed_tokens == 0, request

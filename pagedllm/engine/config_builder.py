@@ -1,0 +1,103 @@
+"""EngineArgs -> EngineConfig: resolve the model (loader), pick device and dtype, fill defaults.
+
+Lives in engine/ (not config.py) because it needs the loader and torch, which core/ must not see.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedllm.config import CacheConfig, EngineArgs, EngineConfig, ModelConfig, SchedulerConfig
+
+
+def create_engine_config(args: EngineArgs) -> EngineConfig:
+    """Resolve the model, pick device and dtype, and fill the defaults that depend on them."""
+    import torch
+
+    from pagedllm.loader import load_hf_config, resolve_model
+
+    source = resolve_model(args.model)
+    hf_config = load_hf_config(source)
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was requested but CUDA is not available")
+    dtype = _resolve_dtype(args.dtype, hf_config, device)
+    max_model_len = _resolve_max_model_len(args.max_model_len, hf_config)
+    on_gpu = device.startswith("cuda")
+    max_num_seqs = args.max_num_seqs or 256
+    if args.max_num_batched_tokens is not None:
+        max_batched = args.max_num_batched_tokens
+    elif args.enable_chunked_prefill:
+        max_batched = 8192 if on_gpu else 2048
+    else:
+        max_batched = max(max_model_len, 2048)
+    if not args.enable_chunked_prefill and max_batched < max_model_len:
+        raise ValueError(
+            f"max_num_batched_tokens ({max_batched}) must be >= max_model_len ({max_model_len}) "
+            "when enable_chunked_prefill is False"
+        )
+    if max_batched < max_num_seqs and args.max_num_batched_tokens is not None and args.max_num_seqs is not None:
+        raise ValueError(f"max_num_batched_tokens ({max_batched}) must be >= max_num_seqs ({max_num_seqs})")
+    model_config = ModelConfig(
+        model=args.model or source.path,
+        source=source,
+        hf_config=hf_config,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        tokenizer=args.tokenizer,
+        served_model_name=args.served_model_name or (args.model or source.name),
+        seed=args.seed,
+    )
+    return EngineConfig(
+        model_config=model_config,
+        cache_config=CacheConfig(block_size=args.block_size, num_blocks=0, enable_prefix_caching=args.enable_prefix_caching),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_batched,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=args.enable_chunked_prefill,
+            scheduling_policy=args.scheduling_policy,
+            preemption_mode=args.preemption_mode,
+        ),
+        device=device,
+        enforce_eager=args.enforce_eager or not on_gpu,
+        attention_backend=args.attention_backend,
+        max_logprobs=args.max_logprobs,
+        log_stats=not args.disable_log_stats,
+        extra={
+            "kv_cache_memory": args.kv_cache_memory,
+            "gpu_memory_utilization": args.gpu_memory_utilization,
+            "num_gpu_blocks_override": args.num_gpu_blocks_override,
+        },
+    )
+
+
+def _resolve_dtype(dtype: str, hf_config: Any, device: str) -> str:
+    if dtype != "auto":
+        return dtype
+    if not device.startswith("cuda"):
+        return "float32"  # CPU: exact and, without AMX, not slower than half precision
+    cfg = str(getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or "")
+    return "float16" if "float16" in cfg and "bfloat16" not in cfg else "bfloat16"
+
+
+def _resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
+    derived = None
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        v = getattr(hf_config, key, None)
+        if isinstance(v, int) and v > 0:
+            derived = v
+            break
+    window = getattr(hf_config, "sliding_window", None)
+    if isinstance(window, int) and window > 0 and getattr(hf_config, "use_sliding_window", True) is not False:
+        # Sliding-window attention is not implemented: we serve up to the window, where it is exact.
+        derived = min(derived or window, window)
+    if requested is None:
+        if derived is None:
+            raise ValueError("max_model_len could not be derived from the model config: set max_model_len")
+        return derived
+    if derived is not None and requested > derived:
+        raise ValueError(f"max_model_len ({requested}) exceeds the model's maximum context ({derived})")
+    return requested

@@ -1,0 +1,15 @@
+"""Gated activation for merged gate/up projections."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SiluAndMul(nn.Module):
+    """``x = [gate | up]`` (last dim 2*I) -> ``silu(gate) * up`` (last dim I)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up

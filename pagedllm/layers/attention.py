@@ -1,0 +1,47 @@
+"""The Attention layer: the only place a model touches the paged KV cache.
+
+It owns nothing but its shape and its cache tensor; the batch's metadata and the backend come from
+the scoped forward context that the runner opens around each forward pass.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.attention.backend import get_forward_context
+
+
+class Attention(nn.Module):
+    """``forward(q [T, H*D], k [T, Hkv*D], v [T, Hkv*D]) -> [T, H*D]``: store k/v in ``self.kv_cache``
+    at the batch's slots, then attend (causal, over each request's cached prefix and itself).
+
+    ``self.kv_cache`` is ``[2, num_blocks, block_size, Hkv, D]``, bound by the runner after it sizes the
+    cache (``model.bind_kv_caches``); it is an empty tensor until then. It is a plain attribute, not a
+    buffer: it is neither saved in the state dict nor moved by ``.to()``.
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int | None = None) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads or num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        self.head_dim = head_dim
+        self.scale = scale
+        self.kv_cache = torch.empty(0)
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        num_tokens = q.shape[0]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        ctx = get_forward_context()
+        out = ctx.backend.forward(q, k, v, self.kv_cache, ctx.attn_metadata, self.scale)
+        return out.reshape(num_tokens, self.num_heads * self.head_dim)
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"

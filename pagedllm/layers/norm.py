@@ -1,0 +1,34 @@
+"""RMSNorm with an optional fused residual add (the pattern every pre-norm decoder layer uses)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / sqrt(mean(x^2) + eps)``, computed in float32 and cast back (as HF does).
+
+    ``forward(x)`` returns the normed tensor. ``forward(x, residual)`` first adds ``residual`` (in the
+    input dtype, as HF's ``residual + hidden_states``) and returns ``(normed, x + residual)`` so the
+    caller carries the new residual stream to the next layer.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x

@@ -1,0 +1,88 @@
+"""Rotary position embedding, NeoX style (rotate the two halves of each head), as HF Llama/Qwen/Mistral.
+
+The inverse frequencies come from transformers' ``ROPE_INIT_FUNCTIONS`` so that the scaled variants
+("linear", "llama3", "yarn") match HF exactly; "default" is computed here (transformers 5 no longer
+lists it). Position-dependent variants ("dynamic", "longrope") rescale with the batch's length in HF,
+which a paged cache cannot follow, so they are refused.
+
+Cost: a float32 cos/sin table ``[max_position, rotary_dim]`` built once on the model's device
+(8 MiB for 32k positions x 64); per forward, one gather of ``positions`` rows shared by all layers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def get_rope_parameters(hf_config: Any) -> dict[str, Any]:
+    """The config's RoPE settings as one flat dict with at least ``rope_type`` and ``rope_theta``.
+
+    transformers >= 5 keeps them in ``config.rope_parameters``; older versions in ``config.rope_theta``
+    plus an optional ``config.rope_scaling`` dict (whose type key may be ``type``).
+    """
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if not params:
+        params = dict(getattr(hf_config, "rope_scaling", None) or {})
+    if "rope_theta" not in params:
+        params["rope_theta"] = getattr(hf_config, "rope_theta", 10000.0)
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    return params
+
+
+def compute_inv_freq(hf_config: Any, rotary_dim: int, device: torch.device | None = None) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [rotary_dim // 2] float32, attention scaling applied to cos and sin)."""
+    params = get_rope_parameters(hf_config)
+    rope_type = params["rope_type"]
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope_type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    if rope_type == "default":
+        exponent = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=device).float() / rotary_dim
+        return 1.0 / (params["rope_theta"] ** exponent), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, device)
+    return inv_freq.float(), float(attention_scaling)
+
+
+class RotaryEmbedding(nn.Module):
+    """``cos_sin(positions)`` -> (cos, sin) ``[T, rotary_dim // 2]``; ``apply_rotary`` rotates q and k.
+
+    The table is computed like HF's forward (``position * inv_freq`` in float32, then cos/sin), so
+    in float32 the result is bit-identical; in half precision cos/sin are cast to the input dtype,
+    again as HF does.
+    """
+
+    def __init__(self, hf_config: Any, head_dim: int, max_position: int, rotary_dim: int | None = None) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.rotary_dim = rotary_dim or head_dim
+        self.max_position = max_position
+        device = torch.empty(0).device  # the construction device (build_model sets it)
+        inv_freq, scaling = compute_inv_freq(hf_config, self.rotary_dim, device)
+        freqs = torch.arange(max_position, device=device).float()[:, None] * inv_freq[None, :]
+        self.register_buffer("cos_cache", freqs.cos() * scaling, persistent=False)
+        self.register_buffer("sin_cache", freqs.sin() * scaling, persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos_cache[positions], self.sin_cache[positions]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[T, heads, head_dim]`` with cos/sin ``[T, rotary_dim // 2]`` (NeoX halves).
+
+    Per pair ``(x1, x2)``: ``(x1*cos - x2*sin, x2*cos + x1*sin)`` -- the same float ops, in the same order,
+    as HF's ``x * cos + rotate_half(x) * sin``. Dims past ``rotary_dim`` pass through unchanged.
+    """
+    half = cos.shape[-1]
+    cos = cos.unsqueeze(1).to(x.dtype)
+    sin = sin.unsqueeze(1).to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half : 2 * half]
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    if 2 * half == x.shape[-1]:
+        return rotated
+    return torch.cat((rotated, x[..., 2 * half :]), dim=-1)

@@ -1,0 +1,244 @@
+"""One decoder for Llama (incl. SmolLM2), Mistral, Qwen2 and Qwen3, driven by the HF config.
+
+Differences between the four, all read from the config:
+  - Qwen2: bias on q/k/v (not on o_proj).
+  - Qwen3: RMSNorm over each head of q and k (``q_norm``/``k_norm``) before RoPE; ``head_dim`` may
+    differ from hidden_size / num_heads.
+  - Llama: ``attention_bias`` (q/k/v/o) and ``mlp_bias`` flags; llama3 RoPE scaling.
+  - Mistral / Qwen sliding window: not implemented. When a config turns it on, the model reports
+    ``max_supported_len = sliding_window``; the engine caps ``max_model_len`` to it, and below the
+    window sliding-window attention *is* full causal attention, so results stay exact.
+
+Tokens are flattened (no batch dim): ``forward(input_ids [T], positions [T]) -> hidden [T, hidden]``.
+Attention goes only through ``layers.Attention`` (the paged backend from the forward context).
+Module names mirror HF's (``model.layers.N.self_attn...``) so checkpoint names map one to one,
+except the merged ``qkv_proj`` and ``gate_up_proj`` (see ``STACKED_PARAMS``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.layers import (
+    Attention,
+    Linear,
+    LMHead,
+    MergedLinear,
+    QKVLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    SiluAndMul,
+    VocabEmbedding,
+    apply_rotary,
+    default_weight_loader,
+    get_rope_parameters,
+)
+
+# (checkpoint name fragment, our merged parameter fragment, shard id)
+STACKED_PARAMS = [
+    (".q_proj.", ".qkv_proj.", "q"),
+    (".k_proj.", ".qkv_proj.", "k"),
+    (".v_proj.", ".qkv_proj.", "v"),
+    (".gate_proj.", ".gate_up_proj.", 0),
+    (".up_proj.", ".gate_up_proj.", 1),
+]
+# Checkpoint entries that are not weights (older HF checkpoints saved the RoPE buffer).
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def head_dim_of(cfg: Any) -> int:
+    return int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+
+
+def sliding_window_of(cfg: Any) -> int | None:
+    """The sliding window the config turns on, or None (Qwen configs carry one that is off unless
+    ``use_sliding_window``)."""
+    window = getattr(cfg, "sliding_window", None)
+    if not window or getattr(cfg, "use_sliding_window", True) is False:
+        return None
+    return int(window)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim_of(cfg)
+        attention_bias = bool(getattr(cfg, "attention_bias", False))
+        qkv_bias = attention_bias or cfg.model_type == "qwen2"
+        self.qkv_proj = QKVLinear(cfg.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=attention_bias)
+        self.qk_norm = cfg.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.attn(q.reshape(num_tokens, q_size), k.reshape(num_tokens, kv_size), v)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
+            raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
+        bias = bool(getattr(cfg, "mlp_bias", False))
+        size = cfg.intermediate_size
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, [size, size], bias=bias)
+        self.down_proj = Linear(size, cfg.hidden_size, bias=bias)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm block; the residual stream travels beside ``hidden`` (fused add + norm)."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        head_dim = head_dim_of(cfg)
+        rotary_dim = int(head_dim * get_rope_parameters(cfg).get("partial_rotary_factor", 1.0))
+        self.rotary_emb = RotaryEmbedding(cfg, head_dim, cfg.max_position_embeddings, rotary_dim)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb.cos_sin(positions)  # computed once, shared by every layer
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, cos, sin)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """The causal LM. Public surface used by the runner:
+
+    - ``forward(input_ids [T], positions [T]) -> hidden [T, hidden_size]`` (inside ``forward_context``)
+    - ``compute_logits(hidden [N, hidden_size]) -> [N, vocab_size]`` float32
+    - ``num_attention_layers``, ``kv_cache_shape_per_layer(num_blocks, block_size)``,
+      ``bind_kv_caches(caches)``, ``max_supported_len`` (None or the sliding window; see module doc)
+    - ``load_weights(iterable of (HF name, tensor))``
+    """
+
+    def __init__(self, hf_config: Any) -> None:
+        super().__init__()
+        self.config = hf_config
+        self.model = LlamaModel(hf_config)
+        tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.lm_head = LMHead(hf_config.vocab_size, hf_config.hidden_size, self.model.embed_tokens if tied else None)
+        self.max_supported_len: int | None = sliding_window_of(hf_config)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    # ---- KV cache -------------------------------------------------------------------------------
+    @property
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    @property
+    def num_attention_layers(self) -> int:
+        return len(self.model.layers)
+
+    def kv_cache_shape_per_layer(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return self.attention_layers[0].kv_cache_shape(num_blocks, block_size)
+
+    def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        """Give each Attention layer its cache tensor (one per layer, in layer order); ``[]`` unbinds
+        (every layer gets an empty tensor again, e.g. after a memory-profiling run)."""
+        layers = self.attention_layers
+        if not kv_caches:
+            for attn in layers:
+                attn.kv_cache = torch.empty(0, device=attn.kv_cache.device)
+            return
+        if len(kv_caches) != len(layers):
+            raise ValueError(f"bind_kv_caches: got {len(kv_caches)} caches for {len(layers)} attention layers")
+        for attn, cache in zip(layers, kv_caches):
+            if cache.dim() != 5 or cache.shape[0] != 2 or tuple(cache.shape[3:]) != (attn.num_kv_heads, attn.head_dim):
+                raise ValueError(f"bind_kv_caches: cache shape {tuple(cache.shape)} is not "
+                                 f"[2, num_blocks, block_size, {attn.num_kv_heads}, {attn.head_dim}]")
+            attn.kv_cache = cache
+
+    # ---- weights ------------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (HF names) into our parameters; raise ValueError naming every missing
+        or unexpected weight. A tied model ignores a checkpoint's ``lm_head.weight`` (HF saves it
+        sometimes); ``rotary_emb.inv_freq`` entries are ignored."""
+        params = dict(self.named_parameters())  # a tied lm_head appears once, as model.embed_tokens.weight
+        loaded: set[tuple[str, object]] = set()
+        unexpected: list[str] = []
+        for name, tensor in weights:
+            if name.endswith(IGNORED_SUFFIXES) or (self.lm_head.tied and name == "lm_head.weight"):
+                continue
+            target, shard_id = name, None
+            for ckpt_part, our_part, shard in STACKED_PARAMS:
+                if ckpt_part in name:
+                    target, shard_id = name.replace(ckpt_part, our_part), shard
+                    break
+            param = params.get(target)
+            if param is None:
+                unexpected.append(name)
+                continue
+            try:
+                loader = getattr(param, "weight_loader", default_weight_loader)
+                loader(param, tensor, shard_id)
+            except ValueError as e:
+                raise ValueError(f"checkpoint weight {name!r}: {e}") from e
+            shards = getattr(param, "shard_ids", (None,)) if shard_id is None else (shard_id,)
+            loaded.update((target, s) for s in shards)
+        expected = {(n, s) for n, p in params.items() for s in getattr(p, "shard_ids", (None,))}
+        missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in expected - loaded)
+        if missing or unexpected:
+            arch = f"{type(self).__name__} (model_type={self.config.model_type!r})"
+            raise ValueError(
+                f"checkpoint does not match {arch}: "
+                f"missing weights {_preview(missing)}; unexpected weights {_preview(unexpected)}"
+            )
+
+
+def _preview(names: list[str], limit: int = 8) -> str:
+    if not names:
+        return "none"
+    more = f" ... and {len(names) - limit} more" if len(names) > limit else ""
+    return "[" + ", ".join(names[:limit]) + more + "]"

@@ -1,0 +1,101 @@
+"""Which model class serves a config, and how a model is built and loaded.
+
+``build_model`` constructs directly on the target device in the target dtype with uninitialized
+weights (``torch.empty``: nothing is computed twice); ``load_model`` then fills them from the
+checkpoint, and ``init_dummy_weights`` fills them with random values instead (benchmarks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.models.llama import LlamaForCausalLM, sliding_window_of
+
+# HF ``architectures`` entry -> our class; ``model_type`` is the fallback (GGUF configs have no architectures).
+MODEL_CLASSES: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+MODEL_TYPES: dict[str, type[nn.Module]] = {
+    "llama": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(MODEL_CLASSES)
+
+
+def get_model_class(hf_config: Any) -> type[nn.Module]:
+    """The class for ``hf_config.architectures`` (first match), else for ``hf_config.model_type``."""
+    for arch in getattr(hf_config, "architectures", None) or []:
+        if arch in MODEL_CLASSES:
+            return MODEL_CLASSES[arch]
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type in MODEL_TYPES:
+        return MODEL_TYPES[model_type]
+    archs = getattr(hf_config, "architectures", None)
+    raise ValueError(
+        f"model: architecture {archs} (model_type={model_type!r}) is not supported; "
+        f"supported: {', '.join(supported_architectures())}"
+    )
+
+
+def max_supported_len(hf_config: Any) -> int | None:
+    """A length cap the model itself imposes beyond ``max_position_embeddings``: the sliding window
+    when the config turns one on (we attend in full, which is exact only below the window), else None."""
+    return sliding_window_of(hf_config)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+    """The model for ``hf_config`` on ``device`` in ``dtype`` (floating parameters), weights uninitialized.
+    RoPE tables stay float32."""
+    cls = get_model_class(hf_config)
+    with torch.device(device), _default_dtype(dtype):
+        model = cls(hf_config)
+    return model.eval()
+
+
+def load_model(source: Any, hf_config: Any, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+    """``build_model`` + the checkpoint's weights. ``source`` is a ``pagedllm.loader.ModelSource`` (used
+    through its ``iter_weights()`` method: models and loader do not import each other)."""
+    model = build_model(hf_config, dtype, device)
+    model.load_weights(source.iter_weights())
+    return model
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int = 0, std: float | None = None) -> nn.Module:
+    """Random weights for benchmarks and tests: normal(0, std) (std defaults to the config's
+    ``initializer_range``), norm weights 1, biases 0. Deterministic for a given seed and device."""
+    std = std if std is not None else float(getattr(model.config, "initializer_range", 0.02))
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif name.endswith(".bias"):
+            param.zero_()
+        else:
+            sample = torch.empty(param.shape, dtype=torch.float32, device=device)
+            param.copy_(sample.normal_(0.0, std, generator=generator))
+    return model
