@@ -1,0 +1,88 @@
+"""KV store ("reshape and cache"): scatter each token's K/V rows into the paged cache.
+
+Cost: one program per token, each reads and writes ``2 * num_kv_heads * head_dim`` elements once;
+the launch grid is ``num_tokens`` (a host shape), so the store is CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    stride_k_tok,
+    stride_k_head,
+    stride_v_tok,
+    stride_v_head,
+    stride_c_blk,
+    stride_c_slot,
+    stride_c_head,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:  # padding token (CUDA-graph batch padding): nothing to store
+        return
+    block = slot // BLOCK_SIZE
+    offset_in_block = slot % BLOCK_SIZE
+    heads = tl.arange(0, HEADS_PAD)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
+    k = tl.load(key_ptr + token * stride_k_tok + heads[:, None] * stride_k_head + dims[None, :], mask=mask)
+    v = tl.load(value_ptr + token * stride_v_tok + heads[:, None] * stride_v_head + dims[None, :], mask=mask)
+    dst = (
+        block * stride_c_blk
+        + offset_in_block * stride_c_slot
+        + heads[:, None] * stride_c_head
+        + dims[None, :]
+    )
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv_cache(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write ``key[i]``/``value[i]`` (``[T, num_kv_heads, head_dim]``) into slot ``slot_mapping[i]``.
+
+    ``kv_cache`` is ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` with a contiguous last
+    dim. Tokens past ``len(slot_mapping)`` and tokens whose slot is negative are skipped.
+    """
+    num_tokens = min(key.shape[0], slot_mapping.shape[0])
+    if num_tokens == 0:
+        return
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    assert key.stride(-1) == 1 and value.stride(-1) == 1 and kv_cache.stride(-1) == 1
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    _store_kv_kernel[(num_tokens,)](
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=block_size,
+        num_warps=1 if num_kv_heads * head_dim <= 512 else 4,
+    )

@@ -1,0 +1,523 @@
+"""Paged attention over the KV cache in Triton: one unified ragged kernel and a split-KV decode path.
+
+Layout and semantics are those of ``pagedllm/attention/backend.py``: the cache is
+``[2, num_blocks, block_size, num_kv_heads, head_dim]``; request ``r`` owns query rows
+``query_start_loc[r]:query_start_loc[r+1]``, the last ``query_len`` of its ``seq_len`` tokens, and
+query ``j`` attends causally to keys ``0 .. seq_len - query_len + j``.
+
+Shared by both kernels (``_attend_range``): keys are visited in tiles of ``TILE_N`` positions; each
+position looks up its physical block in the request's block table, so a tile may span several
+pages and ``TILE_N`` does not depend on ``block_size``. Scores are computed in fp32 with
+``tl.dot``, softmax is online (running max ``m`` and sum ``l`` in base 2, ``scale * log2(e)``
+folded into the scores), and the output accumulator is fp32.
+
+GQA: a program serves all ``num_heads // num_kv_heads`` query heads of one KV head, so every K/V
+tile is loaded once per group. The rows of the ``[BLOCK_M, head_dim]`` query tile are
+``(query token, head in group)`` pairs: row ``i`` is token ``i // QPK_PAD``, head ``i % QPK_PAD``.
+
+- ``unified_attention``: grid ``(num_tokens // BLOCK_Q + num_reqs, num_kv_heads)``. Program ``b``
+  finds its request by binary search over ``query_start_loc`` (request ``r``'s q-blocks start at
+  ``query_start_loc[r] // BLOCK_Q + r``, an upper bound that needs no host data) and handles
+  ``BLOCK_Q`` query tokens of it; surplus programs exit at once (so do decodes with
+  ``skip_decodes``, when ``paged_decode`` handles them). Decode, prefill and chunked
+  prefill with a cached prefix are the same case. Cost: each program reads its request's K/V up
+  to its last query's position once, so a long prompt re-reads K/V ``query_len / BLOCK_Q`` times
+  (compute-bound there anyway).
+- ``paged_decode``: the requests with ``query_len == 1`` (others exit at once). Grid
+  ``(num_reqs, num_kv_heads, num_splits)``; split ``s`` attends over its share of the request's ``seq_len`` (read on the
+  device), writing an unnormalised fp32 partial plus ``(m, l)``; ``_decode_reduce_kernel``
+  (grid ``(num_reqs, num_heads)``) merges the splits. ``num_splits`` depends only on
+  ``num_reqs``, ``num_kv_heads`` and the SM count, never on sequence lengths, so the decode path
+  is CUDA-graph capturable for a fixed (padded) batch size. Cost: K/V read once; partials are
+  ``num_reqs * num_heads * num_splits * head_dim`` fp32 words written and read once.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+# Split-KV sizing: aim for this many programs per SM; never more splits than this; never a split
+# shorter than this many keys (short contexts then leave trailing splits empty; they exit cheaply).
+_DECODE_PROGRAMS_PER_SM = 2
+_MAX_SPLITS = 64
+_MIN_SPLIT_LEN = 128
+
+
+@triton.jit
+def _attend_range(
+    acc,
+    m_i,
+    l_i,
+    q,
+    q_pos,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    head_offset,
+    kv_start,
+    kv_end,
+    scale_log2,
+    stride_c_blk,
+    stride_c_slot,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    TILE_N: tl.constexpr,
+    MASK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Online-softmax attention of ``q`` ([BLOCK_M, D]) over key positions [kv_start, kv_end).
+
+    ``MASK``: 0 = every row sees every key of every tile (the caller guarantees whole tiles below
+    the diagonal: no score masking at all), 1 = keys at or past ``kv_end`` are masked, 2 = that
+    and causal: row ``i`` sees keys at positions ``<= q_pos[i]``. Every row must see at least one
+    key overall (true for real rows), else its ``l`` stays 0 and the caller writes zeros.
+    """
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_valid = dims < HEAD_DIM
+    for tile_start in range(kv_start, kv_end, TILE_N):
+        k_pos = tile_start + tl.arange(0, TILE_N)
+        k_valid = k_pos < kv_end
+        block = tl.load(block_table_ptr + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
+        kv_offs = block * stride_c_blk + (k_pos % BLOCK_SIZE) * stride_c_slot + head_offset
+        k = tl.load(
+            k_cache_ptr + kv_offs[None, :] + dims[:, None],
+            mask=k_valid[None, :] & dim_valid[:, None],
+            other=0.0,
+        )  # [D, TILE_N]
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+        if MASK == 2:
+            s = tl.where(k_valid[None, :] & (k_pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        elif MASK == 1:
+            s = tl.where(k_valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: keep it at 0
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_cache_ptr + kv_offs[:, None] + dims[None, :],
+            mask=k_valid[:, None] & dim_valid[None, :],
+            other=0.0,
+        )  # [TILE_N, D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q: tl.constexpr):
+    """The last request ``r`` whose first q-block ``query_start_loc[r] // BLOCK_Q + r`` is <= q_block."""
+    lo = 0
+    hi = num_reqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_block = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_block <= q_block:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _unified_attention_kernel(
+    out_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    scale_log2,
+    num_reqs,
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_bt,
+    stride_c_blk,
+    stride_c_slot,
+    stride_c_head,
+    QUERIES_PER_KV: tl.constexpr,
+    QPK_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    SKIP_DECODES: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    req = _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    q_block_local = q_block - (q_start // BLOCK_Q + req)
+    if q_block_local * BLOCK_Q >= q_len:  # surplus program of the upper-bound grid
+        return
+    if SKIP_DECODES:
+        if q_len == 1:  # left to the split-KV decode kernel
+            return
+    seq_len = tl.load(seq_lens_ptr + req)
+    context_len = seq_len - q_len  # keys already in the cache before this step's queries
+
+    rows = tl.arange(0, BLOCK_M)
+    q_local = q_block_local * BLOCK_Q + rows // QPK_PAD
+    head_in_group = rows % QPK_PAD
+    head = kv_head * QUERIES_PER_KV + head_in_group
+    row_valid = (q_local < q_len) & (head_in_group < QUERIES_PER_KV)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_valid = dims < HEAD_DIM
+    q_rows = (q_start + q_local).to(tl.int64)
+    q = tl.load(
+        q_ptr + q_rows[:, None] * stride_q_tok + head[:, None] * stride_q_head + dims[None, :],
+        mask=row_valid[:, None] & dim_valid[None, :],
+        other=0.0,
+    ).to(k_cache_ptr.dtype.element_ty)
+
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    q_pos = context_len + q_local
+    kv_end = context_len + tl.minimum((q_block_local + 1) * BLOCK_Q, q_len)  # last query's position + 1
+    # Keys 0 .. first query's position are visible to every row: whole tiles there need no mask.
+    unmasked_end = (context_len + q_block_local * BLOCK_Q + 1) // TILE_N * TILE_N
+    bt_row = block_tables_ptr + req.to(tl.int64) * stride_bt
+    head_offset = kv_head * stride_c_head
+    acc, m_i, l_i = _attend_range(
+        acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, head_offset, 0, unmasked_end, scale_log2,
+        stride_c_blk, stride_c_slot, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, TILE_N, 0, DOT_PRECISION,
+    )  # fmt: skip
+    acc, m_i, l_i = _attend_range(
+        acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, head_offset, unmasked_end, kv_end, scale_log2,
+        stride_c_blk, stride_c_slot, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, TILE_N, 2, DOT_PRECISION,
+    )  # fmt: skip
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(
+        out_ptr + q_rows[:, None] * stride_o_tok + head[:, None] * stride_o_head + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_valid[:, None] & dim_valid[None, :],
+    )
+
+
+@triton.jit
+def _decode_split_kernel(
+    out_ptr,
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    scale_log2,
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_bt,
+    stride_c_blk,
+    stride_c_slot,
+    stride_c_head,
+    NUM_HEADS: tl.constexpr,
+    QUERIES_PER_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    MIN_SPLIT_LEN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    q_row = tl.load(query_start_loc_ptr + req)
+    if tl.load(query_start_loc_ptr + req + 1) - q_row != 1:  # not a decode (or a padded request)
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    split_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE_N) * TILE_N, MIN_SPLIT_LEN)
+    kv_start = split * split_len
+    kv_end = tl.maximum(tl.minimum(kv_start + split_len, seq_len), kv_start)  # == kv_start: an empty split
+
+    rows = tl.arange(0, BLOCK_M)
+    head = kv_head * QUERIES_PER_KV + rows
+    row_valid = rows < QUERIES_PER_KV
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_valid = dims < HEAD_DIM
+    q = tl.load(
+        q_ptr + q_row.to(tl.int64) * stride_q_tok + head[:, None] * stride_q_head + dims[None, :],
+        mask=row_valid[:, None] & dim_valid[None, :],
+        other=0.0,
+    ).to(k_cache_ptr.dtype.element_ty)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    # Whole tiles first (no masks), then the sequence's partial last tile (bounds mask).
+    unmasked_end = kv_start + (kv_end - kv_start) // TILE_N * TILE_N
+    bt_row = block_tables_ptr + req.to(tl.int64) * stride_bt
+    head_offset = kv_head * stride_c_head
+    acc, m_i, l_i = _attend_range(
+        acc, m_i, l_i, q, rows, k_cache_ptr, v_cache_ptr, bt_row, head_offset, kv_start, unmasked_end, scale_log2,
+        stride_c_blk, stride_c_slot, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, TILE_N, 0, DOT_PRECISION,
+    )  # fmt: skip
+    acc, m_i, l_i = _attend_range(
+        acc, m_i, l_i, q, rows, k_cache_ptr, v_cache_ptr, bt_row, head_offset, unmasked_end, kv_end, scale_log2,
+        stride_c_blk, stride_c_slot, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, TILE_N, 1, DOT_PRECISION,
+    )  # fmt: skip
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # seq_len 0 (padding) gives zeros
+        tl.store(
+            out_ptr + q_row.to(tl.int64) * stride_o_tok + head[:, None] * stride_o_head + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_valid[:, None] & dim_valid[None, :],
+        )
+    else:
+        part = (req.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + split
+        tl.store(part_m_ptr + part, m_i, mask=row_valid)
+        tl.store(part_l_ptr + part, l_i, mask=row_valid)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + dims[None, :], acc, mask=row_valid[:, None])
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    out_ptr,
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    query_start_loc_ptr,
+    stride_o_tok,
+    stride_o_head,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    q_row = tl.load(query_start_loc_ptr + req)
+    if tl.load(query_start_loc_ptr + req + 1) - q_row != 1:
+        return
+    splits = tl.arange(0, NUM_SPLITS)
+    part = (req.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + splits
+    m = tl.load(part_m_ptr + part)
+    l = tl.load(part_l_ptr + part)  # noqa: E741
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.math.exp2(m - m_max)  # empty splits (m = -inf) weigh 0
+    total = tl.sum(l * w, 0)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + dims[None, :])
+    out = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(
+        out_ptr + q_row.to(tl.int64) * stride_o_tok + head * stride_o_head + dims,
+        out.to(out_ptr.dtype.element_ty),
+        mask=dims < HEAD_DIM,
+    )
+
+
+def _num_sms(device: torch.device) -> int:
+    """Multiprocessor count (1 off CUDA, e.g. in Triton's interpreter)."""
+    if device.type != "cuda":
+        return 1
+    return _cuda_num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=8)
+def _cuda_num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def decode_num_splits(num_reqs: int, num_kv_heads: int, num_sms: int) -> int:
+    """Splits per request for split-KV decode: enough programs for ``_DECODE_PROGRAMS_PER_SM`` per
+    SM, a power of two, at most ``_MAX_SPLITS``. Depends on no sequence length (graph-safe)."""
+    programs = max(1, num_reqs * num_kv_heads)
+    want = triton.cdiv(_DECODE_PROGRAMS_PER_SM * num_sms, programs)
+    return 1 if want <= 1 else min(_MAX_SPLITS, triton.next_power_of_2(want))
+
+
+_SMEM_BUDGET = 160 * 1024  # bytes of Q + pipelined K/V tiles we allow one program (H100: 227 KB)
+
+
+def _fit_tiles(
+    block_m: int, tile_n: int, num_stages: int, head_dim_pad: int, elem_size: int
+) -> tuple[int, int]:
+    """Shrink pipelining depth, then the key tile, until Q plus ``num_stages`` K and V tiles fit in
+    ``_SMEM_BUDGET`` (matters for fp32 caches and head_dim > 128)."""
+
+    def smem(tn: int, st: int) -> int:
+        return (block_m + 2 * tn * st) * head_dim_pad * elem_size
+
+    while smem(tile_n, num_stages) > _SMEM_BUDGET and num_stages > 2:
+        num_stages -= 1
+    while smem(tile_n, num_stages) > _SMEM_BUDGET and tile_n > 16:
+        tile_n //= 2
+    return tile_n, num_stages
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # fp32 caches are for tests: exact dots
+
+
+def _common(query: torch.Tensor, kv_cache: torch.Tensor):
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = kv_cache.shape[3]
+    assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
+    assert query.stride(-1) == 1 and kv_cache.stride(-1) == 1
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    return num_heads, head_dim, num_kv_heads, num_heads // num_kv_heads, k_cache, v_cache
+
+
+def unified_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    block_m: int | None = None,
+    tile_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 3,
+    skip_decodes: bool = False,
+) -> None:
+    """Attention for any ragged batch (decode, prefill, chunked prefill) in one launch; writes
+    ``out[:query_start_loc[-1]]``, or with ``skip_decodes`` only the rows of requests with
+    ``query_len > 1`` (pair it with ``paged_decode`` for the rest). ``max_query_len`` (a host int)
+    only picks the tile height."""
+    num_heads, head_dim, num_kv_heads, qpk, k_cache, v_cache = _common(query, kv_cache)
+    num_reqs = seq_lens.shape[0]
+    qpk_pad = triton.next_power_of_2(qpk)
+    if block_m is None:  # enough rows for the longest query, between 16 and 128
+        block_m = min(128, max(16, triton.next_power_of_2(max_query_len * qpk_pad)))
+    block_m = max(block_m, qpk_pad)
+    block_q = block_m // qpk_pad
+    head_dim_pad = triton.next_power_of_2(head_dim)
+    tile_n, num_stages = _fit_tiles(block_m, tile_n, num_stages, head_dim_pad, kv_cache.element_size())
+    grid = (query.shape[0] // block_q + num_reqs, num_kv_heads)
+    _unified_attention_kernel[grid](
+        out,
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale * _LOG2E,
+        num_reqs,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        QUERIES_PER_KV=qpk,
+        QPK_PAD=qpk_pad,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_SIZE=kv_cache.shape[2],
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        TILE_N=tile_n,
+        SKIP_DECODES=skip_decodes,
+        DOT_PRECISION=_dot_precision(kv_cache.dtype),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+
+
+def paged_decode(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+    tile_n: int = 64,
+    num_warps: int = 2,
+    num_stages: int = 3,
+) -> None:
+    """Split-KV decode of the requests with ``query_len == 1``; other requests are skipped (padded
+    requests with ``query_len 0``, or prefills left to ``unified_attention(skip_decodes=True)``); a
+    decode with ``seq_len 0`` (CUDA-graph padding) gives a zero row. No host sync, grid fixed by
+    ``num_reqs``: CUDA-graph capturable."""
+    num_heads, head_dim, num_kv_heads, qpk, k_cache, v_cache = _common(query, kv_cache)
+    num_reqs = seq_lens.shape[0]
+    if num_splits is None:
+        num_splits = decode_num_splits(num_reqs, num_kv_heads, _num_sms(query.device))
+    assert num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
+    head_dim_pad = triton.next_power_of_2(head_dim)
+    block_m = max(16, triton.next_power_of_2(qpk))
+    tile_n, num_stages = _fit_tiles(block_m, tile_n, num_stages, head_dim_pad, kv_cache.element_size())
+    if num_splits > 1:
+        rows = num_reqs * num_heads * num_splits
+        part_acc = torch.empty(rows, head_dim_pad, dtype=torch.float32, device=query.device)
+        part_m = torch.empty(rows, dtype=torch.float32, device=query.device)
+        part_l = torch.empty(rows, dtype=torch.float32, device=query.device)
+    else:
+        part_acc = part_m = part_l = out  # unused
+    _decode_split_kernel[(num_reqs, num_kv_heads, num_splits)](
+        out,
+        part_acc,
+        part_m,
+        part_l,
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale * _LOG2E,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        NUM_HEADS=num_heads,
+        QUERIES_PER_KV=qpk,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_SIZE=kv_cache.shape[2],
+        BLOCK_M=block_m,
+        TILE_N=tile_n,
+        NUM_SPLITS=num_splits,
+        MIN_SPLIT_LEN=max(_MIN_SPLIT_LEN, tile_n),
+        DOT_PRECISION=_dot_precision(kv_cache.dtype),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(num_reqs, num_heads)](
+            out,
+            part_acc,
+            part_m,
+            part_l,
+            query_start_loc,
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=head_dim_pad,
+            NUM_SPLITS=num_splits,
+            num_warps=4 if head_dim_pad * num_splits >= 4096 else 1,
+        )
