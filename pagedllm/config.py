@@ -43,6 +43,8 @@ class ModelConfig:
     tokenizer: str | None = None
     served_model_name: str = ""
     seed: int = 0
+    load_format: str = "auto"  # "auto": the checkpoint's weights; "dummy": random weights (benchmarks)
+    skip_tokenizer_init: bool = False
 
     @property
     def vocab_size(self) -> int:
@@ -91,6 +93,8 @@ class EngineArgs:
     max_logprobs: int = 20
     disable_log_stats: bool = True
     num_gpu_blocks_override: int | None = None
+    load_format: str = "auto"
+    skip_tokenizer_init: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -116,6 +120,8 @@ class EngineArgs:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.attention_backend not in ("auto", "torch_ref", "triton"):
             raise ValueError(f"attention_backend must be 'auto', 'torch_ref' or 'triton', got {self.attention_backend!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if (

@@ -49,6 +49,8 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
         tokenizer=args.tokenizer,
         served_model_name=args.served_model_name or (args.model or source.name),
         seed=args.seed,
+        load_format=args.load_format,
+        skip_tokenizer_init=args.skip_tokenizer_init,
     )
     return EngineConfig(
         model_config=model_config,

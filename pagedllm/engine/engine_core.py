@@ -35,6 +35,8 @@ class EngineCore:
         self.cache_config = cache_config
         self.scheduler = Scheduler(config.scheduler_config, cache_config)
         self.runner.warm_up()
+        # Cumulative wall time per phase (seconds), for profiling the CPU share of a step.
+        self.step_timings: dict[str, float] = {"schedule": 0.0, "execute": 0.0, "update": 0.0, "steps": 0}
         logger.info(
             "engine ready in %.1f s: %d KV blocks of %d tokens (%d tokens, %.2f GiB) on %s",
             time.perf_counter() - t0, num_blocks, cache_config.block_size, num_blocks * cache_config.block_size,
@@ -53,12 +55,21 @@ class EngineCore:
             self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
 
     def step(self) -> list[EngineCoreOutput]:
+        """schedule -> execute -> update. The scheduler is always told the outcome, even of an empty
+        step, so requests it finished on its own (can never fit) are reported."""
+        t0 = time.perf_counter()
         sched_out = self.scheduler.schedule()
-        if sched_out.total_num_scheduled_tokens == 0 and not sched_out.scheduled_new_reqs:
-            # Nothing runnable; still report requests the scheduler finished on its own.
-            return self.scheduler.update_from_output(sched_out, self.runner.execute_model(sched_out))
+        t1 = time.perf_counter()
         runner_out = self.runner.execute_model(sched_out)
-        return self.scheduler.update_from_output(sched_out, runner_out)
+        t2 = time.perf_counter()
+        outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        t3 = time.perf_counter()
+        timings = self.step_timings
+        timings["schedule"] += t1 - t0
+        timings["execute"] += t2 - t1
+        timings["update"] += t3 - t2
+        timings["steps"] += 1
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

@@ -26,6 +26,8 @@ def tokenize_prompt(prompt: Any, tokenizer, tokenization_kwargs: dict | None = N
     else:
         raise TypeError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
     if ids is None:
+        if tokenizer is None:
+            raise ValueError("prompt must be given as token ids: the engine has no tokenizer (skip_tokenizer_init)")
         if not isinstance(text, str):
             raise TypeError(f"prompt must be a string, got {type(text).__name__}")
         if not text:

@@ -30,7 +30,10 @@ class LLMEngine:
 
         self.config = config
         self.model_config = config.model_config
-        self.tokenizer = tokenizer or load_tokenizer(config.model_config.source, config.model_config.tokenizer)
+        mc = config.model_config
+        if tokenizer is None and not mc.skip_tokenizer_init:
+            tokenizer = load_tokenizer(mc.source, mc.tokenizer)
+        self.tokenizer = tokenizer  # None with skip_tokenizer_init: prompts must be token ids
         self.engine_core = EngineCore(config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._pending_abort_outputs: list[RequestOutput] = []
@@ -44,7 +47,9 @@ class LLMEngine:
         eos = getattr(self.model_config.hf_config, "eos_token_id", None)
         if isinstance(eos, (list, tuple)):
             eos = eos[0] if eos else None
-        return eos if eos is not None else self.tokenizer.eos_token_id
+        if eos is None and self.tokenizer is not None:
+            eos = self.tokenizer.eos_token_id
+        return eos
 
     def get_model_config(self) -> ModelConfig:
         return self.model_config
@@ -75,6 +80,8 @@ class LLMEngine:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise TypeError(f"priority must be an integer, got {priority!r}")
         self._check_logprobs(params)
+        if self.tokenizer is None and (params.stop or params.bad_words):
+            raise ValueError("stop strings and bad_words need a tokenizer (the engine was started with skip_tokenizer_init)")
         prompt_text, prompt_ids = tokenize_prompt(prompt, self.tokenizer, tokenization_kwargs)
         max_tokens = validate_prompt(prompt_ids, params, self.model_config.vocab_size, self.model_config.max_model_len)
         if params.bad_words:

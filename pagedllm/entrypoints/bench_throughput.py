@@ -16,9 +16,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import random
 import time
 
+from pagedllm.entrypoints.bench_roofline import git_commit, today
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -56,10 +58,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare-hf", action="store_true", help="also time transformers generate() in this process")
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--output-json", default=None)
+    p.add_argument("--peers", default="", help="comma list of in-process peers on the GPU: hf,hf-cb")
+    p.add_argument("--peer-requests", type=int, default=None, help="run the peers on the first N requests only")
+    p.add_argument("--peer-batch-size", type=int, default=64, help="padded batch size for the hf generate peer")
+    p.add_argument("--results-dir", default=None, help="also write <device>-<workload>-bench-<date>.json here")
 
 
 def run_pagedllm(llm, wl: Workload, temperature: float) -> tuple[float, int]:
-    params = [SamplingParams(max_tokens=m, ignore_eos=True, temperature=temperature) for m in wl.max_tokens]
+    detok = llm.get_tokenizer() is not None
+    params = [SamplingParams(max_tokens=m, ignore_eos=True, temperature=temperature, detokenize=detok)
+              for m in wl.max_tokens]
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in wl.prompts], params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
@@ -114,20 +122,39 @@ def main(ns: argparse.Namespace) -> int:
     from pagedllm.entrypoints.llm import LLM
 
     args = engine_args_from(ns)
+    peers = [p for p in ns.peers.split(",") if p]
+    if peers and args.load_format == "dummy":
+        # Peers need the very same weights: write one random checkpoint that every engine loads.
+        from pagedllm.entrypoints.bench_peers import build_random_checkpoint
+
+        name = os.path.basename(os.path.normpath(args.model or "model"))
+        args = args.replace(model=build_random_checkpoint(args.model, f"/tmp/pagedllm-random/{name}"), load_format="auto")
     t0 = time.perf_counter()
     llm = LLM(**dataclasses.asdict(args))
     startup = time.perf_counter() - t0
     cfg = llm.llm_engine.config
     vocab = min(ns.vocab_limit, cfg.model_config.vocab_size)
     wl = make_workload(ns.workload, ns.num_requests, tuple(ns.input_len), tuple(ns.output_len), vocab, ns.bench_seed)
+    # Warm-up (as nano-vllm's bench.py): one short request, not timed.
+    run_pagedllm(llm, Workload([wl.prompts[0][:8]], [16]), ns.temperature)
+    core = llm.llm_engine.engine_core
+    core.step_timings.update(schedule=0.0, execute=0.0, update=0.0, steps=0)
+    core.runner.timings["prepare"] = 0.0
     elapsed, produced = run_pagedllm(llm, wl, ns.temperature)
+    phases = {k: round(v, 3) for k, v in {**core.step_timings, **core.runner.timings}.items()}
     result = {
         "workload": ns.workload, "num_requests": len(wl.prompts), "output_tokens": produced,
         "prompt_tokens": sum(map(len, wl.prompts)), "seconds": elapsed,
         "output_tokens_per_s": produced / elapsed, "startup_s": startup, "device": cfg.device,
         "dtype": cfg.model_config.dtype, "model": cfg.model_config.served_model_name,
+        "temperature": ns.temperature, "max_num_seqs": cfg.scheduler_config.max_num_seqs,
+        "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
+        "enforce_eager": cfg.enforce_eager, "commit": git_commit(), "date": today(), "phase_seconds": phases,
     }
     print(f"pagedllm: {produced} output tokens in {elapsed:.2f} s = {produced / elapsed:,.1f} tok/s (start-up {startup:.1f} s)")
+    print(f"phases (s): {phases}")
+    if cfg.device.startswith("cuda"):
+        _gpu_floor(llm, wl, result)
     if ns.compare_hf:
         hf = load_hf_model(cfg.model_config.source, cfg.model_config.dtype, cfg.device)
         pad = llm.get_tokenizer().pad_token_id or 0
@@ -137,7 +164,69 @@ def main(ns: argparse.Namespace) -> int:
         print(f"transformers generate (batches of {ns.hf_batch_size}): {hf_tokens} tokens in {hf_elapsed:.2f} s = "
               f"{hf_tokens / hf_elapsed:,.1f} tok/s")
         print(f"speedup: {result['speedup_vs_hf']:.2f}x")
-    if ns.output_json:
-        with open(ns.output_json, "w") as f:
-            json.dump(result, f, indent=2)
+    if peers:
+        folder = cfg.model_config.source.path
+        del llm
+        _run_peers(peers, folder, wl, ns, result)
+    _write_results(result, ns)
     return 0
+
+
+def _gpu_floor(llm, wl: Workload, result: dict) -> None:
+    from pagedllm.entrypoints.bench_roofline import (
+        ModelShape,
+        device_name,
+        generation_floor,
+        measure_copy_bandwidth,
+        measure_matmul_rate,
+    )
+
+    runner = llm.llm_engine.engine_core.runner
+    shape = ModelShape.from_model(runner.model, llm.llm_engine.model_config.hf_config, runner.dtype.itemsize)
+    floor = generation_floor(shape, [len(p) for p in wl.prompts], wl.max_tokens,
+                             measure_copy_bandwidth(runner.device), measure_matmul_rate(runner.device))
+    result.update(device=device_name(runner.device), floor=floor.as_dict(), floor_seconds=floor.seconds,
+                  fraction_of_floor=floor.seconds / result["seconds"],
+                  floor_output_tokens_per_s=result["output_tokens"] / floor.seconds)
+    print(f"floor: {floor.bytes_moved / 1e12:.2f} TB at {floor.copy_bytes_per_s / 1e12:.2f} TB/s = {floor.bytes_seconds:.2f} s; "
+          f"{floor.flops / 1e15:.2f} PFLOP at {floor.matmul_flops_per_s / 1e12:.0f} TFLOP/s = {floor.flops_seconds:.2f} s; "
+          f"we reach {result['fraction_of_floor']:.0%} of the floor")
+
+
+def _run_peers(peers: list[str], folder: str, wl: Workload, ns, result: dict) -> None:
+    import gc
+
+    import torch
+
+    from pagedllm.entrypoints import bench_peers
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    n = ns.peer_requests or len(wl.prompts)
+    prompts, max_tokens = wl.prompts[:n], wl.max_tokens[:n]
+    result["peers"] = []
+    for peer in peers:
+        if peer == "hf":
+            r = bench_peers.run_hf_generate(folder, prompts, max_tokens, ns.peer_batch_size)
+        elif peer == "hf-cb":
+            r = bench_peers.run_hf_generate_batch(folder, prompts, max_tokens)
+        else:
+            raise ValueError(f"--peers: unknown peer {peer!r} (known: hf, hf-cb)")
+        r["speedup_of_pagedllm"] = result["output_tokens_per_s"] / r["output_tokens_per_s"]
+        result["peers"].append(r)
+        key = {"hf": "speedup_vs_hf", "hf-cb": "speedup_vs_hf_cb"}[peer]
+        result[key] = r["speedup_of_pagedllm"]
+        print(f"{r['peer']}: {r['output_tokens']} tokens in {r['seconds']:.1f} s = {r['output_tokens_per_s']:,.0f} tok/s "
+              f"({r['requests']} requests) -> pagedllm is {r['speedup_of_pagedllm']:.1f}x")
+
+
+def _write_results(result: dict, ns) -> None:
+    paths = [ns.output_json] if ns.output_json else []
+    if ns.results_dir:
+        dev = result["device"].lower().replace("nvidia ", "").replace(" ", "-")
+        paths.append(os.path.join(ns.results_dir, f"{dev}-{ns.workload}-bench-{result['date']}.json"))
+    for path in paths:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"wrote {path}")

@@ -20,6 +20,8 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from pagedllm.sample.sampler import Sampler, SamplerOutput, build_sampling_metadata
 from pagedllm.worker import kv_cache as kvc
+from pagedllm.worker.cuda_graph import CUDAGraphRunner
+from pagedllm.worker.device_inputs import DeviceInputs
 from pagedllm.worker.input_batch import InputBatch
 
 logger = logging.getLogger("pagedllm")
@@ -35,11 +37,12 @@ class PreparedInputs:
     logits_indices: torch.Tensor  # token index of each sampling request's last scheduled token
     req_ids: list[str]  # scheduled requests in batch order
     sample_req_idx: list[int]  # indices into req_ids of the requests that produce a token
+    graph_size: int | None = None  # padded decode batch size to replay, None = eager
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
-        from pagedllm.models.registry import load_model
+        from pagedllm.models.registry import build_model, init_dummy_weights, load_model
 
         self.config = config
         mc = config.model_config
@@ -48,7 +51,10 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         self.max_model_len = mc.max_model_len
         t0 = time.perf_counter()
-        self.model = load_model(mc.source, mc.hf_config, self.dtype, self.device)
+        if mc.load_format == "dummy":
+            self.model = init_dummy_weights(build_model(mc.hf_config, self.dtype, self.device), seed=mc.seed)
+        else:
+            self.model = load_model(mc.source, mc.hf_config, self.dtype, self.device)
         self.model.eval()
         logger.info("model loaded in %.1f s", time.perf_counter() - t0)
         self.backend = get_attention_backend(config.attention_backend, self.device)
@@ -57,6 +63,10 @@ class ModelRunner:
         sc = config.scheduler_config
         self.max_blocks_per_req = (self.max_model_len + self.block_size - 1) // self.block_size
         self.input_batch = InputBatch(sc.max_num_seqs, self.max_model_len, self.max_blocks_per_req)
+        self.inputs = DeviceInputs(max(sc.max_num_batched_tokens, sc.max_num_seqs), sc.max_num_seqs,
+                                   self.max_blocks_per_req, self.device)
+        self.graph_runner: CUDAGraphRunner | None = None
+        self.timings: dict[str, float] = {"prepare": 0.0}
 
     # -- KV cache --------------------------------------------------------------------------
     def block_bytes(self) -> int:
@@ -113,7 +123,11 @@ class ModelRunner:
         return int(peak)
 
     def warm_up(self) -> None:
-        """Hook for start-up work after the KV cache exists (CUDA graph capture on the GPU)."""
+        """After the KV cache exists: capture decode CUDA graphs (GPU, unless enforce_eager)."""
+        if self.device.type == "cuda" and not self.config.enforce_eager:
+            self.graph_runner = CUDAGraphRunner(self.model, self.backend, self.inputs,
+                                                self.config.scheduler_config.max_num_seqs, self.device)
+            self.graph_runner.capture_all()
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         shape = self.model.kv_cache_shape_per_layer(num_blocks, self.block_size)
@@ -126,9 +140,14 @@ class ModelRunner:
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        t0 = time.perf_counter()
         inp = self._prepare_inputs(so)
-        with forward_context(inp.attn_metadata, self.backend):
-            hidden = self.model(inp.input_ids, inp.positions)
+        self.timings["prepare"] += time.perf_counter() - t0
+        if inp.graph_size is not None:
+            hidden = self.graph_runner.replay(inp.graph_size)
+        else:
+            with forward_context(inp.attn_metadata, self.backend):
+                hidden = self.model(inp.input_ids, inp.positions)
         sample_reqs = [inp.req_ids[i] for i in inp.sample_req_idx]
         sampled: list[list[int]] = [[] for _ in inp.req_ids]
         logprobs_out: list[list[TokenLogprobs] | None] | None = None
@@ -151,54 +170,88 @@ class ModelRunner:
         for req_id in so.finished_req_ids | so.preempted_req_ids:
             batch.remove(req_id)
         for new in so.scheduled_new_reqs:
-            batch.add(new)
+            row = batch.add(new)
+            self.inputs.queue_block_update(row, 0, new.block_ids)
         for cached in so.scheduled_cached_reqs:
             row = batch.req_id_to_row[cached.req_id]
+            self.inputs.queue_block_update(row, int(batch.num_blocks[row]), cached.new_block_ids)
             batch.append_blocks(row, cached.new_block_ids)
             batch.num_computed_tokens[row] = cached.num_computed_tokens
 
     def _prepare_inputs(self, so: SchedulerOutput) -> PreparedInputs:
-        batch = self.input_batch
+        """Gather the scheduled rows into flat inputs (vectorised numpy into the staging buffers),
+        pad a pure-decode batch to a captured graph size, and copy everything to the device."""
+        batch, stage = self.input_batch, self.inputs.np
         req_ids = list(so.num_scheduled_tokens.keys())
-        rows = np.array([batch.req_id_to_row[r] for r in req_ids], dtype=np.int64)
-        num_sched = np.array([so.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64)
+        num_reqs = len(req_ids)
+        rows = np.fromiter((batch.req_id_to_row[r] for r in req_ids), dtype=np.int64, count=num_reqs)
+        num_sched = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=num_reqs)
         start = batch.num_computed_tokens[rows]
         seq_lens = start + num_sched
-        qsl = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum(num_sched, out=qsl[1:])
-        total = int(qsl[-1])
+        qsl = stage["query_start_loc"]
+        qsl[0] = 0
+        np.cumsum(num_sched, out=qsl[1 : num_reqs + 1])
+        total = int(qsl[num_reqs])
+        max_query_len = int(num_sched.max())
         # Flat per-token indices: which row, which position.
         tok_row = np.repeat(rows, num_sched)
-        positions = np.arange(total, dtype=np.int64) - np.repeat(qsl[:-1] - start, num_sched)
-        input_ids = batch.token_ids[tok_row, positions]
-        slot_mapping = batch.block_table[tok_row, positions // self.block_size].astype(np.int64) * self.block_size + (
-            positions % self.block_size
+        positions = np.arange(total, dtype=np.int64) - np.repeat(qsl[:num_reqs] - start, num_sched)
+        stage["positions"][:total] = positions
+        stage["input_ids"][:total] = batch.token_ids[tok_row, positions]
+        stage["slot_mapping"][:total] = (
+            batch.block_table[tok_row, positions // self.block_size] * self.block_size + positions % self.block_size
         )
-        max_blocks = int((seq_lens.max() + self.block_size - 1) // self.block_size)
-        block_tables = batch.block_table[rows, :max_blocks]
-        sample_mask = seq_lens == batch.num_tokens[rows]
-        sample_idx = np.nonzero(sample_mask)[0]
+        stage["seq_lens"][:num_reqs] = seq_lens
+        stage["rows"][:num_reqs] = rows
+        sample_idx = np.nonzero(seq_lens == batch.num_tokens[rows])[0]
+        stage["logits_indices"][: len(sample_idx)] = qsl[1:][sample_idx] - 1
         # After this step these tokens are computed (the scheduler sends the authoritative value).
         batch.num_computed_tokens[rows] = seq_lens
-        dev = self.device
+        graph_size = self._graph_size(num_reqs, max_query_len)
+        n_tok, n_req = total, num_reqs
+        if graph_size is not None:
+            n_tok = n_req = graph_size
+            self._pad_decode_batch(total, num_reqs, graph_size)
+        return self._to_device_inputs(req_ids, sample_idx, n_tok, n_req, total, max_query_len, seq_lens, graph_size)
+
+    def _graph_size(self, num_reqs: int, max_query_len: int) -> int | None:
+        if self.graph_runner is None or max_query_len != 1 or num_reqs > self.graph_runner.max_size:
+            return None
+        return self.graph_runner.padded_size(num_reqs)
+
+    def _pad_decode_batch(self, num_tokens: int, num_reqs: int, size: int) -> None:
+        """Padding rows: token 0 at position 0, slot -1 (no KV write), empty context."""
+        stage = self.inputs.np
+        stage["input_ids"][num_tokens:size] = 0
+        stage["positions"][num_tokens:size] = 0
+        stage["slot_mapping"][num_tokens:size] = -1
+        stage["seq_lens"][num_reqs:size] = 0
+        stage["rows"][num_reqs:size] = 0
+        stage["query_start_loc"][num_reqs + 1 : size + 1] = np.arange(num_tokens + 1, num_tokens + 1 + size - num_reqs)
+
+    def _to_device_inputs(self, req_ids, sample_idx, n_tok, n_req, total, max_query_len, seq_lens, graph_size):
+        to_dev = self.inputs.to_device
+        self.inputs.flush_block_updates()
+        rows_dev = to_dev("rows", n_req)
         meta = AttentionMetadata(
-            num_actual_tokens=total,
-            max_query_len=int(num_sched.max()),
+            num_actual_tokens=n_tok if graph_size is not None else total,
+            max_query_len=max_query_len,
             max_seq_len=int(seq_lens.max()),
-            query_start_loc=_to_device(qsl.astype(np.int32), dev),
-            seq_lens=_to_device(seq_lens.astype(np.int32), dev),
-            block_tables=_to_device(np.ascontiguousarray(block_tables), dev),
-            slot_mapping=_to_device(slot_mapping, dev),
-            query_start_loc_cpu=qsl.tolist(),
-            seq_lens_cpu=seq_lens.tolist(),
+            query_start_loc=to_dev("query_start_loc", n_req + 1),
+            seq_lens=to_dev("seq_lens", n_req),
+            block_tables=self.inputs.gather_block_tables(rows_dev, n_req),
+            slot_mapping=to_dev("slot_mapping", n_tok),
+            query_start_loc_cpu=self.inputs.np["query_start_loc"][: n_req + 1].tolist(),
+            seq_lens_cpu=self.inputs.np["seq_lens"][:n_req].tolist(),
         )
         return PreparedInputs(
-            input_ids=_to_device(input_ids, dev),
-            positions=_to_device(positions, dev),
+            input_ids=to_dev("input_ids", n_tok),
+            positions=to_dev("positions", n_tok),
             attn_metadata=meta,
-            logits_indices=_to_device(qsl[1:][sample_idx] - 1, dev),
+            logits_indices=to_dev("logits_indices", len(sample_idx)),
             req_ids=req_ids,
             sample_req_idx=sample_idx.tolist(),
+            graph_size=graph_size,
         )
 
     @staticmethod
@@ -216,10 +269,3 @@ class ModelRunner:
             top_ids, top_lps = ids[j][1 : 1 + k], lps[j][1 : 1 + k]
             out[i] = [TokenLogprobs([ids[j][0], *top_ids], [lps[j][0], *top_lps], [ranks[j], *range(1, k + 1)])]
         return out
-
-
-def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    t = torch.from_numpy(a)
-    if device.type == "cpu":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)

@@ -1,0 +1,93 @@
+"""CUDA graphs for decode batches: one captured forward pass per padded batch size.
+
+A pure decode step (every request computes one token) of ``n`` requests replays the graph of
+the smallest captured size >= n. Captured graphs read the runner's persistent device input
+buffers (DeviceInputs), so a replay needs no argument copies beyond the step's own H2D copies;
+padded rows carry slot -1 (KV store skipped) and seq_len 0 (attention writes zeros), and their
+outputs are discarded. All graphs share one memory pool; capture time is part of start-up.
+
+Invariant: ``self.graphs[bs]`` was captured with ``AttentionMetadata`` built over views
+``[:bs]`` of the same device tensors that ``DeviceInputs`` writes every step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from pagedllm.attention.backend import AttentionMetadata, forward_context
+
+logger = logging.getLogger("pagedllm")
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 8 up to max_num_seqs (vLLM's default shape)."""
+    sizes = [s for s in (1, 2, 4) if s <= max_num_seqs]
+    sizes += list(range(8, max_num_seqs + 1, 8))
+    if max_num_seqs not in sizes:
+        sizes.append(max_num_seqs)
+    return sorted(set(sizes))
+
+
+class CUDAGraphRunner:
+    def __init__(self, model, backend, inputs, max_num_seqs: int, device: torch.device) -> None:
+        self.model = model
+        self.backend = backend
+        self.inputs = inputs  # DeviceInputs
+        self.device = device
+        self.sizes = capture_sizes(max_num_seqs)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+
+    @property
+    def max_size(self) -> int:
+        return self.sizes[-1]
+
+    def padded_size(self, num_reqs: int) -> int | None:
+        for s in self.sizes:
+            if s >= num_reqs:
+                return s
+        return None
+
+    def metadata(self, bs: int) -> AttentionMetadata:
+        dev = self.inputs.dev
+        return AttentionMetadata(
+            num_actual_tokens=bs, max_query_len=1, max_seq_len=0,
+            query_start_loc=dev["query_start_loc"][: bs + 1], seq_lens=dev["seq_lens"][:bs],
+            block_tables=self.inputs.block_tables[:bs], slot_mapping=dev["slot_mapping"][:bs],
+        )
+
+    @torch.inference_mode()
+    def capture_all(self) -> float:
+        """Capture every size, largest first (so smaller graphs reuse the pool). Returns seconds."""
+        t0 = time.perf_counter()
+        dev = self.inputs.dev
+        # Safe inputs: token 0 at position 0, no KV writes, empty contexts.
+        dev["input_ids"].zero_()
+        dev["positions"].zero_()
+        dev["slot_mapping"].fill_(-1)
+        dev["seq_lens"].zero_()
+        dev["query_start_loc"].copy_(torch.arange(dev["query_start_loc"].shape[0], dtype=torch.int32))
+        for bs in reversed(self.sizes):
+            meta = self.metadata(bs)
+            ids, pos = dev["input_ids"][:bs], dev["positions"][:bs]
+            with forward_context(meta, self.backend):
+                self.model(ids, pos)  # warm-up: Triton compiles and autotunes outside the capture
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    out = self.model(ids, pos)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[bs], self.outputs[bs] = graph, out
+        torch.cuda.synchronize(self.device)
+        elapsed = time.perf_counter() - t0
+        logger.info("captured %d CUDA graphs (decode batch sizes 1..%d) in %.1f s", len(self.sizes), self.max_size, elapsed)
+        return elapsed
+
+    def replay(self, bs: int) -> torch.Tensor:
+        self.graphs[bs].replay()
+        return self.outputs[bs]

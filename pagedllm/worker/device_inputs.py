@@ -1,0 +1,84 @@
+"""DeviceInputs: persistent host staging buffers and their device twins for one step's inputs.
+
+Nothing is allocated per step: the runner writes a step's flat inputs into the (pinned, on CUDA)
+host arrays and copies the used prefix of each to the device without blocking. The block table
+lives on the device, indexed by InputBatch row, and is updated incrementally: a step sends only
+the (row, column, block id) triples of blocks added since the last step, then gathers the
+scheduled rows on the device. CUDA graphs capture views of these same device tensors.
+
+Invariant: for every live InputBatch row, ``block_table[row, :n]`` on the device equals the
+host InputBatch's ``block_table[row, :n]`` once ``flush_block_updates`` has run for the step.
+Cost per step: a handful of small H2D copies, O(tokens + requests + new blocks) bytes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+_FLAT_FIELDS = {
+    # name: (dtype, size key)
+    "input_ids": (torch.int64, "tokens"),
+    "positions": (torch.int64, "tokens"),
+    "slot_mapping": (torch.int64, "tokens"),
+    "query_start_loc": (torch.int32, "reqs+1"),
+    "seq_lens": (torch.int32, "reqs"),
+    "rows": (torch.int64, "reqs"),
+    "logits_indices": (torch.int64, "reqs"),
+}
+
+
+class DeviceInputs:
+    def __init__(self, max_tokens: int, max_reqs: int, max_blocks_per_req: int, device: torch.device) -> None:
+        self.device = device
+        pin = device.type == "cuda"
+        sizes = {"tokens": max_tokens, "reqs": max_reqs, "reqs+1": max_reqs + 1}
+        self.host: dict[str, torch.Tensor] = {}
+        self.np: dict[str, np.ndarray] = {}
+        self.dev: dict[str, torch.Tensor] = {}
+        for name, (dtype, size_key) in _FLAT_FIELDS.items():
+            host = torch.zeros(sizes[size_key], dtype=dtype, pin_memory=pin)
+            self.host[name] = host
+            self.np[name] = host.numpy()
+            self.dev[name] = host if not pin else torch.zeros_like(host, device=device)
+        # Block table by InputBatch row (persistent), and the per-step gathered copy (batch order).
+        self.row_block_table = torch.zeros((max_reqs, max_blocks_per_req), dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros((max_reqs, max_blocks_per_req), dtype=torch.int32, device=device)
+        self._pending: list[tuple[int, int, list[int]]] = []  # (row, first column, block ids)
+        self._upd_host = torch.zeros((3, max_reqs * max_blocks_per_req), dtype=torch.int64, pin_memory=pin)
+
+    def to_device(self, name: str, n: int) -> torch.Tensor:
+        """Copy the first ``n`` staged entries of ``name`` to the device; return the device view."""
+        if self.device.type != "cuda":
+            return self.host[name][:n]
+        dev = self.dev[name][:n]
+        dev.copy_(self.host[name][:n], non_blocking=True)
+        return dev
+
+    def queue_block_update(self, row: int, first_col: int, block_ids: list[int]) -> None:
+        if block_ids:
+            self._pending.append((row, first_col, block_ids))
+
+    def flush_block_updates(self) -> None:
+        """Scatter the queued (row, column, block id) triples into the device block table."""
+        if not self._pending:
+            return
+        rows, cols, ids = [], [], []
+        for row, col, blocks in self._pending:
+            rows.extend([row] * len(blocks))
+            cols.extend(range(col, col + len(blocks)))
+            ids.extend(blocks)
+        self._pending.clear()
+        n = len(ids)
+        if n > self._upd_host.shape[1]:  # a resume of many long requests at once: grow once
+            self._upd_host = torch.zeros((3, n), dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        upd = self._upd_host[:, :n]
+        upd.numpy()[:] = (rows, cols, ids)
+        upd_dev = upd.to(self.device, non_blocking=True)
+        self.row_block_table[upd_dev[0], upd_dev[1]] = upd_dev[2].to(torch.int32)
+
+    def gather_block_tables(self, rows_dev: torch.Tensor, num_rows: int) -> torch.Tensor:
+        """Batch-order block tables: ``block_tables[i] = row_block_table[rows[i]]``, in place."""
+        out = self.block_tables[:num_rows]
+        torch.index_select(self.row_block_table, 0, rows_dev[:num_rows], out=out)
+        return out
