@@ -6,7 +6,9 @@ lists it). Position-dependent variants ("dynamic", "longrope") rescale with the 
 which a paged cache cannot follow, so they are refused.
 
 Cost: a float32 cos/sin table ``[max_position, rotary_dim]`` built once on the model's device
-(8 MiB for 32k positions x 64); per forward, one gather of ``positions`` rows shared by all layers.
+(8 MiB for 32k positions x 64), shared by all layers. Per layer on CUDA, one fused Triton launch
+(``triton_ops.qk_norm_rope``) rotates q and k, reading cos/sin rows by position; elsewhere the torch
+path gathers the rows and rotates with ``apply_rotary`` (the oracle).
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from pagedllm.layers import triton_ops
+from pagedllm.layers.norm import RMSNorm
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -50,7 +55,8 @@ def compute_inv_freq(hf_config: Any, rotary_dim: int, device: torch.device | Non
 
 
 class RotaryEmbedding(nn.Module):
-    """``cos_sin(positions)`` -> (cos, sin) ``[T, rotary_dim // 2]``; ``apply_rotary`` rotates q and k.
+    """``forward(positions, q, k, q_norm=None, k_norm=None)`` -> rotated (q, k); ``cos_sin(positions)``
+    -> (cos, sin) ``[T, rotary_dim // 2]`` for ``apply_rotary``.
 
     The table is computed like HF's forward (``position * inv_freq`` in float32, then cos/sin), so
     in float32 the result is bit-identical; in half precision cos/sin are cast to the input dtype,
@@ -70,6 +76,40 @@ class RotaryEmbedding(nn.Module):
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos_cache[positions], self.sin_cache[positions]
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+        q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate ``q`` ``[T, H, head_dim]`` and ``k`` ``[T, Hkv, head_dim]`` (strided views are fine) at
+        ``positions`` ``[T]``; with ``q_norm``/``k_norm`` (``RMSNorm`` over head_dim, Qwen3) each head is
+        normed first. Returns new tensors; the inputs are not modified."""
+        if self._fusable(q, k, q_norm, k_norm):
+            qn = (q_norm.weight, q_norm.eps) if q_norm is not None else None
+            kn = (k_norm.weight, k_norm.eps) if k_norm is not None else None
+            return triton_ops.qk_norm_rope(positions, q, k, self.cos_cache, self.sin_cache, qn, kn)
+        if q_norm is not None:
+            q = q_norm(q)
+        if k_norm is not None:
+            k = k_norm(k)
+        cos, sin = self.cos_sin(positions)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+    def _fusable(self, q: torch.Tensor, k: torch.Tensor, q_norm: RMSNorm | None, k_norm: RMSNorm | None) -> bool:
+        """The fused kernel's preconditions: CUDA, one dtype, full rotary, unit last stride, norms both
+        or neither with weights in q's dtype."""
+        return (
+            triton_ops.use_fused(q)
+            and k.dtype == q.dtype
+            and q.dim() == 3
+            and k.dim() == 3
+            and self.rotary_dim == self.head_dim == q.shape[-1] == k.shape[-1]
+            and q.stride(-1) == 1
+            and k.stride(-1) == 1
+            and self.cos_cache.dtype == torch.float32
+            and (q_norm is None) == (k_norm is None)
+            and (q_norm is None or q_norm.weight.dtype == k_norm.weight.dtype == q.dtype)
+        )
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

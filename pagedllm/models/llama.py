@@ -33,7 +33,6 @@ from pagedllm.layers import (
     RotaryEmbedding,
     SiluAndMul,
     VocabEmbedding,
-    apply_rotary,
     default_weight_loader,
     get_rope_parameters,
 )
@@ -64,7 +63,14 @@ def sliding_window_of(cfg: Any) -> int | None:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: Any) -> None:
+    """qkv projection -> (q/k norm +) RoPE -> paged attention -> o_proj.
+
+    Cost on CUDA: 2 GEMMs, one fused q/k norm + RoPE launch (``RotaryEmbedding.forward``), and the
+    attention backend's launches; q/k/v stay views of the merged qkv output (no copies).
+    ``rotary_emb`` is the model's one shared table (a submodule of every layer, stored once).
+    """
+
+    def __init__(self, cfg: Any, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
@@ -73,26 +79,27 @@ class LlamaAttention(nn.Module):
         qkv_bias = attention_bias or cfg.model_type == "qwen2"
         self.qkv_proj = QKVLinear(cfg.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias)
         self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=attention_bias)
-        self.qk_norm = cfg.model_type == "qwen3"
-        if self.qk_norm:
+        self.q_norm = self.k_norm = None
+        if cfg.model_type == "qwen3":
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)
         out = self.attn(q.reshape(num_tokens, q_size), k.reshape(num_tokens, kv_size), v)
         return self.o_proj(out)
 
 
 class LlamaMLP(nn.Module):
+    """``down(silu(gate) * up)``: 2 GEMMs and, on CUDA, one fused activation launch."""
+
     def __init__(self, cfg: Any) -> None:
         super().__init__()
         if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
@@ -108,22 +115,23 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg)
+        self.self_attn = LlamaAttention(cfg, rotary_emb)
         self.mlp = LlamaMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pre-norm block; the residual stream travels beside ``hidden`` (fused add + norm)."""
+        """Pre-norm block; the residual stream travels beside ``hidden`` and is added inside the norms
+        (one fused launch each on CUDA), so a layer has no separate residual adds."""
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, cos, sin)
+        hidden = self.self_attn(positions, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -132,18 +140,17 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: Any) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         head_dim = head_dim_of(cfg)
         rotary_dim = int(head_dim * get_rope_parameters(cfg).get("partial_rotary_factor", 1.0))
-        self.rotary_emb = RotaryEmbedding(cfg, head_dim, cfg.max_position_embeddings, rotary_dim)
+        self.rotary_emb = RotaryEmbedding(cfg, head_dim, cfg.max_position_embeddings, rotary_dim)  # shared
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary_emb) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb.cos_sin(positions)  # computed once, shared by every layer
         residual = None
         for layer in self.layers:
-            hidden, residual = layer(hidden, residual, cos, sin)
+            hidden, residual = layer(positions, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

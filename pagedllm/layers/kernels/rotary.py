@@ -1,0 +1,168 @@
+"""Fused (optional per-head q/k RMSNorm) + NeoX rotary embedding of q and k, in one launch.
+
+For each token ``t`` and head ``h`` of q (then of k), with ``(x1, x2)`` the two halves of the head,
+``cos``/``sin`` the cache rows at ``positions[t]`` (float32, cast to the input dtype as HF does):
+``x <- weight * rmsnorm(x)`` (when a norm is given), then ``(x1*cos - x2*sin, x2*cos + x1*sin)``.
+Every product and sum is rounded to the input dtype where the torch path (``apply_rotary`` after
+``RMSNorm``) rounds, so in float32 the results agree to rounding and in bf16 they differ only where
+the norm's float32 sum lands differently.
+
+Grid: ``(num_tokens, q head blocks + k head blocks)``; one program rotates ``BLOCK_H`` heads of one
+token. Cost: q and k are read once and written once (new contiguous tensors); the cos/sin rows
+(``rotary_dim`` float32 per token) come from L2. Inputs may be strided views (e.g. of the merged
+qkv projection's output): only the last dim must be contiguous.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _norm_rope_heads(
+    x_ptr,
+    out_ptr,
+    w_ptr,
+    stride_h,
+    stride_out_h,
+    first_head,
+    num_heads,
+    cos,
+    sin,
+    eps,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
+    """Heads ``first_head .. first_head + BLOCK_H`` of one token: load both halves, norm, rotate, store."""
+    io_dtype = x_ptr.dtype.element_ty
+    heads = first_head + tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, HALF_PAD)
+    mask = (heads[:, None] < num_heads) & (dims[None, :] < HALF)
+    src = x_ptr + heads[:, None] * stride_h + dims[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        rstd = tl.math.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)
+        w1 = tl.load(w_ptr + dims, mask=dims < HALF, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + dims, mask=dims < HALF, other=0.0).to(tl.float32)
+        x1 = ((x1 * rstd[:, None]).to(io_dtype).to(tl.float32) * w1[None, :]).to(io_dtype).to(tl.float32)
+        x2 = ((x2 * rstd[:, None]).to(io_dtype).to(tl.float32) * w2[None, :]).to(io_dtype).to(tl.float32)
+    cos = cos[None, :]
+    sin = sin[None, :]
+    o1 = (x1 * cos).to(io_dtype).to(tl.float32) - (x2 * sin).to(io_dtype).to(tl.float32)
+    o2 = (x2 * cos).to(io_dtype).to(tl.float32) + (x1 * sin).to(io_dtype).to(tl.float32)
+    dst = out_ptr + heads[:, None] * stride_out_h + dims[None, :]
+    tl.store(dst, o1.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, o2.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    q_ptr,
+    k_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    pos_ptr,
+    cos_ptr,
+    sin_ptr,
+    qw_ptr,
+    kw_ptr,
+    stride_q_tok,
+    stride_q_head,
+    stride_k_tok,
+    stride_k_head,
+    stride_qo_tok,
+    stride_qo_head,
+    stride_ko_tok,
+    stride_ko_head,
+    stride_cache,
+    q_eps,
+    k_eps,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    NUM_Q_BLOCKS: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head_block = tl.program_id(1)
+    io_dtype = q_ptr.dtype.element_ty
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    dims = tl.arange(0, HALF_PAD)
+    cos = tl.load(cos_ptr + pos * stride_cache + dims, mask=dims < HALF, other=0.0)
+    sin = tl.load(sin_ptr + pos * stride_cache + dims, mask=dims < HALF, other=0.0)
+    cos = cos.to(io_dtype).to(tl.float32)
+    sin = sin.to(io_dtype).to(tl.float32)
+    if head_block < NUM_Q_BLOCKS:
+        _norm_rope_heads(
+            q_ptr + token * stride_q_tok, q_out_ptr + token * stride_qo_tok, qw_ptr,
+            stride_q_head, stride_qo_head, head_block * BLOCK_H, NUM_Q_HEADS, cos, sin, q_eps,
+            HALF, HALF_PAD, BLOCK_H, HAS_NORM,
+        )  # fmt: skip
+    else:
+        _norm_rope_heads(
+            k_ptr + token * stride_k_tok, k_out_ptr + token * stride_ko_tok, kw_ptr,
+            stride_k_head, stride_ko_head, (head_block - NUM_Q_BLOCKS) * BLOCK_H, NUM_KV_HEADS, cos, sin,
+            k_eps, HALF, HALF_PAD, BLOCK_H, HAS_NORM,
+        )  # fmt: skip
+
+
+def qk_norm_rope(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    q_norm: tuple[torch.Tensor, float] | None = None,
+    k_norm: tuple[torch.Tensor, float] | None = None,
+    q_out: torch.Tensor | None = None,
+    k_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotated (and, with ``q_norm``/``k_norm`` = ``(weight [head_dim], eps)``, first normed) copies of
+    ``q`` ``[T, H, D]`` and ``k`` ``[T, Hkv, D]`` (same dtype, unit last stride, any other strides).
+
+    ``cos_cache``/``sin_cache``: ``[max_position, D // 2]`` float32 (rotary_dim == head_dim);
+    ``positions``: ``[T]`` integer. ``q_out``/``k_out`` (optional, shaped like q/k) are written in place.
+    Norms come both or neither, with weights in the dtype of q.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    half = cos_cache.shape[-1]
+    assert 2 * half == head_dim and k.shape[2] == head_dim and q.stride(-1) == 1 and k.stride(-1) == 1
+    assert cos_cache.stride(-1) == 1 and sin_cache.stride() == cos_cache.stride()
+    assert (q_norm is None) == (k_norm is None)
+    if q_out is None:
+        q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if k_out is None:
+        k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if num_tokens == 0:
+        return q_out, k_out
+    half_pad = triton.next_power_of_2(half)
+    # Heads per program: a few thousand elements per tile, and no more heads than k has (so q and k
+    # split into whole blocks for the common GQA shapes: 16 q + 8 k heads -> 2 + 1 blocks).
+    block_h = min(triton.next_power_of_2(num_kv_heads), max(1, 1024 // half_pad))
+    num_q_blocks = triton.cdiv(num_q_heads, block_h)
+    grid = (num_tokens, num_q_blocks + triton.cdiv(num_kv_heads, block_h))
+    qw, q_eps = q_norm if q_norm is not None else (cos_cache, 0.0)
+    kw, k_eps = k_norm if k_norm is not None else (cos_cache, 0.0)
+    _qk_norm_rope_kernel[grid](
+        q, k, q_out, k_out, positions, cos_cache, sin_cache, qw, kw,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
+        cos_cache.stride(0), q_eps, k_eps,
+        NUM_Q_HEADS=num_q_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HALF=half,
+        HALF_PAD=half_pad,
+        BLOCK_H=block_h,
+        NUM_Q_BLOCKS=num_q_blocks,
+        HAS_NORM=q_norm is not None,
+        num_warps=4 if block_h * half_pad >= 512 else 2,
+    )  # fmt: skip
+    return q_out, k_out

@@ -1,0 +1,82 @@
+"""When the layers take their fused Triton kernels, and the thin calls into them.
+
+Each layer keeps its torch code as the CPU path and as the test oracle; on CUDA tensors (and when
+Triton is installed) it calls the one-launch kernel in ``pagedllm.layers.kernels`` instead:
+
+- ``RMSNorm``: residual add + RMSNorm (or plain RMSNorm) -- one launch instead of ~9;
+- ``RotaryEmbedding.forward``: Qwen3's per-head q/k RMSNorm + NeoX RoPE of q and k -- one launch
+  instead of ~34;
+- ``SiluAndMul``: one launch instead of 2 (plus the chunk views).
+
+The kernels reproduce the torch path's float semantics (fp32 math, and a rounding to the input dtype
+wherever the torch path rounds), so in bf16 they differ only by the summation order of the norm.
+This module imports without Triton (CI has none); the kernels are imported at their first call.
+
+The switch: ``PAGEDLLM_FUSED_OPS=0`` in the environment turns the fused path off for the process;
+``fused_ops(False)`` does so inside a ``with`` block (tests and before/after benchmarks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+from collections.abc import Iterator
+
+import torch
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class _Switch:
+    """The process-wide on/off switch (a configuration flag, not per-batch state)."""
+
+    enabled = os.environ.get("PAGEDLLM_FUSED_OPS", "1").lower() not in ("0", "false", "no", "off")
+
+
+@contextlib.contextmanager
+def fused_ops(enabled: bool) -> Iterator[None]:
+    """Turn the fused kernels on or off inside the block (restored on exit)."""
+    old, _Switch.enabled = _Switch.enabled, enabled
+    try:
+        yield
+    finally:
+        _Switch.enabled = old
+
+
+def fused_ops_enabled() -> bool:
+    return _Switch.enabled and HAS_TRITON
+
+
+def use_fused(x: torch.Tensor) -> bool:
+    """Whether ``x`` (a CUDA tensor of a supported dtype) goes through a fused kernel."""
+    return x.is_cuda and x.dtype in FUSED_DTYPES and fused_ops_enabled()
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    from pagedllm.layers.kernels.rms_norm import rms_norm as kernel
+
+    return kernel(x, weight, eps, residual)
+
+
+def qk_norm_rope(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    q_norm: tuple[torch.Tensor, float] | None = None,
+    k_norm: tuple[torch.Tensor, float] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from pagedllm.layers.kernels.rotary import qk_norm_rope as kernel
+
+    return kernel(positions, q, k, cos_cache, sin_cache, q_norm, k_norm)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    from pagedllm.layers.kernels.activation import silu_and_mul as kernel
+
+    return kernel(x)
