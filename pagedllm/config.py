@@ -95,6 +95,8 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     load_format: str = "auto"
     skip_tokenizer_init: bool = False
+    # Overlap the CPU side of a step with the GPU's previous step (default: on for CUDA).
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         self.validate()

@@ -62,6 +62,9 @@ class Request:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        # Tokens scheduled to be sampled whose ids are not known yet (async scheduling: the step
+        # that samples them is still on the GPU). num_tokens + placeholders is what the KV will hold.
+        self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hit length, set when first scheduled
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None

@@ -65,6 +65,8 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     # Filled by the engine from the tokenizer (token id sequences of ``bad_words``).
     _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
+    # Filled by the engine: the model's EOS id (min_tokens suppresses it in the sampler).
+    _eos_token_id: int | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self._normalise()
@@ -125,6 +127,8 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must contain non-empty strings, got {s!r}")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True (they are matched in the text)")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, minimum=0)
         if self.allowed_token_ids is not None:

@@ -219,7 +219,10 @@ class Scheduler:
         if not out.preempted_req_ids:
             self._schedule_waiting(out)
         for req_id, num_tokens in out.num_scheduled_tokens.items():
-            self.requests[req_id].num_computed_tokens += num_tokens
+            request = self.requests[req_id]
+            request.num_computed_tokens += num_tokens
+            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+                request.num_output_placeholders += 1  # this step samples a token for it
         return out
 
     def _budget_left(self, out: SchedulerOutput) -> int:
@@ -233,7 +236,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and self._budget_left(out) > 0:
             request = self.running[i]
-            num_remaining = request.num_tokens - request.num_computed_tokens
+            num_remaining = self._num_uncomputed(request)
             num_new_tokens = min(num_remaining, self._budget_left(out))
             if num_new_tokens <= 0 or (
                 not self.scheduler_config.enable_chunked_prefill and num_new_tokens < num_remaining
@@ -248,6 +251,17 @@ class Scheduler:
             )
             self._record(out, request, num_new_tokens)
             i += 1
+
+    def _num_uncomputed(self, request: Request) -> int:
+        """Tokens whose KV is still to be computed, counting a sampled-but-unseen token (async
+        scheduling). Zero when the token in flight is the request's last one (length limits)."""
+        pending = request.num_output_placeholders
+        if pending and (
+            request.num_output_tokens + pending >= request.max_tokens
+            or request.num_tokens + pending >= self.scheduler_config.max_model_len
+        ):
+            return 0
+        return request.num_tokens + pending - request.num_computed_tokens
 
     def _allocate_or_preempt(self, request: Request, num_new_tokens: int, out: SchedulerOutput) -> list[int] | None:
         """Allocate, preempting from the back of the running queue until it fits.
@@ -269,6 +283,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_output_placeholders = 0  # a token in flight is dropped and sampled again later
         request.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.add(request)
@@ -345,10 +360,13 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # finished (aborted) while the step ran
-            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
             i = row.get(req_id)
             sampled = model_runner_output.sampled_token_ids[i] if i is not None else []
+            if sampled:
+                request.num_output_placeholders -= 1
             new_token_ids = self._append_and_check_stop(request, sampled)
+            # Only tokens whose ids are known can be hashed into the prefix cache.
+            self.kv_cache_manager.cache_blocks(request, min(request.num_computed_tokens, request.num_tokens))
             new_logprobs = None
             if i is not None and model_runner_output.logprobs is not None:
                 row_logprobs = model_runner_output.logprobs[i]

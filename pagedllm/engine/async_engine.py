@@ -152,7 +152,7 @@ class AsyncLLMEngine:
 
     async def check_health(self) -> None:
         if not self.is_running:
-            raise EngineDeadError(f"engine is not running: {self._dead!r}" if self._dead else "engine is stopped")
+            raise EngineDeadError(f"engine loop crashed: {self._dead!r}" if self._dead else "engine is shut down")
 
     # -- requests ---------------------------------------------------------------------------------
     async def generate(
@@ -194,14 +194,37 @@ class AsyncLLMEngine:
         Iterate its outputs with ``stream_outputs``; the request is queued from now on.
         """
         await self.check_health()
+        stream = self.submit(request_id, prompt, sampling_params, priority, arrival_time, lora_request,
+                             tokenization_kwargs)
+        await self.wait_accepted(stream)
+        return stream
+
+    def submit(
+        self,
+        request_id: str,
+        prompt: Any,
+        sampling_params: SamplingParams,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        lora_request: Any = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+    ) -> RequestStream:
+        """Queue a request without waiting (call from the event loop); then ``await wait_accepted``."""
         loop = asyncio.get_running_loop()
         kind = getattr(sampling_params, "output_kind", RequestOutputKind.CUMULATIVE)
         stream = RequestStream(request_id, loop, kind)
+        if not self.is_running:
+            stream.put_error(EngineDeadError("engine is shut down"))
+            return stream
         arrival = time.time() if arrival_time is None else arrival_time
         with self._count_lock:
             self._pending_adds += 1
         self._commands.put(("add", stream, prompt, sampling_params, priority, arrival, lora_request,
                             tokenization_kwargs))
+        return stream
+
+    async def wait_accepted(self, stream: RequestStream) -> None:
+        """Wait until the engine took the request; raise its validation error if it refused it."""
         try:
             await stream.accepted.wait()
         except asyncio.CancelledError:
@@ -209,7 +232,6 @@ class AsyncLLMEngine:
             raise
         if stream.error is not None:
             raise stream.error
-        return stream
 
     async def stream_outputs(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
         """The outputs of an accepted request; leaving early aborts it."""
@@ -360,7 +382,6 @@ class AsyncLLMEngine:
             deadline = time.monotonic() + 10.0
             while self.engine.has_unfinished_requests() and time.monotonic() < deadline:
                 self._deliver(self.engine.step())
-        self._dead = self._dead or EngineDeadError("engine is shut down")
         self._fail_all(EngineDeadError("engine is shut down"))
 
 

@@ -72,6 +72,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
             "kv_cache_memory": args.kv_cache_memory,
             "gpu_memory_utilization": args.gpu_memory_utilization,
             "num_gpu_blocks_override": args.num_gpu_blocks_override,
+            "async_scheduling": on_gpu if args.async_scheduling is None else args.async_scheduling,
         },
     )
 

@@ -2,6 +2,12 @@
 
 Owns the scheduler (pure Python) and the model runner (tensors); the only things crossing
 between them are SchedulerOutput and ModelRunnerOutput (DESIGN rule 2).
+
+With async scheduling (the default on CUDA) one step is kept in flight: step() schedules and
+launches step N, then waits for step N-1's tokens and applies them. The CPU work of a step
+(scheduling, input preparation, output processing) thus overlaps the GPU's work on the previous
+one; the scheduler counts each in-flight sampled token as a placeholder so that step N can
+already compute it, and the runner feeds its id to step N on the GPU.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ import time
 import torch
 
 from pagedllm.config import CacheConfig, EngineConfig
-from pagedllm.core.sched_output import EngineCoreOutput
+from pagedllm.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.request import Request, RequestStatus
 from pagedllm.worker.model_runner import ModelRunner
@@ -35,6 +41,8 @@ class EngineCore:
         self.cache_config = cache_config
         self.scheduler = Scheduler(config.scheduler_config, cache_config)
         self.runner.warm_up()
+        self.async_scheduling = bool(config.extra.get("async_scheduling", config.device.startswith("cuda")))
+        self._in_flight = None  # (SchedulerOutput, StepHandle) of the step still on the GPU
         # Cumulative wall time per phase (seconds), for profiling the CPU share of a step.
         self.step_timings: dict[str, float] = {"schedule": 0.0, "execute": 0.0, "update": 0.0, "steps": 0}
         logger.info(
@@ -60,9 +68,17 @@ class EngineCore:
         t0 = time.perf_counter()
         sched_out = self.scheduler.schedule()
         t1 = time.perf_counter()
-        runner_out = self.runner.execute_model(sched_out)
+        handle = self.runner.execute_model_async(sched_out)
+        if self.async_scheduling:
+            (done_out, done_handle), self._in_flight = self._in_flight or (None, None), (sched_out, handle)
+        else:
+            done_out, done_handle = sched_out, handle
+        if done_handle is None:  # first async step: nothing back from the GPU yet
+            done_out, runner_out = SchedulerOutput(), ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        else:
+            runner_out = done_handle.result()
         t2 = time.perf_counter()
-        outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        outputs = self.scheduler.update_from_output(done_out, runner_out)
         t3 = time.perf_counter()
         timings = self.step_timings
         timings["schedule"] += t1 - t0
@@ -72,7 +88,8 @@ class EngineCore:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        in_flight = self._in_flight is not None and not self._in_flight[0].is_empty
+        return self.scheduler.has_unfinished_requests() or in_flight or self.scheduler.has_finished_requests()
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_requests()

@@ -37,6 +37,8 @@ class LLMEngine:
         self.engine_core = EngineCore(config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._pending_abort_outputs: list[RequestOutput] = []
+        # First sequence id -> its n / best_of siblings, queued once it has computed the prompt.
+        self._waiting_siblings: dict[str, list[Request]] = {}
         self.eos_token_id = self._eos_token_id()
 
     @classmethod
@@ -83,29 +85,55 @@ class LLMEngine:
         if self.tokenizer is None and (params.stop or params.bad_words):
             raise ValueError("stop strings and bad_words need a tokenizer (the engine was started with skip_tokenizer_init)")
         prompt_text, prompt_ids = tokenize_prompt(prompt, self.tokenizer, tokenization_kwargs)
+        params = params.clone()  # the engine fills private fields; the caller's object stays as given
         max_tokens = validate_prompt(prompt_ids, params, self.model_config.vocab_size, self.model_config.max_model_len)
+        params._eos_token_id = self.eos_token_id
         if params.bad_words:
             params._bad_words_token_ids = self._bad_words_ids(params.bad_words)
         arrival = time.time() if arrival_time is None else arrival_time
         num_seqs = params.best_of or params.n
         child_ids = [request_id] if num_seqs == 1 else [f"{i}_{request_id}" for i in range(num_seqs)]
         parent = ParentRequest(request_id, params, child_ids, params.n) if num_seqs > 1 else None
+        requests = []
         for index, child_id in enumerate(child_ids):
-            child_params = params if num_seqs == 1 else self._child_params(params, index, num_seqs)
+            child_params = params if num_seqs == 1 else self._child_params(params, index)
             state = RequestState(child_id, parent.request_id if parent else None, index, prompt_text, prompt_ids,
-                                 child_params, self.tokenizer, params.output_kind)
+                                 child_params, self.tokenizer, params.output_kind,
+                                 hide_logprobs=params.logprobs is None)
             self.output_processor.add_request(state, parent)
-            request = Request(child_id, prompt_ids, child_params, self.eos_token_id, arrival, priority, max_tokens)
-            self.engine_core.add_request(request)
+            requests.append(Request(child_id, prompt_ids, child_params, self.eos_token_id, arrival, priority, max_tokens))
+        self._add_sequences(requests)
+
+    def _add_sequences(self, requests: list[Request]) -> None:
+        """Queue a user request's sequences. Siblings (n / best_of > 1) wait until the first has
+        computed the prompt, so that they find its full blocks in the prefix cache and share them
+        instead of each computing the prompt again (they start one step later)."""
+        first, siblings = requests[0], requests[1:]
+        shareable = first.num_prompt_tokens > self.config.cache_config.block_size
+        self.engine_core.add_request(first)
+        if siblings and shareable and self.config.cache_config.enable_prefix_caching:
+            self._waiting_siblings[first.request_id] = siblings
+        else:
+            for request in siblings:
+                self.engine_core.add_request(request)
+
+    def _release_siblings(self, core_outputs) -> None:
+        """Queue the siblings of every first sequence that produced its first token (or ended)."""
+        for out in core_outputs:
+            if out.req_id in self._waiting_siblings and (out.new_token_ids or out.finished):
+                for request in self._waiting_siblings.pop(out.req_id):
+                    self.engine_core.add_request(request)
 
     @staticmethod
-    def _child_params(params: SamplingParams, index: int, num_seqs: int) -> SamplingParams:
+    def _child_params(params: SamplingParams, index: int) -> SamplingParams:
         child = params.clone()
         child.n, child.best_of = 1, None
         if params.seed is not None:
             child.seed = params.seed + index
         if params.best_of is not None and params.best_of > params.n and child.logprobs is None:
-            child.logprobs = 0  # best_of ranks sequences by cumulative logprob
+            child.logprobs = 0  # best_of ranks sequences by cumulative logprob (hidden from the user)
+        if index > 0:
+            child.prompt_logprobs = None  # reported once, from the first sequence
         return child
 
     def _check_logprobs(self, params: SamplingParams) -> None:
@@ -116,12 +144,17 @@ class LLMEngine:
                 raise ValueError(f"{name} must be <= max_logprobs ({limit}), got {v}")
 
     def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
-        ids = []
+        """Token sequences to ban, as vLLM: each word without leading space, plus its
+        leading-space form when that is a different first token of the same length (the word
+        in the middle of a text)."""
+        ids: list[list[int]] = []
         for w in words:
-            for variant in (w, " " + w.lstrip()):
-                toks = self.tokenizer.encode(variant, add_special_tokens=False)
-                if toks and toks not in ids:
-                    ids.append(toks)
+            bare = self.tokenizer.encode(w.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + w.lstrip(), add_special_tokens=False)
+            if bare:
+                ids.append(bare)
+            if spaced and (not bare or (spaced[0] != bare[0] and len(spaced) == len(bare))):
+                ids.append(spaced)
         return ids
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
@@ -130,6 +163,8 @@ class LLMEngine:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         live = [r for r in ids if self.output_processor.has_request(r)]
         seq_ids = [c for r in live for c in self.output_processor.child_ids(r)]
+        for seq_id in seq_ids:
+            self._waiting_siblings.pop(seq_id, None)
         self.engine_core.abort_requests(seq_ids)
         self._pending_abort_outputs.extend(self.output_processor.finish_aborted(live))
 
@@ -140,6 +175,8 @@ class LLMEngine:
             core_outputs = self.engine_core.step()
             request_outputs, stopped = self.output_processor.process_outputs(core_outputs)
             self.engine_core.finish_stopped(stopped)
+            if self._waiting_siblings:
+                self._release_siblings(core_outputs)
             outputs.extend(request_outputs)
         return outputs
 
@@ -147,4 +184,5 @@ class LLMEngine:
         return bool(self._pending_abort_outputs) or self.engine_core.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
-        return self.engine_core.get_num_unfinished_requests()
+        waiting = sum(len(v) for v in self._waiting_siblings.values())
+        return self.engine_core.get_num_unfinished_requests() + waiting

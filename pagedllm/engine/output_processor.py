@@ -29,8 +29,11 @@ class ParentRequest:
 
 
 class RequestState:
+    """One sequence's output so far. With ``hide_logprobs`` (best_of's internal logprobs=0, not
+    asked for by the user) only the cumulative logprob is kept, for ranking, and none is reported."""
+
     def __init__(self, request_id, parent_id, index, prompt, prompt_token_ids, params: SamplingParams,
-                 tokenizer, output_kind: RequestOutputKind) -> None:
+                 tokenizer, output_kind: RequestOutputKind, hide_logprobs: bool = False) -> None:
         self.request_id = request_id
         self.parent_id = parent_id
         self.index = index
@@ -46,7 +49,10 @@ class RequestState:
         self.tokenizer = tokenizer
         self.token_ids: list[int] = []
         self.text = ""
-        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.hide_logprobs = hide_logprobs
+        self.logprobs: list[dict[int, Logprob]] | None = (
+            [] if params.logprobs is not None and not hide_logprobs else None
+        )
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
             [None] if params.prompt_logprobs is not None else None
         )
@@ -66,15 +72,19 @@ class RequestState:
         """Apply one step's output; return True when a stop string finished the sequence here."""
         self.token_ids.extend(out.new_token_ids)
         self.num_cached_tokens = out.num_cached_tokens
-        if out.new_logprobs and self.logprobs is not None:
+        if out.new_logprobs and self.cumulative_logprob is not None:
             for lp in out.new_logprobs:
-                self.logprobs.append(self._to_logprob_dict(lp))
                 self.cumulative_logprob += lp.logprobs[0]
+                if self.logprobs is not None:
+                    self.logprobs.append(self._to_logprob_dict(lp))
         if out.new_prompt_logprobs and self.prompt_logprobs is not None:
             self.prompt_logprobs.extend(self._to_logprob_dict(lp) for lp in out.new_prompt_logprobs)
+        new_ids = out.new_token_ids
+        if out.finish_reason == "stop" and not self.params.include_stop_str_in_output:
+            new_ids = new_ids[:-1]  # the EOS / stop id that ended it stays out of the text (vLLM)
         stopped_by_string = False
-        if self.detok is not None and out.new_token_ids:
-            delta = self.detok.add_tokens(out.new_token_ids)
+        if self.detok is not None and new_ids:
+            delta = self.detok.add_tokens(new_ids)
             stopped_by_string = self._append_text(delta)
         if stopped_by_string:
             return True
@@ -120,7 +130,8 @@ class RequestState:
             logprobs = list(logprobs) if logprobs is not None else None
         self.sent_text, self.sent_tokens = visible, len(self.token_ids)
         return CompletionOutput(
-            index=self.index, text=text, token_ids=token_ids, cumulative_logprob=self.cumulative_logprob,
+            index=self.index, text=text, token_ids=token_ids,
+            cumulative_logprob=None if self.hide_logprobs else self.cumulative_logprob,
             logprobs=logprobs, finish_reason=self.finish_reason, stop_reason=self.stop_reason,
         )
 
@@ -177,8 +188,9 @@ class OutputProcessor:
         children = [self.states[c] for c in child_ids]
         finished = all(c.finished for c in children)
         first = children[0]
-        if first.output_kind == RequestOutputKind.FINAL_ONLY and not finished:
-            return None
+        if not finished and (first.output_kind == RequestOutputKind.FINAL_ONLY
+                             or (parent is not None and parent.n < len(children))):
+            return None  # best_of > n streams nothing: which sequences survive is known at the end
         if parent is not None and finished and parent.n < len(children):
             # best_of: keep the n sequences with the highest cumulative logprob, best first.
             children = sorted(children, key=lambda s: s.cumulative_logprob or 0.0, reverse=True)[: parent.n]

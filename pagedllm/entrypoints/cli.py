@@ -24,7 +24,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
             continue
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
-        if f.name in _BOOL_PAIRS:
+        if f.name in _BOOL_PAIRS or f.name == "async_scheduling":
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default)
         elif isinstance(default, bool):
             parser.add_argument(flag, dest=f.name, action="store_true", default=default)

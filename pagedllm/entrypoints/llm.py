@@ -8,7 +8,9 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from pagedllm.config import EngineArgs
+from pagedllm.engine.input_processor import tokenize_prompt
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
@@ -72,6 +74,30 @@ class LLM:
         finally:
             bar.close()
         return [results[r] for r in ids]
+
+    def beam_search(self, prompts: Any, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's beam search: one BeamSearchOutput per prompt whose ``sequences`` (prompt + generated
+        ``tokens``, their decoded ``text``, ``cum_logprob``) are the best ``beam_width`` beams, best
+        first. Each step runs every live beam as a one-token request; beams of a prompt share their
+        common prefix's KV blocks through the prefix cache."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        engine = self.llm_engine
+        if 2 * params.beam_width > engine.config.max_logprobs:
+            raise ValueError(f"beam_width must be <= max_logprobs / 2 ({engine.config.max_logprobs // 2}), "
+                             f"got {params.beam_width}")
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompt_ids = [tokenize_prompt(p, engine.tokenizer)[1] for p in prompts]
+        step_params = SamplingParams(max_tokens=1, logprobs=2 * params.beam_width, temperature=params.temperature,
+                                     detokenize=False)
+
+        def step(beams: list[list[int]]) -> list[dict]:
+            outs = self.generate([{"prompt_token_ids": b} for b in beams], step_params, use_tqdm=use_tqdm)
+            return [(o.outputs[0].logprobs or [{}])[0] for o in outs]
+
+        decode = engine.tokenizer.decode if engine.tokenizer is not None else None
+        return run_beam_search(step, prompt_ids, params, engine.eos_token_id, engine.model_config.max_model_len, decode)
 
     def chat(
         self,

@@ -1,14 +1,17 @@
 """Vectorised sampling over the batch: logits -> (token ids, logprobs).
 
-One pass for the whole batch, no Python loop over the vocabulary: logits processors (penalties,
-bias, masks) -> temperature -> top-k / top-p / min-p masks -> draw. Greedy rows take the argmax.
-Random rows draw by the exponential race (argmax of p / E with E ~ Exp(1)), which equals sampling
-from p. Rows with a seed draw their noise from a generator seeded by (seed, output position), so
-a seeded request produces the same tokens whatever else is in the batch and across preemption.
+One pass for the whole batch, in vLLM's order: raw logprobs (if asked) -> logits processors
+(allowed ids, bad words, min_tokens, logit bias, penalties; see logits_processors.py) -> greedy
+argmax -> temperature -> min-p -> top-k / top-p -> draw. Greedy rows take the argmax of the
+processed logits. Random rows draw by the exponential race (argmax of p / E with E ~ Exp(1)),
+which equals sampling from p. Rows with a seed draw their noise from a generator seeded by
+(seed, output position), so a seeded request produces the same tokens whatever else is in the
+batch and across preemption.
 
 Logprobs follow vLLM's default ("raw logprobs"): log_softmax of the model's logits before any
-processing. Cost: O(B*V) elementwise work, plus one sort of [B, V] only when some row uses
-top-k/top-p.
+processing. Cost: O(B*V) elementwise work per enabled feature; one sort of [B, V] only when some
+row uses top-p (top-k alone uses topk(max k)); one extra softmax when some row uses min-p. No
+host sync beyond reading the sampled ids (the metadata is built on the host beforehand).
 """
 
 from __future__ import annotations
@@ -17,9 +20,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedllm.sample.history import TokenHistory
+from pagedllm.sample.logits_processors import build_logits_processors
+from pagedllm.sample.logprobs import gather_logprobs
+from pagedllm.sample.triton_sampling import fused_available, gumbel_argmax
 from pagedllm.sampling_params import SamplingParams
 
 _SEED_MIX = 0x9E3779B97F4A7C15
+_GREEDY_EPS = 1e-5
 
 
 @dataclass
@@ -34,34 +42,51 @@ class SamplingMetadata:
     min_p: torch.Tensor | None  # float32 [B]; None when no row uses it
     seeded_rows: list[tuple[int, int]] = field(default_factory=list)  # (row, per-step seed)
     max_num_logprobs: int | None = None  # largest k among rows that asked for logprobs
-    logits_processors: list = field(default_factory=list)  # callables (logits) -> logits, in place ok
+    # Callables (logits) -> logits, in place ok, applied in order before temperature. The built-in
+    # ones (logits_processors.py) come first; callers may append their own.
+    logits_processors: list = field(default_factory=list)
+    max_top_k: int = 0  # largest top_k of any row (host copy: no device sync to size topk)
+
+
+def host_to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a device tensor without waiting for the GPU: through pinned memory
+    and an asynchronous copy (a plain ``torch.tensor(..., device="cuda")`` synchronises the
+    stream, which would stall the CPU behind the step in flight)."""
+    t = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def build_sampling_metadata(
-    params: list[SamplingParams], output_positions: list[int], device: torch.device
+    params: list[SamplingParams], history: TokenHistory, device: torch.device, vocab_size: int
 ) -> SamplingMetadata:
-    """Gather the per-request knobs into tensors. ``output_positions[i]`` is the index of the token
-    row i is about to produce (its number of output tokens so far)."""
-    greedy = [p.temperature < 1e-5 for p in params]
+    """Gather the per-request knobs into tensors; ``history`` holds row i's tokens so far (it also
+    gives the output position each seeded row draws its noise for). Cost: O(B) host work plus
+    whatever the needed logits processors cost (nothing for a plain batch)."""
+    greedy = [p.temperature < _GREEDY_EPS for p in params]
     temps = [1.0 if g else p.temperature for g, p in zip(greedy, params)]
-    use_top_k = any(p.top_k > 0 for p in params)
+    top_k = [p.top_k for p in params]
     use_top_p = any(p.top_p < 1.0 for p in params)
     use_min_p = any(p.min_p > 0.0 for p in params)
+    positions = history.output_positions.tolist()
     seeded = [
         (i, _step_seed(p.seed, pos))
-        for i, (p, pos, g) in enumerate(zip(params, output_positions, greedy))
+        for i, (p, pos, g) in enumerate(zip(params, positions, greedy))
         if p.seed is not None and not g
     ]
     k = [p.logprobs for p in params if p.logprobs is not None]
     return SamplingMetadata(
-        temperature=torch.tensor(temps, dtype=torch.float32, device=device),
-        greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+        temperature=host_to_device(temps, torch.float32, device),
+        greedy=host_to_device(greedy, torch.bool, device),
         all_greedy=all(greedy),
-        top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device) if use_top_k else None,
-        top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device) if use_top_p else None,
-        min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device) if use_min_p else None,
+        top_k=host_to_device(top_k, torch.int64, device) if max(top_k, default=0) > 0 else None,
+        top_p=host_to_device([p.top_p for p in params], torch.float32, device) if use_top_p else None,
+        min_p=host_to_device([p.min_p for p in params], torch.float32, device) if use_min_p else None,
         seeded_rows=seeded,
         max_num_logprobs=max(k) if k else None,
+        logits_processors=build_logits_processors(params, history, vocab_size, device),
+        max_top_k=max(top_k, default=0),
     )
 
 
@@ -86,6 +111,7 @@ class Sampler:
         self.generator.manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """Sample one token per row. May modify ``logits`` in place when it is already float32."""
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.max_num_logprobs is not None else None
         for proc in meta.logits_processors:
@@ -93,19 +119,18 @@ class Sampler:
         token_ids = self._sample(logits, meta)
         out = SamplerOutput(token_ids=token_ids)
         if raw_logprobs is not None:
-            self._gather_logprobs(raw_logprobs, token_ids, meta.max_num_logprobs, out)
+            out.logprob_token_ids, out.logprobs, out.sampled_ranks = gather_logprobs(
+                raw_logprobs, token_ids, meta.max_num_logprobs
+            )
         return out
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        greedy_ids = logits.argmax(dim=-1)
         if meta.all_greedy:
-            return greedy_ids
-        logits = logits / meta.temperature.unsqueeze(1)
-        logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
-        probs = torch.softmax(logits, dim=-1)
-        if meta.min_p is not None:
-            keep = probs >= meta.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
-            probs = probs * keep
+            return logits.argmax(dim=-1)
+        if meta.top_k is None and meta.top_p is None and meta.min_p is None and fused_available(logits):
+            return gumbel_argmax(logits, meta.temperature, meta.greedy, self._row_seeds(meta, logits))
+        greedy_ids = logits.argmax(dim=-1)
+        probs = processed_probs(logits, meta)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, seed in meta.seeded_rows:
             gen = torch.Generator(device=probs.device)
@@ -114,35 +139,70 @@ class Sampler:
         random_ids = (probs / noise).argmax(dim=-1)
         return torch.where(meta.greedy, greedy_ids, random_ids)
 
-    @staticmethod
-    def _gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int, out: SamplerOutput) -> None:
-        sampled = logprobs.gather(1, token_ids.unsqueeze(1))
-        out.sampled_ranks = (logprobs > sampled).sum(dim=-1) + 1
-        if k > 0:
-            top_lp, top_ids = logprobs.topk(k, dim=-1)
-            out.logprob_token_ids = torch.cat([token_ids.unsqueeze(1), top_ids], dim=1)
-            out.logprobs = torch.cat([sampled, top_lp], dim=1)
-        else:
-            out.logprob_token_ids = token_ids.unsqueeze(1)
-            out.logprobs = sampled
+
+    def _row_seeds(self, meta: SamplingMetadata, logits: torch.Tensor) -> torch.Tensor:
+        """Philox seeds for the fused GPU draw: a fresh random base per step (from this sampler's
+        generator, on the device: no sync) plus the row index; seeded rows use their own seed."""
+        rows = logits.shape[0]
+        base = torch.randint(0, 2**62, (1,), generator=self.generator, device=logits.device)
+        seeds = base + torch.arange(rows, device=logits.device)
+        if meta.seeded_rows:
+            idx, vals = zip(*meta.seeded_rows)
+            seeds[host_to_device(list(idx), torch.int64, logits.device)] = host_to_device(list(vals), torch.int64,
+                                                                                            logits.device)
+        return seeds
+
+
+def processed_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """The distribution random rows draw from: softmax after temperature, min-p, top-k, top-p
+    (``logits`` already went through the logits processors)."""
+    logits = logits / meta.temperature.unsqueeze(1)
+    if meta.min_p is not None:
+        logits = apply_min_p(logits, meta.min_p)
+    logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p, meta.max_top_k)
+    return torch.softmax(logits, dim=-1)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens whose probability is below ``min_p`` times the row's top probability."""
+    probs = torch.softmax(logits, dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < threshold, float("-inf"))
 
 
 def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, max_top_k: int = 0
 ) -> torch.Tensor:
-    """Mask (to -inf) everything outside each row's top-k and top-p nucleus. top_k 0 = off."""
+    """Mask (to -inf) everything outside each row's top-k and top-p nucleus (vLLM's rules).
+
+    top-k keeps every token whose logit is >= the k-th largest (ties kept); 0 = off. top-p then
+    drops a token when the probability mass of the tokens ranked before it, after top-k, already
+    reaches top_p (so the top token always stays).
+    """
     if top_k is None and top_p is None:
         return logits
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
-    mask = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if top_p is None and 0 < max_top_k < vocab:
+        return _apply_top_k_only(logits, top_k, max_top_k)
+    sorted_logits, order = logits.sort(dim=-1)  # ascending: the top token is last
     if top_k is not None:
-        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).clamp(max=vocab)
-        mask |= torch.arange(vocab, device=logits.device).unsqueeze(0) >= k.unsqueeze(1)
+        k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+        kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
     if top_p is not None:
-        probs = torch.softmax(sorted_logits.masked_fill(mask, float("-inf")), dim=-1)
-        # Drop a token when the mass strictly before it already reaches top_p (keeps at least one).
-        mass_before = probs.cumsum(dim=-1) - probs
-        mask |= mass_before >= top_p.unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
+        # Mass of a token and every less likely one <= 1 - top_p  <=>  the mass ranked before it
+        # reaches top_p. Summed from the tail, so top_p = 1 masks nothing despite rounding.
+        tail_mass = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        drop = tail_mass <= 1 - top_p.unsqueeze(1)
+        drop[:, -1] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _apply_top_k_only(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """top-k without a full sort: the k-th value from topk(max k). Rows with k = 0 are untouched."""
+    top_values = logits.topk(max_top_k, dim=-1).values
+    k = top_k.clamp(min=1, max=max_top_k)
+    kth = top_values.gather(1, (k - 1).unsqueeze(1))
+    kth = kth.masked_fill((top_k <= 0).unsqueeze(1), float("-inf"))
+    return logits.masked_fill(logits < kth, float("-inf"))

@@ -6,6 +6,11 @@ lives on the device, indexed by InputBatch row, and is updated incrementally: a 
 the (row, column, block id) triples of blocks added since the last step, then gathers the
 scheduled rows on the device. CUDA graphs capture views of these same device tensors.
 
+The host side is double-buffered (``begin_step`` flips sets): with async scheduling the CPU
+prepares step N+1 while step N's copies may still be queued behind step N-1 on the GPU, so it
+writes the set that step N-1 used, whose copies are known complete (the engine has waited for
+step N-1's results before preparing step N+1).
+
 Invariant: for every live InputBatch row, ``block_table[row, :n]`` on the device equals the
 host InputBatch's ``block_table[row, :n]`` once ``flush_block_updates`` has run for the step.
 Cost per step: a handful of small H2D copies, O(tokens + requests + new blocks) bytes.
@@ -13,7 +18,6 @@ Cost per step: a handful of small H2D copies, O(tokens + requests + new blocks) 
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 _FLAT_FIELDS = {
@@ -25,6 +29,9 @@ _FLAT_FIELDS = {
     "seq_lens": (torch.int32, "reqs"),
     "rows": (torch.int64, "reqs"),
     "logits_indices": (torch.int64, "reqs"),
+    # Async scheduling: token index in this step <- index into the previous step's sampled ids.
+    "pending_dst": (torch.int64, "reqs"),
+    "pending_src": (torch.int64, "reqs"),
 }
 
 
@@ -33,19 +40,33 @@ class DeviceInputs:
         self.device = device
         pin = device.type == "cuda"
         sizes = {"tokens": max_tokens, "reqs": max_reqs, "reqs+1": max_reqs + 1}
-        self.host: dict[str, torch.Tensor] = {}
-        self.np: dict[str, np.ndarray] = {}
-        self.dev: dict[str, torch.Tensor] = {}
-        for name, (dtype, size_key) in _FLAT_FIELDS.items():
-            host = torch.zeros(sizes[size_key], dtype=dtype, pin_memory=pin)
-            self.host[name] = host
-            self.np[name] = host.numpy()
-            self.dev[name] = host if not pin else torch.zeros_like(host, device=device)
+        num_sets = 2 if pin else 1
+        self._host_sets = [
+            {name: torch.zeros(sizes[key], dtype=dtype, pin_memory=pin) for name, (dtype, key) in _FLAT_FIELDS.items()}
+            for _ in range(num_sets)
+        ]
+        self._np_sets = [{name: t.numpy() for name, t in hs.items()} for hs in self._host_sets]
+        self._set = 0
+        self.dev: dict[str, torch.Tensor] = {
+            name: (host if not pin else torch.zeros_like(host, device=device))
+            for name, host in self._host_sets[0].items()
+        }
+        self._select_set(0)
         # Block table by InputBatch row (persistent), and the per-step gathered copy (batch order).
         self.row_block_table = torch.zeros((max_reqs, max_blocks_per_req), dtype=torch.int32, device=device)
         self.block_tables = torch.zeros((max_reqs, max_blocks_per_req), dtype=torch.int32, device=device)
         self._pending: list[tuple[int, int, list[int]]] = []  # (row, first column, block ids)
-        self._upd_host = torch.zeros((3, max_reqs * max_blocks_per_req), dtype=torch.int64, pin_memory=pin)
+        self._upd_hosts = [torch.zeros((3, max_reqs * max_blocks_per_req), dtype=torch.int64, pin_memory=pin)
+                           for _ in range(num_sets)]
+
+    def _select_set(self, index: int) -> None:
+        self._set = index
+        self.host = self._host_sets[index]
+        self.np = self._np_sets[index]
+
+    def begin_step(self) -> None:
+        """Switch to the other host staging set (see the module docstring)."""
+        self._select_set((self._set + 1) % len(self._host_sets))
 
     def to_device(self, name: str, n: int) -> torch.Tensor:
         """Copy the first ``n`` staged entries of ``name`` to the device; return the device view."""
@@ -70,9 +91,9 @@ class DeviceInputs:
             ids.extend(blocks)
         self._pending.clear()
         n = len(ids)
-        if n > self._upd_host.shape[1]:  # a resume of many long requests at once: grow once
-            self._upd_host = torch.zeros((3, n), dtype=torch.int64, pin_memory=self.device.type == "cuda")
-        upd = self._upd_host[:, :n]
+        if n > self._upd_hosts[self._set].shape[1]:  # a resume of many long requests at once: grow once
+            self._upd_hosts[self._set] = torch.zeros((3, n), dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        upd = self._upd_hosts[self._set][:, :n]
         upd.numpy()[:] = (rows, cols, ids)
         upd_dev = upd.to(self.device, non_blocking=True)
         self.row_block_table[upd_dev[0], upd_dev[1]] = upd_dev[2].to(torch.int32)

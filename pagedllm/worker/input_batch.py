@@ -27,6 +27,10 @@ class InputBatch:
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        # Tokens sampled by a step still on the GPU (async scheduling): at most one per row.
+        self.num_pending = np.zeros(max_num_reqs, dtype=np.int64)
+        # Bumped on every add: a late result for a row that was freed and reused is recognised.
+        self.generation = np.zeros(max_num_reqs, dtype=np.int64)
         self.params: list[SamplingParams | None] = [None] * max_num_reqs
         self.req_id_to_row: dict[str, int] = {}
         self.free_rows: list[int] = list(range(max_num_reqs - 1, -1, -1))
@@ -43,6 +47,8 @@ class InputBatch:
         self.block_table[row, : len(new.block_ids)] = new.block_ids
         self.num_blocks[row] = len(new.block_ids)
         self.params[row] = new.sampling_params
+        self.num_pending[row] = 0
+        self.generation[row] += 1
         self.req_id_to_row[new.req_id] = row
         return row
 

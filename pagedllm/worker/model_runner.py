@@ -18,11 +18,22 @@ import torch
 from pagedllm.attention.backend import AttentionMetadata, forward_context, get_attention_backend
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from pagedllm.sample.history import TokenHistory
+from pagedllm.sample.logprobs import prompt_logprobs
 from pagedllm.sample.sampler import Sampler, SamplerOutput, build_sampling_metadata
 from pagedllm.worker import kv_cache as kvc
 from pagedllm.worker.cuda_graph import CUDAGraphRunner
 from pagedllm.worker.device_inputs import DeviceInputs
 from pagedllm.worker.input_batch import InputBatch
+
+
+def needs_token_history(params) -> bool:
+    """Whether sampling reads the request's exact past token ids (not just their count)."""
+    return bool(
+        params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0
+        or params._bad_words_token_ids
+    )
+
 
 logger = logging.getLogger("pagedllm")
 
@@ -63,10 +74,19 @@ class ModelRunner:
         sc = config.scheduler_config
         self.max_blocks_per_req = (self.max_model_len + self.block_size - 1) // self.block_size
         self.input_batch = InputBatch(sc.max_num_seqs, self.max_model_len, self.max_blocks_per_req)
+        # req_id -> prompt positions whose logprobs were already reported (survives preemption).
+        self.prompt_logprobs_done: dict[str, int] = {}
         self.inputs = DeviceInputs(max(sc.max_num_batched_tokens, sc.max_num_seqs), sc.max_num_seqs,
                                    self.max_blocks_per_req, self.device)
         self.graph_runner: CUDAGraphRunner | None = None
         self.timings: dict[str, float] = {"prepare": 0.0}
+        self._last_handle: StepHandle | None = None
+        self._last_sampled: torch.Tensor | None = None  # device ids of the last launched step
+        # Row -> index of that row's token in ``_last_sampled`` (-1: it sampled nothing then).
+        self._last_sample_index = np.full(sc.max_num_seqs, -1, dtype=np.int64)
+        # Rows whose sampling reads their exact token history (penalties, bad words): a step with
+        # such a row first waits for the previous step's tokens.
+        self._needs_history = np.zeros(sc.max_num_seqs, dtype=bool)
 
     # -- KV cache --------------------------------------------------------------------------
     def block_bytes(self) -> int:
@@ -137,9 +157,18 @@ class ModelRunner:
     # -- one step --------------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and wait for its tokens."""
+        return self.execute_model_async(so).result()
+
+    def execute_model_async(self, so: SchedulerOutput) -> StepHandle:
+        """Launch one step on the device and return at once (on CUDA nothing here waits for the
+        GPU unless a request needs the exact token history, e.g. penalties). ``result()`` of the
+        returned handle waits for the sampled tokens."""
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            return StepHandle.empty()
+        if self._last_handle is not None and self._history_needed(so):
+            self._last_handle.result()  # penalties etc. need the previous step's tokens on the host
         t0 = time.perf_counter()
         inp = self._prepare_inputs(so)
         self.timings["prepare"] += time.perf_counter() - t0
@@ -148,29 +177,61 @@ class ModelRunner:
         else:
             with forward_context(inp.attn_metadata, self.backend):
                 hidden = self.model(inp.input_ids, inp.positions)
-        sample_reqs = [inp.req_ids[i] for i in inp.sample_req_idx]
-        sampled: list[list[int]] = [[] for _ in inp.req_ids]
-        logprobs_out: list[list[TokenLogprobs] | None] | None = None
-        if sample_reqs:
+        handle = StepHandle(self, inp.req_ids, inp.sample_req_idx)
+        if inp.sample_req_idx:
             logits = self.model.compute_logits(hidden[inp.logits_indices])
-            rows = [self.input_batch.req_id_to_row[r] for r in sample_reqs]
+            rows = [self.input_batch.req_id_to_row[inp.req_ids[i]] for i in inp.sample_req_idx]
             params = [self.input_batch.params[r] for r in rows]
-            out_pos = [int(self.input_batch.num_tokens[r] - self.input_batch.num_prompt_tokens[r]) for r in rows]
-            meta = build_sampling_metadata(params, out_pos, self.device)
-            result = self.sampler(logits, meta)
-            token_ids = result.token_ids.tolist()
-            for i, row, tok in zip(inp.sample_req_idx, rows, token_ids):
-                self.input_batch.append_token(row, tok)
-                sampled[i] = [tok]
-            logprobs_out = self._logprobs_lists(result, inp.sample_req_idx, params, len(inp.req_ids))
-        return ModelRunnerOutput(req_ids=inp.req_ids, sampled_token_ids=sampled, logprobs=logprobs_out)
+            result = self._sample(logits, rows, params)
+            handle.launch_copies(result, rows, params)
+            self._last_sampled = result.token_ids
+            self._last_sample_index[:] = -1
+            self._last_sample_index[rows] = np.arange(len(rows))
+        handle.prompt_logprobs = self._prompt_logprobs(hidden, inp, so)
+        self._last_handle = handle
+        return handle
+
+    def _sample(self, logits: torch.Tensor, rows: list[int], params: list) -> SamplerOutput:
+        batch = self.input_batch
+        rows_np = np.asarray(rows, dtype=np.int64)
+        # Counts include a token still in flight (async scheduling) so positions (seeds, min_tokens)
+        # are exact; rows that read the ids themselves waited for it (see _history_needed).
+        num_tokens = batch.num_tokens[rows_np] + batch.num_pending[rows_np]
+        history = TokenHistory(batch.token_ids, rows_np, batch.num_prompt_tokens[rows_np], num_tokens)
+        meta = build_sampling_metadata(params, history, self.device, logits.shape[-1])
+        return self.sampler(logits, meta)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, inp: PreparedInputs, so: SchedulerOutput):
+        """Raw logprobs of the prompt tokens predicted by positions computed this step, for requests
+        with prompt_logprobs (position p predicts prompt token p + 1; the last prompt position
+        samples instead). Positions reported before a preemption are not reported again."""
+        batch, out = self.input_batch, {}
+        for i, req_id in enumerate(inp.req_ids):
+            row = batch.req_id_to_row[req_id]
+            k = batch.params[row].prompt_logprobs
+            if k is None:
+                continue
+            end = int(batch.num_computed_tokens[row])  # already advanced past this step
+            chunk_start = end - so.num_scheduled_tokens[req_id]
+            start = max(chunk_start, self.prompt_logprobs_done.get(req_id, 0))
+            stop = min(end, int(batch.num_prompt_tokens[row]) - 1)
+            if start >= stop:
+                continue
+            first = inp.attn_metadata.query_start_loc_cpu[i] + start - chunk_start
+            next_ids = torch.from_numpy(batch.token_ids[row, start + 1 : stop + 1].copy()).to(hidden.device)
+            out[req_id] = prompt_logprobs(hidden[first : first + stop - start], self.model.compute_logits, next_ids, k)
+            self.prompt_logprobs_done[req_id] = stop
+        return out
 
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.input_batch
         for req_id in so.finished_req_ids | so.preempted_req_ids:
             batch.remove(req_id)
+        for req_id in so.finished_req_ids:
+            self.prompt_logprobs_done.pop(req_id, None)
         for new in so.scheduled_new_reqs:
             row = batch.add(new)
+            self._needs_history[row] = needs_token_history(new.sampling_params)
             self.inputs.queue_block_update(row, 0, new.block_ids)
         for cached in so.scheduled_cached_reqs:
             row = batch.req_id_to_row[cached.req_id]
@@ -181,6 +242,7 @@ class ModelRunner:
     def _prepare_inputs(self, so: SchedulerOutput) -> PreparedInputs:
         """Gather the scheduled rows into flat inputs (vectorised numpy into the staging buffers),
         pad a pure-decode batch to a captured graph size, and copy everything to the device."""
+        self.inputs.begin_step()
         batch, stage = self.input_batch, self.inputs.np
         req_ids = list(so.num_scheduled_tokens.keys())
         num_reqs = len(req_ids)
@@ -203,7 +265,9 @@ class ModelRunner:
         )
         stage["seq_lens"][:num_reqs] = seq_lens
         stage["rows"][:num_reqs] = rows
-        sample_idx = np.nonzero(seq_lens == batch.num_tokens[rows])[0]
+        known = batch.num_tokens[rows]
+        sample_idx = np.nonzero(seq_lens == known + batch.num_pending[rows])[0]
+        self._stage_pending_tokens(rows, start, seq_lens, known, qsl[:num_reqs])
         stage["logits_indices"][: len(sample_idx)] = qsl[1:][sample_idx] - 1
         # After this step these tokens are computed (the scheduler sends the authoritative value).
         batch.num_computed_tokens[rows] = seq_lens
@@ -213,6 +277,21 @@ class ModelRunner:
             n_tok = n_req = graph_size
             self._pad_decode_batch(total, num_reqs, graph_size)
         return self._to_device_inputs(req_ids, sample_idx, n_tok, n_req, total, max_query_len, seq_lens, graph_size)
+
+    def _stage_pending_tokens(self, rows, start, seq_lens, known, first_token) -> None:
+        """Rows whose next input token was sampled by the step still in flight: stage (index in
+        this step's input_ids, index in the previous step's sampled ids) pairs for a device copy."""
+        pending = np.nonzero((self.input_batch.num_pending[rows] > 0) & (known >= start) & (known < seq_lens))[0]
+        self._num_pending_copies = len(pending)
+        if len(pending):
+            stage = self.inputs.np
+            stage["pending_dst"][: len(pending)] = first_token[pending] + known[pending] - start[pending]
+            stage["pending_src"][: len(pending)] = self._last_sample_index[rows[pending]]
+
+    def _history_needed(self, so: SchedulerOutput) -> bool:
+        batch = self.input_batch
+        rows = [batch.req_id_to_row[r] for r in so.num_scheduled_tokens if r in batch.req_id_to_row]
+        return bool(self._needs_history[rows].any() and batch.num_pending[rows].any())
 
     def _graph_size(self, num_reqs: int, max_query_len: int) -> int | None:
         if self.graph_runner is None or max_query_len != 1 or num_reqs > self.graph_runner.max_size:
@@ -244,8 +323,12 @@ class ModelRunner:
             query_start_loc_cpu=self.inputs.np["query_start_loc"][: n_req + 1].tolist(),
             seq_lens_cpu=self.inputs.np["seq_lens"][:n_req].tolist(),
         )
+        input_ids = to_dev("input_ids", n_tok)
+        if self._num_pending_copies:
+            n = self._num_pending_copies
+            input_ids.index_copy_(0, to_dev("pending_dst", n), self._last_sampled[to_dev("pending_src", n)])
         return PreparedInputs(
-            input_ids=to_dev("input_ids", n_tok),
+            input_ids=input_ids,
             positions=to_dev("positions", n_tok),
             attn_metadata=meta,
             logits_indices=to_dev("logits_indices", len(sample_idx)),
@@ -269,3 +352,67 @@ class ModelRunner:
             top_ids, top_lps = ids[j][1 : 1 + k], lps[j][1 : 1 + k]
             out[i] = [TokenLogprobs([ids[j][0], *top_ids], [lps[j][0], *top_lps], [ranks[j], *range(1, k + 1)])]
         return out
+
+
+class StepHandle:
+    """One launched step: the sampled ids (and logprobs) are being copied to pinned host memory;
+    ``result()`` waits on an event for them, applies them to the InputBatch once, and returns the
+    ModelRunnerOutput. Rows that were freed (or freed and reused) meanwhile are skipped."""
+
+    def __init__(self, runner: ModelRunner | None, req_ids: list[str], sample_req_idx: list[int]) -> None:
+        self.runner = runner
+        self.req_ids = req_ids
+        self.sample_req_idx = sample_req_idx
+        self.prompt_logprobs: dict = {}
+        self._rows: list[int] = []
+        self._gens: list[int] = []
+        self._params: list = []
+        self._host: SamplerOutput | None = None
+        self._event = None
+        self._output: ModelRunnerOutput | None = None
+
+    @classmethod
+    def empty(cls) -> StepHandle:
+        handle = cls(None, [], [])
+        handle._output = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        return handle
+
+    def launch_copies(self, result: SamplerOutput, rows: list[int], params: list) -> None:
+        batch = self.runner.input_batch
+        self._rows, self._params = rows, params
+        self._gens = [int(batch.generation[r]) for r in rows]
+        batch.num_pending[rows] += 1
+        self._host = SamplerOutput(*(_to_host(t) for t in (result.token_ids, result.logprob_token_ids,
+                                                           result.logprobs, result.sampled_ranks)))
+        if result.token_ids.is_cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def result(self) -> ModelRunnerOutput:
+        if self._output is not None:
+            return self._output
+        if self._event is not None:
+            self._event.synchronize()
+        batch = self.runner.input_batch
+        sampled: list[list[int]] = [[] for _ in self.req_ids]
+        logprobs_out = None
+        if self._host is not None:
+            token_ids = self._host.token_ids.tolist()
+            for i, row, gen, tok in zip(self.sample_req_idx, self._rows, self._gens, token_ids):
+                if batch.generation[row] == gen and batch.num_pending[row] > 0:
+                    batch.num_pending[row] -= 1
+                    batch.append_token(row, tok)
+                sampled[i] = [tok]
+            logprobs_out = ModelRunner._logprobs_lists(self._host, self.sample_req_idx, self._params, len(self.req_ids))
+        self._output = ModelRunnerOutput(req_ids=self.req_ids, sampled_token_ids=sampled, logprobs=logprobs_out,
+                                         prompt_logprobs=self.prompt_logprobs)
+        return self._output
+
+
+def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
+    """Start a device->host copy into pinned memory (no wait); CPU tensors pass through."""
+    if t is None or not t.is_cuda:
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host

@@ -132,21 +132,32 @@ def test_smollm2_text_prompts_match_transformers(smollm):
     assert tok.decode(ours[0]).startswith(" Paris")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("config_name", ["default", "chunked_16", "preempt"])
-def test_smollm2_batch_matches_transformers(smollm, config_name, request):
+@pytest.fixture(scope="module")
+def smollm_batch(smollm):
     prompts, max_tokens = make_prompts(seed=2, n=32)
     prompts = [p[:40] for p in prompts]
     max_tokens = [min(m, 10) for m in max_tokens]
-    cache = request.config.cache
-    key = "pagedllm/smollm2_refs_v1"
-    refs = cache.get(key, None)
-    if refs is None:
-        refs = [hf_greedy(smollm, p, m) for p, m in zip(prompts, max_tokens)]
-        cache.set(key, refs)
-    engine = LLMEngine.from_engine_args(EngineArgs(dtype="float32", **CONFIGS[config_name]))
+    refs = [hf_greedy(smollm, p, m) for p, m in zip(prompts, max_tokens)]
+    return prompts, max_tokens, refs
+
+
+SMOLLM_CONFIGS = {
+    # prefix caching on, every prompt chunked (16-token budget), a pool small enough to preempt
+    "prefix_chunked_preempt": dict(max_num_batched_tokens=16, max_num_seqs=16, num_gpu_blocks_override=40, block_size=4),
+    "no_prefix_cache": dict(enable_prefix_caching=False),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config_name", list(SMOLLM_CONFIGS))
+def test_smollm2_batch_matches_transformers(smollm, smollm_batch, config_name):
+    prompts, max_tokens, refs = smollm_batch
+    engine = LLMEngine.from_engine_args(EngineArgs(dtype="float32", **SMOLLM_CONFIGS[config_name]))
     ours = run_engine(engine, prompts, max_tokens)
     for i, (o, r) in enumerate(zip(ours, refs)):
         assert_greedy_match(smollm, prompts[i], o, r, f"smollm2/{config_name}/r{i}")
-    if config_name == "preempt":
-        assert engine.engine_core.scheduler.stats().num_preemptions_total > 0
+    stats = engine.engine_core.scheduler.stats()
+    if config_name == "prefix_chunked_preempt":
+        assert stats.num_preemptions_total > 0 and stats.prefix_cache_hits > 0
+    else:
+        assert stats.prefix_cache_hits == 0

@@ -1,0 +1,63 @@
+"""Profile steady-state decode steps of the nano-bench model on the GPU: per-phase CUDA times
+(graph replay, logits, sampling) and the top kernels. Run from the repo root on the device."""
+
+import random
+import sys
+import time
+
+import torch
+
+from pagedllm import LLM, SamplingParams
+
+batch = int(sys.argv[1]) if len(sys.argv) > 1 else 256
+ctx = int(sys.argv[2]) if len(sys.argv) > 2 else 1000
+llm = LLM("benchmarks/configs/qwen3-0.6b", load_format="dummy", skip_tokenizer_init=True, max_model_len=4096)
+engine = llm.llm_engine
+runner = engine.engine_core.runner
+rng = random.Random(0)
+for i in range(batch):
+    engine.add_request(f"r{i}", {"prompt_token_ids": [rng.randint(0, 10000) for _ in range(ctx)]},
+                       SamplingParams(temperature=0.6, max_tokens=200, ignore_eos=True, detokenize=False))
+for _ in range(batch * ctx // engine.config.scheduler_config.max_num_batched_tokens + 6):
+    engine.step()  # prefill everything, then a few decode steps
+
+
+def cuda_ms(fn, n=20):
+    fn()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(n):
+        fn()
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e) / n
+
+
+t0 = time.perf_counter()
+for _ in range(20):
+    engine.step()
+torch.cuda.synchronize()
+step_ms = (time.perf_counter() - t0) / 20 * 1e3
+gr = runner.graph_runner
+bs = gr.padded_size(batch)
+replay_ms = cuda_ms(lambda: gr.replay(bs))
+hidden = gr.outputs[bs][:batch]
+logits_ms = cuda_ms(lambda: runner.model.compute_logits(hidden))
+logits = runner.model.compute_logits(hidden)
+from pagedllm.sample.sampler import build_sampling_metadata  # noqa: E402
+
+params = [SamplingParams(temperature=0.6)] * batch
+try:
+    meta = build_sampling_metadata(params, [10] * batch, runner.device)
+except TypeError:
+    meta = None
+sample_ms = cuda_ms(lambda: runner.sampler(logits, meta)) if meta is not None else float("nan")
+ct = engine.engine_core.step_timings
+print(f"batch {batch} ctx ~{ctx}: wall step {step_ms:.2f} ms | graph replay {replay_ms:.2f} ms | "
+      f"logits {logits_ms:.2f} ms | sampler {sample_ms:.2f} ms")
+with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+    for _ in range(5):
+        engine.step()
+    torch.cuda.synchronize()
+print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=60))

@@ -1,0 +1,121 @@
+"""Beam search as vLLM exposes it: ``LLM.beam_search(prompts, BeamSearchParams(...))``.
+
+The search itself lives in ``LLM.beam_search``: every step runs each live beam as a one-token
+request asking for ``2 * beam_width`` logprobs, so the beams of a prompt share their common
+prefix's KV blocks through the prefix cache. A beam's score is its cumulative logprob divided by
+``len(tokens) ** length_penalty`` (tokens = prompt + generated, a final EOS not counted), as vLLM.
+This module holds only the plain data types (no torch), so ``import pagedllm`` stays cheap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pagedllm.outputs import Logprob
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam search knobs (vLLM's names). Invalid values raise ValueError naming the field."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("beam_width", "max_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("temperature", "length_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+                raise ValueError(f"{name} must be a number, got {value!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+
+
+@dataclass
+class BeamSearchSequence:
+    """One beam: ``tokens`` are prompt + generated ids; ``text`` is their decoding (set at the end)."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """The best ``beam_width`` finished beams of one prompt, best first."""
+
+    sequences: list[BeamSearchSequence]
+
+
+@dataclass
+class BeamSearchInstance:
+    """Search state of one prompt: live beams and those that ended with EOS."""
+
+    beams: list[BeamSearchSequence]
+    completed: list[BeamSearchSequence] = field(default_factory=list)
+
+
+def get_beam_search_score(tokens: list[int], cum_logprob: float, eos_token_id: int | None,
+                          length_penalty: float = 1.0) -> float:
+    """Length-normalised score: ``cum_logprob / len ** length_penalty``; a final EOS is not counted."""
+    length = len(tokens) - (1 if tokens and tokens[-1] == eos_token_id else 0)
+    return cum_logprob / (max(length, 1) ** length_penalty)
+
+
+# One search step: the token ids of each live beam -> its candidate next tokens with their logprobs
+# (an empty dict when the beam cannot go on).
+StepFn = Callable[[list[list[int]]], list[dict[int, Logprob]]]
+
+
+def run_beam_search(step: StepFn, prompts: list[list[int]], params: BeamSearchParams, eos_token_id: int | None,
+                    max_model_len: int, decode: Callable[[list[int]], str] | None = None) -> list[BeamSearchOutput]:
+    """Beam search over every prompt at once (all live beams of all prompts form one batch per step).
+
+    Per step each beam grows by each of its candidates; a candidate ending in EOS (unless
+    ignore_eos) is finished, the others compete for the prompt's ``beam_width`` places by score.
+    At the end the finished and live beams compete together. Cost: ``max_tokens`` calls of
+    ``step``, each on at most ``len(prompts) * beam_width`` beams.
+    """
+    def score(b: BeamSearchSequence) -> float:
+        return get_beam_search_score(b.tokens, b.cum_logprob, eos_token_id, params.length_penalty)
+
+    instances = [BeamSearchInstance([BeamSearchSequence(list(ids))]) for ids in prompts]
+    for _ in range(params.max_tokens):
+        for inst in instances:  # beams that filled the context can only end here
+            full = [b for b in inst.beams if len(b.tokens) >= max_model_len]
+            inst.completed.extend(full)
+            inst.beams = [b for b in inst.beams if len(b.tokens) < max_model_len]
+        live = [(inst, beam) for inst in instances for beam in inst.beams]
+        if not live:
+            break
+        candidates = step([beam.tokens for _, beam in live])
+        grown: dict[int, list[BeamSearchSequence]] = {id(inst): [] for inst in instances}
+        for (inst, beam), cands in zip(live, candidates):
+            for token_id, lp in cands.items():
+                child = BeamSearchSequence(beam.tokens + [token_id], beam.logprobs + [cands], beam.cum_logprob + lp.logprob)
+                if token_id == eos_token_id and not params.ignore_eos:
+                    child.finish_reason = "stop"
+                    inst.completed.append(child)
+                else:
+                    grown[id(inst)].append(child)
+        for inst in instances:
+            inst.beams = sorted(grown[id(inst)], key=score, reverse=True)[: params.beam_width]
+    outputs = []
+    for inst in instances:
+        best = sorted(inst.completed + inst.beams, key=score, reverse=True)[: params.beam_width]
+        for beam in best:
+            beam.finish_reason = beam.finish_reason or "length"
+            beam.text = decode(beam.tokens) if decode is not None else None
+        outputs.append(BeamSearchOutput(best))
+    return outputs

@@ -1,0 +1,158 @@
+"""POST /v1/chat/completions: chat template -> one engine request (n choices) -> message or SSE deltas."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from starlette.responses import JSONResponse, Response
+
+from pagedllm.engine.async_engine import RequestStream
+from pagedllm.entrypoints.llm import apply_chat_template
+from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from pagedllm.entrypoints.openai.serving_common import (
+    SSE_DONE,
+    EventStreamResponse,
+    ServingContext,
+    chat_logprobs,
+    random_id,
+    sse,
+    sse_error,
+    usage,
+)
+
+_FIELDS = set(ChatCompletionRequest.model_fields)
+
+
+def render_chat(ctx: ServingContext, messages: list[ChatMessage], chat_template: str | None,
+                add_generation_prompt: bool, continue_final_message: bool) -> list[int]:
+    """Messages -> prompt token ids through the chat template; a 400 naming ``messages`` on failure."""
+    if not messages:
+        raise OpenAIError(400, "messages must be a non-empty list", param="messages")
+    dicts = [m.model_dump(exclude_none=True) for m in messages]
+    for m in dicts:
+        m.setdefault("content", "")
+    try:
+        return apply_chat_template(ctx.tokenizer, dicts, chat_template or ctx.chat_template,
+                                   add_generation_prompt, continue_final_message)
+    except OpenAIError:
+        raise
+    except Exception as e:  # template errors (jinja), unsupported content parts, no template at all
+        raise OpenAIError(400, f"messages could not be rendered with the chat template: {e}", param="messages") from e
+
+
+class OpenAIServingChat:
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    async def create(self, req: ChatCompletionRequest) -> Response:
+        ctx = self.ctx
+        model = ctx.check_model(req.model)
+        try:
+            params = req.to_sampling_params(ctx.max_logprobs)
+        except (ValueError, TypeError) as e:
+            raise bad_request(e, _FIELDS) from e
+        prompt_ids = render_chat(ctx, req.messages, req.chat_template, req.add_generation_prompt,
+                                 req.continue_final_message)
+        if req.truncate_prompt_tokens is not None:
+            prompt_ids = prompt_ids[-req.truncate_prompt_tokens:]
+        ctx.check_length(len(prompt_ids), params.max_tokens,
+                         req.max_completion_tokens is not None or req.max_tokens is not None,
+                         "messages", req.max_tokens_field)
+        ctx.check_capacity(1)
+        request_id = req.request_id or random_id("chatcmpl")
+        try:
+            stream = await ctx.engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, params,
+                                                  priority=req.priority)
+        except (ValueError, TypeError) as e:
+            raise bad_request(e, _FIELDS, default_param="messages") from e
+        created = int(time.time())
+        if req.stream:
+            return EventStreamResponse(self._stream(req, request_id, created, model, stream))
+        return await self._full(req, request_id, created, model, stream)
+
+    def _echo_prefix(self, req: ChatCompletionRequest) -> str:
+        if req.echo and req.messages and req.messages[-1].role == "assistant":
+            content = req.messages[-1].content
+            if isinstance(content, str):
+                return content
+            if isinstance(content, list):
+                return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        return ""
+
+    def _logprobs(self, req: ChatCompletionRequest, token_ids, lps) -> dict | None:
+        if not req.logprobs or lps is None:
+            return None
+        return chat_logprobs(token_ids, lps, req.top_logprobs or 0, self.ctx.tokenizer)
+
+    async def _full(self, req: ChatCompletionRequest, request_id: str, created: int, model: str,
+                    stream: RequestStream) -> Response:
+        final = None
+        try:
+            async for out in self.ctx.engine.stream_outputs(stream):
+                final = out
+        finally:
+            self.ctx.engine.abort_stream(stream)  # a no-op once finished
+        assert final is not None
+        prefix = self._echo_prefix(req)
+        choices = []
+        for c in final.outputs:
+            choices.append({
+                "index": c.index,
+                "message": {"role": "assistant", "content": prefix + c.text},
+                "logprobs": self._logprobs(req, c.token_ids, c.logprobs),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            })
+        completion_tokens = sum(len(c.token_ids) for c in final.outputs)
+        return JSONResponse({
+            "id": request_id, "object": "chat.completion", "created": created, "model": model,
+            "choices": choices, "usage": usage(len(final.prompt_token_ids), completion_tokens,
+                                               final.num_cached_tokens),
+            "system_fingerprint": None,
+        })
+
+    async def _stream(self, req: ChatCompletionRequest, request_id: str, created: int, model: str,
+                      stream: RequestStream) -> AsyncIterator[str]:
+        head = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
+        include_usage, continuous = req.include_usage, req.continuous_usage
+        prompt_tokens = 0
+        completion_tokens = 0
+        cached = 0
+        finished: set[int] = set()
+        outputs = self.ctx.engine.stream_outputs(stream)
+
+        def chunk(choice: dict) -> str:
+            body = {**head, "choices": [choice]}
+            if include_usage:
+                body["usage"] = usage(prompt_tokens, completion_tokens) if continuous else None
+            return sse(body)
+
+        try:
+            prefix = self._echo_prefix(req)
+            for i in range(req.n):  # the role goes first, in a chunk of its own per choice
+                yield chunk({"index": i, "delta": {"role": "assistant", "content": prefix},
+                             "logprobs": None, "finish_reason": None})
+            async for out in outputs:
+                prompt_tokens, cached = len(out.prompt_token_ids), out.num_cached_tokens
+                for c in out.outputs:
+                    if c.index in finished:
+                        continue
+                    completion_tokens += len(c.token_ids)
+                    logprobs = self._logprobs(req, c.token_ids, c.logprobs) if c.token_ids else None
+                    if not c.text and c.finish_reason is None and logprobs is None:
+                        continue
+                    if c.finish_reason is not None:
+                        finished.add(c.index)
+                    delta = {"content": c.text} if c.text or c.finish_reason is None else {}
+                    yield chunk({"index": c.index, "delta": delta, "logprobs": logprobs,
+                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            if include_usage:
+                yield sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens, cached)})
+        except Exception as e:
+            yield sse_error(e)
+        finally:
+            await outputs.aclose()
+            self.ctx.engine.abort_stream(stream)  # a no-op once finished; needed if never iterated
+        yield SSE_DONE

@@ -1,0 +1,123 @@
+"""Stop strings and detokenization options in the OutputProcessor, with the real SmolLM2 tokenizer.
+
+Token streams are made by tokenizing known text, then fed one token per step as the engine core
+would, so matches across token boundaries and inside multi-byte characters (byte-level BPE
+splits CJK characters and emoji over several tokens) are exercised deterministically.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedllm.core.sched_output import EngineCoreOutput
+from pagedllm.engine.output_processor import OutputProcessor, RequestState
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from tests.helpers import default_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return default_tokenizer()
+
+
+def stream(tok, token_ids: list[int], params: SamplingParams, finish_reason: str = "length",
+           stop_reason=None, kind=RequestOutputKind.DELTA):
+    """Feed ``token_ids`` one per step; return (outputs, whether a stop string ended it)."""
+    processor = OutputProcessor(tok)
+    prompt = tok.encode("Say something.", add_special_tokens=False)
+    processor.add_request(RequestState("r", None, 0, "Say something.", prompt, params, tok, kind))
+    outs = []
+    for i, t in enumerate(token_ids):
+        last = i == len(token_ids) - 1
+        core = EngineCoreOutput("r", [t], finish_reason=finish_reason if last else None,
+                                stop_reason=stop_reason if last else None)
+        ros, stopped = processor.process_outputs([core])
+        outs.extend(ros)
+        if stopped:
+            return outs, True
+    return outs, False
+
+
+def final_text(outs) -> str:
+    """The text a DELTA consumer assembles; every piece must be free of partial characters."""
+    pieces = [o.outputs[0].text for o in outs]
+    assert all("\ufffd" not in p for p in pieces), pieces
+    return "".join(pieces)
+
+
+def test_stop_string_split_across_tokens(tok):
+    ids = tok.encode("Hello world, this is a test. Stop here!", add_special_tokens=False)
+    assert tok.decode(ids[:1]) == "Hello" and tok.decode(ids[1:2]) == " world"
+    outs, stopped = stream(tok, ids, SamplingParams(stop=["o w"]))
+    assert stopped and final_text(outs) == "Hell"
+    last = outs[-1].outputs[0]
+    assert last.finish_reason == "stop" and last.stop_reason == "o w" and outs[-1].finished
+    assert last.token_ids == [ids[1]]  # the token that completed the match is the last one kept
+
+
+def test_include_stop_str_in_output(tok):
+    ids = tok.encode("Hello world, this is a test.", add_special_tokens=False)
+    outs, _ = stream(tok, ids, SamplingParams(stop=["this"], include_stop_str_in_output=True))
+    assert final_text(outs) == "Hello world, this"
+
+
+def test_multiple_stop_strings_first_match_wins(tok):
+    ids = tok.encode("alpha beta gamma delta", add_special_tokens=False)
+    outs, _ = stream(tok, ids, SamplingParams(stop=["delta", "ta gam", "zzz"]))
+    assert final_text(outs) == "alpha be" and outs[-1].outputs[0].stop_reason == "ta gam"
+    outs, stopped = stream(tok, ids, SamplingParams(stop=["zzz", "yyy"]))
+    assert not stopped and final_text(outs) == "alpha beta gamma delta"
+
+
+@pytest.mark.parametrize("text, stop, expected", [
+    ("价格是100元。谢谢", "元", "价格是100"),
+    ("I like 😀 a lot", "😀 a", "I like "),
+    ("世界和平", "界和", "世"),
+])
+def test_stop_inside_multibyte_characters(tok, text, stop, expected):
+    ids = tok.encode(text, add_special_tokens=False)
+    pieces = [tok.decode([i]) for i in ids]
+    assert any("\ufffd" in p for p in pieces), "the text should split a character over tokens"
+    outs, stopped = stream(tok, ids, SamplingParams(stop=[stop]))
+    assert stopped and final_text(outs) == expected
+
+
+def test_streaming_holds_back_a_forming_stop_string(tok):
+    """No delta ever shows text that a later match trims, and cumulative outputs only grow."""
+    ids = tok.encode("one two three four five six", add_special_tokens=False)
+    params = SamplingParams(stop=["four five"])
+    outs, _ = stream(tok, ids, params)
+    assert final_text(outs) == "one two three "
+    cumulative, _ = stream(tok, ids, SamplingParams(stop=["four five"]), kind=RequestOutputKind.CUMULATIVE)
+    texts = [o.outputs[0].text for o in cumulative]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:])) and texts[-1] == "one two three "
+
+
+def test_stop_token_text_is_not_output(tok):
+    ids = tok.encode("Hello world", add_special_tokens=False)
+    stop_id = tok.encode("!", add_special_tokens=False)[0]
+    outs, _ = stream(tok, ids + [stop_id], SamplingParams(stop_token_ids=[stop_id]), "stop", stop_id)
+    assert final_text(outs) == "Hello world" and outs[-1].outputs[0].token_ids[-1] == stop_id
+    outs, _ = stream(tok, ids + [stop_id], SamplingParams(stop_token_ids=[stop_id], include_stop_str_in_output=True),
+                     "stop", stop_id)
+    assert final_text(outs) == "Hello world!"
+    eos = tok.eos_token_id
+    outs, _ = stream(tok, ids + [eos], SamplingParams(skip_special_tokens=False), "stop", None)
+    assert final_text(outs) == "Hello world"  # EOS ends it and is not text, even unskipped
+
+
+def test_special_tokens_options(tok):
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    ids = tok.encode("Hi", add_special_tokens=False) + [im_end] + tok.encode(" there", add_special_tokens=False)
+    outs, _ = stream(tok, ids, SamplingParams())
+    assert final_text(outs) == "Hi there"
+    outs, _ = stream(tok, ids, SamplingParams(skip_special_tokens=False))
+    assert final_text(outs) == "Hi<|im_end|> there"
+    outs, _ = stream(tok, ids, SamplingParams(skip_special_tokens=False, spaces_between_special_tokens=False))
+    assert final_text(outs) == tok.decode(ids, skip_special_tokens=False, spaces_between_special_tokens=False)
+
+
+def test_detokenize_false_keeps_ids_only(tok):
+    ids = tok.encode("Hello world", add_special_tokens=False)
+    outs, _ = stream(tok, ids, SamplingParams(detokenize=False), kind=RequestOutputKind.CUMULATIVE)
+    assert outs[-1].outputs[0].text == "" and outs[-1].outputs[0].token_ids == ids
