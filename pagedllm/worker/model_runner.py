@@ -155,11 +155,11 @@ class ModelRunner:
         self.model.bind_kv_caches(self.kv_caches)
 
     # -- one step --------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step and wait for its tokens."""
         return self.execute_model_async(so).result()
 
+    @torch.inference_mode()
     def execute_model_async(self, so: SchedulerOutput) -> StepHandle:
         """Launch one step on the device and return at once (on CUDA nothing here waits for the
         GPU unless a request needs the exact token history, e.g. penalties). ``result()`` of the
