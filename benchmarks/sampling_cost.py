@@ -8,7 +8,10 @@ Two measurements, each as a ratio taken within one run (interleaved repeats, bes
 2. the sampler alone on [B, V] logits with the same parameters and token history (metadata build
    included), to show what the sampling features themselves cost.
 
-    python benchmarks/sampling_cost.py --batch 32 --max-tokens 32 --repeats 3
+    python benchmarks/sampling_cost.py --batch 32 --max-tokens 32 --repeats 3 [--threads 1]
+
+On a small shared machine, ``--threads 1`` gives far steadier figures (multi-threaded kernels on
+contended cores pay large synchronisation stalls that swamp the work being compared).
 """
 
 from __future__ import annotations
@@ -70,7 +73,10 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     engine = LLMEngine.from_engine_args(EngineArgs(dtype="float32", enable_prefix_caching=False))
     vocab = engine.model_config.vocab_size
     rng = random.Random(0)

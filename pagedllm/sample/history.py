@@ -52,18 +52,17 @@ class TokenHistory:
         start = max(int(self.num_prompt_tokens[i]), end - n)
         return self.token_ids[self.rows[i], start:end].tolist()
 
-    def padded_ids(self, sel: np.ndarray, pad: int, with_prompt: bool) -> tuple[np.ndarray | None, np.ndarray]:
-        """Rows ``sel``'s ids as rectangles padded with ``pad``: (prompt ids or None, output ids).
-
-        Both are int64 [len(sel), W] over one shared window of positions. Cost O(len(sel) * W),
-        W = the longest selected sequence (or its output part when ``with_prompt`` is False).
-        """
+    def window(self, sel: np.ndarray, with_prompt: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Rows ``sel``'s tokens over one shared window of positions: (ids, is_output, valid), each
+        [len(sel), W]. ``valid`` marks the row's real tokens (prompt ones only ``with_prompt``);
+        other entries of ``ids`` are stale. Cost O(len(sel) * W), W = the longest selected
+        sequence (or the longest output part when ``with_prompt`` is False)."""
         n_prompt = self.num_prompt_tokens[sel][:, None]
         n_tokens = self.num_tokens[sel][:, None]
         lo = 0 if with_prompt else int(n_prompt.min(initial=0))
         hi = max(int(n_tokens.max(initial=0)), lo)
         ids = self.token_ids[self.rows[sel], lo:hi]
         pos = np.arange(lo, lo + ids.shape[1], dtype=np.int64)[None, :]
-        outputs = np.where((pos >= n_prompt) & (pos < n_tokens), ids, pad)
-        prompt = np.where(pos < n_prompt, ids, pad) if with_prompt else None
-        return prompt, outputs
+        is_output = (pos >= n_prompt) & (pos < n_tokens)
+        valid = pos < n_tokens if with_prompt else is_output
+        return ids, is_output, valid

@@ -4,7 +4,8 @@ Each processor is built once per step from the rows' params and token history, h
 tensors, and is a callable ``logits [B, V] -> logits`` (it may work in place). A processor
 exists only when some row needs it, so a plain batch pays nothing. The host-side work is
 per row and proportional to the row's own lists (allowed ids, bias entries, bad words, stop
-ids), never to the vocabulary; the device work is one masked_fill / index_put per processor.
+ids), never to the vocabulary; the device work is a gather / index_put of those entries (plus
+a fill of the rows that restrict allowed ids), never a [B, V] mask.
 All of them run before temperature, so they also shape greedy decoding.
 """
 
@@ -16,17 +17,23 @@ import torch
 
 from pagedllm.sample.history import TokenHistory
 from pagedllm.sample.penalties import build_penalties
+from pagedllm.sample.transfer import host_to_device
 from pagedllm.sampling_params import SamplingParams
 
 
 @dataclass
 class AllowedTokens:
-    """Rows with ``allowed_token_ids``: every other token -> -inf. ``banned`` is bool [B, V]."""
+    """Rows ``rows[i]`` keep only tokens ``ids[i]`` (padding repeats a real one); the rest -> -inf.
+    Gather the kept logits, fill the rows, scatter them back: no [B, V] mask is built."""
 
-    banned: torch.Tensor
+    rows: torch.Tensor  # int64 [Br, 1]
+    ids: torch.Tensor  # int64 [Br, W]
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits.masked_fill_(self.banned, float("-inf"))
+        kept = logits[self.rows, self.ids]
+        logits[self.rows.squeeze(1)] = float("-inf")
+        logits[self.rows, self.ids] = kept
+        return logits
 
 
 @dataclass
@@ -58,7 +65,7 @@ def build_logits_processors(
 ) -> list:
     """The processors this step needs, in application order (empty for a plain batch)."""
     procs: list = []
-    allowed = _allowed_tokens(params, vocab_size, device)
+    allowed = _allowed_tokens(params, device)
     if allowed is not None:
         procs.append(allowed)
     banned = _banned_tokens(params, history, device)
@@ -73,16 +80,14 @@ def build_logits_processors(
     return procs
 
 
-def _allowed_tokens(params: list[SamplingParams], vocab_size: int, device: torch.device) -> AllowedTokens | None:
+def _allowed_tokens(params: list[SamplingParams], device: torch.device) -> AllowedTokens | None:
     rows = [i for i, p in enumerate(params) if p.allowed_token_ids]
     if not rows:
         return None
-    banned = torch.zeros(len(params), vocab_size, dtype=torch.bool, device=device)
-    banned[torch.tensor(rows, device=device)] = True
-    r = [i for i in rows for _ in params[i].allowed_token_ids]
-    c = [t for i in rows for t in params[i].allowed_token_ids]
-    banned[torch.tensor(r, device=device), torch.tensor(c, device=device)] = False
-    return AllowedTokens(banned)
+    width = max(len(params[i].allowed_token_ids) for i in rows)
+    ids = [params[i].allowed_token_ids + [params[i].allowed_token_ids[0]] * (width - len(params[i].allowed_token_ids))
+           for i in rows]
+    return AllowedTokens(host_to_device(rows, torch.int64, device).unsqueeze(1), host_to_device(ids, torch.int64, device))
 
 
 def _banned_tokens(params: list[SamplingParams], history: TokenHistory, device: torch.device) -> BannedTokens | None:
@@ -96,8 +101,7 @@ def _banned_tokens(params: list[SamplingParams], history: TokenHistory, device: 
     if not pairs:
         return None
     rows, cols = zip(*pairs)
-    return BannedTokens(torch.tensor(rows, dtype=torch.int64, device=device),
-                        torch.tensor(cols, dtype=torch.int64, device=device))
+    return BannedTokens(host_to_device(list(rows), torch.int64, device), host_to_device(list(cols), torch.int64, device))
 
 
 def min_tokens_stop_ids(p: SamplingParams) -> list[int]:
@@ -127,5 +131,5 @@ def _logit_bias(params: list[SamplingParams], device: torch.device) -> LogitBias
     r = [i for i in rows for _ in params[i].logit_bias]
     c = [t for i in rows for t in params[i].logit_bias]
     v = [b for i in rows for b in params[i].logit_bias.values()]
-    return LogitBias(torch.tensor(r, dtype=torch.int64, device=device), torch.tensor(c, dtype=torch.int64, device=device),
-                     torch.tensor(v, dtype=torch.float32, device=device))
+    return LogitBias(host_to_device(r, torch.int64, device), host_to_device(c, torch.int64, device),
+                     host_to_device(v, torch.float32, device))

@@ -2,16 +2,16 @@
 
 One pass for the whole batch, in vLLM's order: raw logprobs (if asked) -> logits processors
 (allowed ids, bad words, min_tokens, logit bias, penalties; see logits_processors.py) -> greedy
-argmax -> temperature -> min-p -> top-k / top-p -> draw. Greedy rows take the argmax of the
-processed logits. Random rows draw by the exponential race (argmax of p / E with E ~ Exp(1)),
-which equals sampling from p. Rows with a seed draw their noise from a generator seeded by
-(seed, output position), so a seeded request produces the same tokens whatever else is in the
-batch and across preemption.
+argmax -> temperature -> min-p -> top-k / top-p -> draw (torch_sampling.py; on the GPU rows
+without masks take the fused Gumbel kernel of triton_sampling.py). Greedy rows take the argmax
+of the processed logits. Rows with a seed draw their noise from a generator seeded by (seed,
+output position), so a seeded request produces the same tokens whatever else is in the batch
+and across preemption.
 
 Logprobs follow vLLM's default ("raw logprobs"): log_softmax of the model's logits before any
-processing. Cost: O(B*V) elementwise work per enabled feature; one sort of [B, V] only when some
-row uses top-p (top-k alone uses topk(max k)); one extra softmax when some row uses min-p. No
-host sync beyond reading the sampled ids (the metadata is built on the host beforehand).
+processing. Cost: a few O(B*V) passes per enabled feature (no sort on the CPU: top-k / top-p
+read one topk of a few hundred candidates). No host sync beyond reading the sampled ids (the
+metadata is built on the host beforehand), except the rare top-p fallback on the CPU.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import torch
 from pagedllm.sample.history import TokenHistory
 from pagedllm.sample.logits_processors import build_logits_processors
 from pagedllm.sample.logprobs import gather_logprobs
+from pagedllm.sample.torch_sampling import exponential_race, processed_probs
+from pagedllm.sample.transfer import host_to_device
 from pagedllm.sample.triton_sampling import fused_available, gumbel_argmax
 from pagedllm.sampling_params import SamplingParams
 
@@ -46,16 +48,7 @@ class SamplingMetadata:
     # ones (logits_processors.py) come first; callers may append their own.
     logits_processors: list = field(default_factory=list)
     max_top_k: int = 0  # largest top_k of any row (host copy: no device sync to size topk)
-
-
-def host_to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list as a device tensor without waiting for the GPU: through pinned memory
-    and an asynchronous copy (a plain ``torch.tensor(..., device="cuda")`` synchronises the
-    stream, which would stall the CPU behind the step in flight)."""
-    t = torch.tensor(values, dtype=dtype)
-    if torch.device(device).type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
+    all_random: bool = False  # no greedy row: the argmax pass is skipped
 
 
 def build_sampling_metadata(
@@ -80,6 +73,7 @@ def build_sampling_metadata(
         temperature=host_to_device(temps, torch.float32, device),
         greedy=host_to_device(greedy, torch.bool, device),
         all_greedy=all(greedy),
+        all_random=not any(greedy),
         top_k=host_to_device(top_k, torch.int64, device) if max(top_k, default=0) > 0 else None,
         top_p=host_to_device([p.top_p for p in params], torch.float32, device) if use_top_p else None,
         min_p=host_to_device([p.min_p for p in params], torch.float32, device) if use_min_p else None,
@@ -129,16 +123,11 @@ class Sampler:
             return logits.argmax(dim=-1)
         if meta.top_k is None and meta.top_p is None and meta.min_p is None and fused_available(logits):
             return gumbel_argmax(logits, meta.temperature, meta.greedy, self._row_seeds(meta, logits))
-        greedy_ids = logits.argmax(dim=-1)
-        probs = processed_probs(logits, meta)
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        for row, seed in meta.seeded_rows:
-            gen = torch.Generator(device=probs.device)
-            gen.manual_seed(seed)
-            noise[row].exponential_(generator=gen)
-        random_ids = (probs / noise).argmax(dim=-1)
-        return torch.where(meta.greedy, greedy_ids, random_ids)
-
+        probs = processed_probs(logits, meta.temperature, meta.top_k, meta.top_p, meta.min_p, meta.max_top_k)
+        random_ids = exponential_race(probs, self.generator, meta.seeded_rows)
+        if meta.all_random:
+            return random_ids
+        return torch.where(meta.greedy, logits.argmax(dim=-1), random_ids)
 
     def _row_seeds(self, meta: SamplingMetadata, logits: torch.Tensor) -> torch.Tensor:
         """Philox seeds for the fused GPU draw: a fresh random base per step (from this sampler's
@@ -151,58 +140,3 @@ class Sampler:
             seeds[host_to_device(list(idx), torch.int64, logits.device)] = host_to_device(list(vals), torch.int64,
                                                                                             logits.device)
         return seeds
-
-
-def processed_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """The distribution random rows draw from: softmax after temperature, min-p, top-k, top-p
-    (``logits`` already went through the logits processors)."""
-    logits = logits / meta.temperature.unsqueeze(1)
-    if meta.min_p is not None:
-        logits = apply_min_p(logits, meta.min_p)
-    logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p, meta.max_top_k)
-    return torch.softmax(logits, dim=-1)
-
-
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Mask tokens whose probability is below ``min_p`` times the row's top probability."""
-    probs = torch.softmax(logits, dim=-1)
-    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
-    return logits.masked_fill(probs < threshold, float("-inf"))
-
-
-def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, max_top_k: int = 0
-) -> torch.Tensor:
-    """Mask (to -inf) everything outside each row's top-k and top-p nucleus (vLLM's rules).
-
-    top-k keeps every token whose logit is >= the k-th largest (ties kept); 0 = off. top-p then
-    drops a token when the probability mass of the tokens ranked before it, after top-k, already
-    reaches top_p (so the top token always stays).
-    """
-    if top_k is None and top_p is None:
-        return logits
-    vocab = logits.shape[-1]
-    if top_p is None and 0 < max_top_k < vocab:
-        return _apply_top_k_only(logits, top_k, max_top_k)
-    sorted_logits, order = logits.sort(dim=-1)  # ascending: the top token is last
-    if top_k is not None:
-        k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
-        kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-    if top_p is not None:
-        # Mass of a token and every less likely one <= 1 - top_p  <=>  the mass ranked before it
-        # reaches top_p. Summed from the tail, so top_p = 1 masks nothing despite rounding.
-        tail_mass = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-        drop = tail_mass <= 1 - top_p.unsqueeze(1)
-        drop[:, -1] = False
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
-
-
-def _apply_top_k_only(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
-    """top-k without a full sort: the k-th value from topk(max k). Rows with k = 0 are untouched."""
-    top_values = logits.topk(max_top_k, dim=-1).values
-    k = top_k.clamp(min=1, max=max_top_k)
-    kth = top_values.gather(1, (k - 1).unsqueeze(1))
-    kth = kth.masked_fill((top_k <= 0).unsqueeze(1), float("-inf"))
-    return logits.masked_fill(logits < kth, float("-inf"))

@@ -349,3 +349,10 @@ def test_delta_output_kind_streams_pieces(tiny):
         assert ids == c.token_ids and text == c.text and [list(d) for d in lps] == [list(d) for d in c.logprobs]
         flat = [lp.logprob for d in lps for lp in d.values()]  # same values, up to batch-order float noise
         assert flat == pytest.approx([lp.logprob for d in c.logprobs for lp in d.values()], abs=1e-4)
+
+
+def test_truncate_prompt_tokens_keeps_the_prompt_tail(llm):
+    prompt = make_prompt(13, 30)
+    out = run(llm, prompt, temperature=0.0, max_tokens=4, truncate_prompt_tokens=7)
+    assert out.prompt_token_ids == prompt[-7:]
+    assert out.outputs[0].token_ids == run(llm, prompt[-7:], temperature=0.0, max_tokens=4).outputs[0].token_ids

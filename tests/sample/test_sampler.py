@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from pagedllm.sample.history import TokenHistory
-from pagedllm.sample.sampler import Sampler, build_sampling_metadata, processed_probs
+from pagedllm.sample.sampler import Sampler, build_sampling_metadata
+from pagedllm.sample.torch_sampling import processed_probs
 from pagedllm.sampling_params import SamplingParams
 from tests.helpers import make_tiny_model
 from tests.sample.reference import (
@@ -133,14 +134,23 @@ def test_processed_probs_match_reference_masks(hf_rows):
     params = [SamplingParams(**s) for s in settings]
     history = TokenHistory.from_lists([[1]] * NUM_ROWS, [[]] * NUM_ROWS)
     meta = build_sampling_metadata(params, history, torch.device("cpu"), VOCAB)
-    ours = processed_probs(logits.clone(), meta)
+    ours = probs_of(logits, meta)
     for i, s in enumerate(settings):
         ref = ref_probs(logits[i], **s)
         assert torch.equal(ref > 0, ours[i] > 0), f"row {i} {s}: support differs"
         torch.testing.assert_close(ours[i], ref, rtol=1e-4, atol=1e-6, msg=f"row {i} {s}")
-    # top-k alone takes the topk path (no sort); with top-p it takes the sort path: same rule.
-    meta_k = build_sampling_metadata([SamplingParams(top_k=5)], history, torch.device("cpu"), VOCAB)
-    torch.testing.assert_close(processed_probs(logits[:1].clone(), meta_k)[0], ref_probs(logits[0], top_k=5))
+    # A flat row (high temperature): the nucleus is longer than the top-p candidate list.
+    flat = [SamplingParams(temperature=50.0, top_p=0.5), SamplingParams(temperature=50.0, top_p=0.999, top_k=30000)]
+    meta = build_sampling_metadata(flat, TokenHistory.from_lists([[1]] * 2, [[]] * 2), torch.device("cpu"), VOCAB)
+    ours = probs_of(logits[:2], meta)
+    for i, p in enumerate(flat):
+        ref = ref_probs(logits[i], temperature=50.0, top_p=p.top_p, top_k=p.top_k)
+        assert (ref > 0).sum() > 1000 and torch.equal(ref > 0, ours[i] > 0), f"flat row {i}"
+        torch.testing.assert_close(ours[i], ref, rtol=1e-4, atol=1e-7)
+
+
+def probs_of(logits: torch.Tensor, meta) -> torch.Tensor:
+    return processed_probs(logits.clone(), meta.temperature, meta.top_k, meta.top_p, meta.min_p, meta.max_top_k)
 
 
 def test_draws_follow_the_processed_distribution(hf_rows):
