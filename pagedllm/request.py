@@ -58,6 +58,11 @@ class Request:
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.priority = priority
         self.max_tokens = max_tokens if max_tokens is not None else (sampling_params.max_tokens or 1)
+        # Token ids that may stop this request (its stop_token_ids, plus EOS unless ignore_eos): one
+        # set lookup per sampled token; the scheduler applies the rules (min_tokens, stop reason).
+        self.stop_token_candidates: frozenset[int] = frozenset(sampling_params.stop_token_ids or ()) | (
+            frozenset() if sampling_params.ignore_eos or eos_token_id is None else frozenset((eos_token_id,))
+        )
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.status = RequestStatus.WAITING

@@ -30,16 +30,28 @@ def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -
     block_size = kv_cache.shape[2]
     num_blocks = (seq_len + block_size - 1) // block_size
     blocks = block_table[:num_blocks].long()
-    k = kv_cache[0, blocks].reshape(-1, kv_cache.shape[-2], kv_cache.shape[-1])[:seq_len]
-    v = kv_cache[1, blocks].reshape(-1, kv_cache.shape[-2], kv_cache.shape[-1])[:seq_len]
+    k = kv_cache[0].index_select(0, blocks).reshape(-1, kv_cache.shape[-2], kv_cache.shape[-1])[:seq_len]
+    v = kv_cache[1].index_select(0, blocks).reshape(-1, kv_cache.shape[-2], kv_cache.shape[-1])[:seq_len]
     return k, v
 
 
-def _expand_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """[L, Hkv, D] -> [Hq, L, D] (GQA: each KV head serves num_heads // Hkv query heads)."""
-    rep = num_heads // x.shape[1]
-    x = x.transpose(0, 1)
-    return x.repeat_interleave(rep, dim=0) if rep > 1 else x
+def _grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """GQA attention without copying K/V per query head: q ``[B, Lq, H, D]``, k/v ``[B, L, Hkv, D]``,
+    ``mask`` bool broadcastable to ``[B, Lq, L]``; returns ``[B, Lq, H, D]``.
+
+    Query head ``h`` uses KV head ``h // rep`` (``rep = H // Hkv``), so the ``rep`` heads of a group
+    are folded into the query-length dim: one SDPA over ``[B, Hkv, rep * Lq, D]`` queries (the mask
+    repeated per folded head), with K/V read as strided views."""
+    B, Lq, H, D = q.shape
+    Hkv = k.shape[2]
+    rep = H // Hkv
+    qg = q.permute(0, 2, 1, 3).reshape(B, Hkv, rep * Lq, D).to(k.dtype)
+    mask = mask.expand(B, Lq, mask.shape[-1])
+    if rep > 1:
+        mask = mask.repeat(1, rep, 1)
+    o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask.unsqueeze(1),
+                                       scale=scale)  # [B, Hkv, rep * Lq, D]
+    return o.reshape(B, H, Lq, D).permute(0, 2, 1, 3)
 
 
 def paged_attention_ref(
@@ -60,42 +72,32 @@ def paged_attention_ref(
             continue
         seq_len = seq_lens[r]
         k, v = gather_kv(kv_cache, meta.block_tables[r], seq_len)
-        q = query[q_start:q_end].transpose(0, 1)  # [H, q_len, D]
         # Query j (position seq_len - q_len + j) sees keys 0..seq_len - q_len + j.
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device).unsqueeze(1)
         k_pos = torch.arange(seq_len, device=query.device).unsqueeze(0)
         mask = k_pos <= q_pos
-        o = F.scaled_dot_product_attention(
-            q.to(k.dtype), _expand_kv(k, num_heads), _expand_kv(v, num_heads), attn_mask=mask, scale=scale
-        )
-        out[q_start:q_end] = o.transpose(0, 1).to(out.dtype)
+        o = _grouped_sdpa(query[q_start:q_end].unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), mask, scale)
+        out[q_start:q_end] = o[0].to(out.dtype)
     return out.view(-1, num_heads, head_dim)
 
 
 def _decode_batch(query, kv_cache, block_tables, reqs, qsl, seq_lens, scale, out) -> None:
     """All single-token queries in one padded SDPA call (keys padded to the longest context)."""
-    num_heads = query.shape[1]
     block_size = kv_cache.shape[2]
     lens = [seq_lens[r] for r in reqs]
     max_len = max(lens)
     max_blocks = (max_len + block_size - 1) // block_size
     idx = torch.tensor(reqs, device=query.device)
-    tables = block_tables[idx, :max_blocks].long()  # [B, max_blocks]
+    tables = block_tables[idx, :max_blocks].long().flatten()  # [B * max_blocks]
     B = len(reqs)
-    k = kv_cache[0, tables].reshape(B, max_blocks * block_size, kv_cache.shape[-2], kv_cache.shape[-1])[:, :max_len]
-    v = kv_cache[1, tables].reshape(B, max_blocks * block_size, kv_cache.shape[-2], kv_cache.shape[-1])[:, :max_len]
-    rep = num_heads // k.shape[2]
-    k = k.transpose(1, 2)  # [B, Hkv, L, D]
-    v = v.transpose(1, 2)
-    if rep > 1:
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
+    shape = (B, max_blocks * block_size, kv_cache.shape[-2], kv_cache.shape[-1])
+    k = kv_cache[0].index_select(0, tables).view(shape)[:, :max_len]
+    v = kv_cache[1].index_select(0, tables).view(shape)[:, :max_len]
     rows = torch.tensor([qsl[r] for r in reqs], device=query.device)
-    q = query[rows].unsqueeze(2).to(k.dtype)  # [B, H, 1, D]
     lens_t = torch.tensor(lens, device=query.device)
-    mask = (torch.arange(max_len, device=query.device).unsqueeze(0) < lens_t.unsqueeze(1))[:, None, None, :]
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [B, H, 1, D]
-    out[rows] = o.squeeze(2).to(out.dtype)
+    mask = (torch.arange(max_len, device=query.device).unsqueeze(0) < lens_t.unsqueeze(1)).unsqueeze(1)  # [B, 1, L]
+    o = _grouped_sdpa(query[rows].unsqueeze(1), k, v, mask, scale)  # [B, 1, H, D]
+    out[rows] = o[:, 0].to(out.dtype)
 
 
 class TorchRefBackend(AttentionBackend):

@@ -2,7 +2,8 @@
 
 SchedulerOutput goes down (diffs, not state: the runner keeps per-request state between steps);
 ModelRunnerOutput comes back; EngineCoreOutput is what the scheduler reports per request per step.
-All plain Python: building one costs O(number of scheduled requests + new block ids).
+All plain Python: building one costs O(number of scheduled requests + new block ids). The
+per-request records are slotted dataclasses: one of each is built per request per step.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 from pagedllm.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)
 class NewRequestData:
     """A request the runner has no state for: first scheduling, or resumption after preemption.
 
@@ -27,7 +28,7 @@ class NewRequestData:
     num_computed_tokens: int
 
 
-@dataclass
+@dataclass(slots=True)
 class CachedRequestData:
     """A request the runner already tracks: only the blocks added this step."""
 
@@ -52,7 +53,7 @@ class SchedulerOutput:
         return self.total_num_scheduled_tokens == 0
 
 
-@dataclass
+@dataclass(slots=True)
 class TokenLogprobs:
     """Log-probabilities at one position: ``token_ids[0]`` is the chosen token, then the top-k.
 
@@ -75,7 +76,7 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(slots=True)
 class EngineCoreOutput:
     """What happened to one request in one step."""
 

@@ -53,6 +53,11 @@ from pagedllm.core.sched_output import (
 )
 from pagedllm.request import Request, RequestStatus
 
+# Enum members as module constants: attribute access on an Enum class is slow in the hot loops.
+_RUNNING = RequestStatus.RUNNING
+_FINISHED_STOPPED = RequestStatus.FINISHED_STOPPED
+_FINISHED_LENGTH = RequestStatus.FINISHED_LENGTH
+
 
 @dataclass
 class SchedulerStats:
@@ -202,10 +207,10 @@ class Scheduler:
         return self.requests.get(req_id)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.requests)  # == len(waiting) + len(running) (check_integrity)
 
     def has_unfinished_requests(self) -> bool:
-        return self.get_num_unfinished_requests() > 0
+        return bool(self.requests)
 
     def has_finished_requests(self) -> bool:
         """Finished ids the runner has not heard of yet (step once more to deliver them)."""
@@ -216,52 +221,73 @@ class Scheduler:
         out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
         self.finished_req_ids = set()
         self._schedule_running(out)
-        if not out.preempted_req_ids:
+        if not out.preempted_req_ids and len(self.waiting):
             self._schedule_waiting(out)
-        for req_id, num_tokens in out.num_scheduled_tokens.items():
-            request = self.requests[req_id]
-            request.num_computed_tokens += num_tokens
-            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
-                request.num_output_placeholders += 1  # this step samples a token for it
         return out
 
     def _budget_left(self, out: SchedulerOutput) -> int:
         return self.scheduler_config.max_num_batched_tokens - out.total_num_scheduled_tokens
 
     def _record(self, out: SchedulerOutput, request: Request, num_tokens: int) -> None:
+        """Count ``num_tokens`` for ``request`` in ``out`` and advance its ``num_computed_tokens``
+        (after its New/CachedRequestData captured the value before the step)."""
         out.num_scheduled_tokens[request.request_id] = num_tokens
         out.total_num_scheduled_tokens += num_tokens
+        request.num_computed_tokens += num_tokens
+        if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+            request.num_output_placeholders += 1  # this step samples a token for it
 
     def _schedule_running(self, out: SchedulerOutput) -> None:
-        i = 0
-        while i < len(self.running) and self._budget_left(out) > 0:
-            request = self.running[i]
-            num_remaining = self._num_uncomputed(request)
-            num_new_tokens = min(num_remaining, self._budget_left(out))
-            if num_new_tokens <= 0 or (
-                not self.scheduler_config.enable_chunked_prefill and num_new_tokens < num_remaining
-            ):
-                i += 1  # nothing to do, or a prefill that must not be split: it waits
-                continue
-            new_block_ids = self._allocate_or_preempt(request, num_new_tokens, out)
-            if new_block_ids is None:
-                break  # it preempted itself: it was the back of the queue, nobody is left
-            out.scheduled_cached_reqs.append(
-                CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens)
-            )
-            self._record(out, request, num_new_tokens)
-            i += 1
+        """Running requests in policy order, each ``min(uncomputed tokens, budget left)``.
 
-    def _num_uncomputed(self, request: Request) -> int:
-        """Tokens whose KV is still to be computed, counting a sampled-but-unseen token (async
-        scheduling). Zero when the token in flight is the request's last one (length limits)."""
-        pending = request.num_output_placeholders
-        if pending and (
-            request.num_output_tokens + pending >= request.max_tokens
-            or request.num_tokens + pending >= self.scheduler_config.max_model_len
-        ):
-            return 0
-        return request.num_tokens + pending - request.num_computed_tokens
+        The hot loop of every decode step, so ``_record`` is inlined and attributes are read into
+        locals. Decode fast path: tokens that fit in the blocks a request already holds need no
+        call to ``allocate_slots`` (it would return no new blocks and change nothing).
+        """
+        config = self.scheduler_config
+        max_batched, max_model_len = config.max_num_batched_tokens, config.max_model_len
+        chunked = config.enable_chunked_prefill
+        block_size = self.block_size
+        req_to_blocks = self.kv_cache_manager.req_to_blocks
+        running = self.running._requests  # the live list: preemption pops from its back
+        num_scheduled = out.num_scheduled_tokens
+        cached_reqs = out.scheduled_cached_reqs
+        budget = max_batched - out.total_num_scheduled_tokens
+        i = 0
+        while i < len(running) and budget > 0:
+            request = running[i]
+            i += 1
+            # Tokens whose KV is still to be computed, counting a sampled-but-unseen token (async
+            # scheduling); none when the token in flight is the request's last (length limits).
+            pending = request.num_output_placeholders
+            num_tokens = len(request.all_token_ids)
+            if pending and (
+                len(request.output_token_ids) + pending >= request.max_tokens
+                or num_tokens + pending >= max_model_len
+            ):
+                continue  # the token in flight is its last one
+            num_remaining = num_tokens + pending - request.num_computed_tokens
+            num_new_tokens = num_remaining if num_remaining < budget else budget
+            if num_new_tokens <= 0 or (not chunked and num_new_tokens < num_remaining):
+                continue  # nothing to do, or a prefill that must not be split: it waits
+            req_id = request.request_id
+            num_computed = request.num_computed_tokens
+            if num_computed + num_new_tokens <= len(req_to_blocks[req_id]) * block_size:
+                new_block_ids: list[int] = []
+            else:
+                allocated = self._allocate_or_preempt(request, num_new_tokens, out)
+                if allocated is None:
+                    break  # it preempted itself: it was the back of the queue, nobody is left
+                new_block_ids = allocated
+            cached_reqs.append(CachedRequestData(req_id, new_block_ids, num_computed))
+            # _record(out, request, num_new_tokens), inlined.
+            num_scheduled[req_id] = num_new_tokens
+            budget -= num_new_tokens
+            num_computed += num_new_tokens
+            request.num_computed_tokens = num_computed
+            if num_computed == num_tokens + pending:
+                request.num_output_placeholders = pending + 1  # this step samples a token for it
+        out.total_num_scheduled_tokens = max_batched - budget
 
     def _allocate_or_preempt(self, request: Request, num_new_tokens: int, out: SchedulerOutput) -> list[int] | None:
         """Allocate, preempting from the back of the running queue until it fits.
@@ -353,67 +379,86 @@ class Scheduler:
         """Apply one step's results: cache full blocks, append tokens, stop, free the finished.
 
         Returns one EngineCoreOutput per request that got tokens or prompt logprobs or finished.
+        Cost: O(scheduled requests + sampled tokens + blocks that became full this step); the
+        loop body is the per-request cost of every decode step, so it is kept flat.
         """
         outputs, self._pending_outputs = self._pending_outputs, []
-        row = {req_id: i for i, req_id in enumerate(model_runner_output.req_ids)}
-        for req_id in scheduler_output.num_scheduled_tokens:
-            request = self.requests.get(req_id)
-            if request is None or request.status != RequestStatus.RUNNING:
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        rows: Iterable[int | None]
+        if model_runner_output.req_ids == req_ids:
+            rows = range(len(req_ids))  # the runner's rows are in scheduling order (the usual case)
+        else:
+            row = {req_id: i for i, req_id in enumerate(model_runner_output.req_ids)}
+            rows = [row.get(req_id) for req_id in req_ids]
+        requests = self.requests
+        sampled_rows = model_runner_output.sampled_token_ids
+        logprob_rows = model_runner_output.logprobs
+        prompt_logprobs = model_runner_output.prompt_logprobs
+        kv = self.kv_cache_manager
+        num_cached_blocks = kv.num_cached_blocks if kv.enable_caching else None
+        block_size = self.block_size
+        max_model_len = self.scheduler_config.max_model_len
+        for req_id, i in zip(req_ids, rows):
+            request = requests.get(req_id)
+            if request is None or request.status != _RUNNING:
                 continue  # finished (aborted) while the step ran
-            i = row.get(req_id)
-            sampled = model_runner_output.sampled_token_ids[i] if i is not None else []
-            if sampled:
+            new_token_ids: list[int] = []
+            finished = False
+            if i is not None and (sampled := sampled_rows[i]):
                 request.num_output_placeholders -= 1
-            new_token_ids = self._append_and_check_stop(request, sampled)
-            # Only tokens whose ids are known can be hashed into the prefix cache.
-            self.kv_cache_manager.cache_blocks(request, min(request.num_computed_tokens, request.num_tokens))
+                if request.first_token_time is None:
+                    request.first_token_time = time.time()
+                # Append tokens one by one until a stop condition; tokens after a stop are dropped.
+                output_ids, all_ids = request.output_token_ids, request.all_token_ids
+                for token_id in sampled:
+                    output_ids.append(token_id)  # request.append_output_token_ids, inlined
+                    all_ids.append(token_id)
+                    new_token_ids.append(token_id)
+                    if token_id in request.stop_token_candidates and self._stop_on_token(request, token_id):
+                        finished = True
+                        break
+                    if len(output_ids) >= request.max_tokens or len(all_ids) >= max_model_len:
+                        request.status = _FINISHED_LENGTH
+                        finished = True
+                        break
+            if num_cached_blocks is not None:
+                # Only tokens whose ids are known can be hashed into the prefix cache. Most steps
+                # fill no block: this test (cache_blocks' own) then saves the call.
+                num_known = request.num_computed_tokens
+                if num_known > len(request.all_token_ids):
+                    num_known = len(request.all_token_ids)
+                num_cached = num_cached_blocks.get(req_id)
+                if num_cached is not None and num_known // block_size > num_cached:
+                    kv.cache_blocks(request, num_known)
             new_logprobs = None
-            if i is not None and model_runner_output.logprobs is not None:
-                row_logprobs = model_runner_output.logprobs[i]
+            if i is not None and logprob_rows is not None:
+                row_logprobs = logprob_rows[i]
                 new_logprobs = row_logprobs[: len(new_token_ids)] if row_logprobs is not None else None
-            new_prompt_logprobs = model_runner_output.prompt_logprobs.get(req_id)
-            if new_token_ids or new_prompt_logprobs or request.is_finished():
-                outputs.append(
-                    EngineCoreOutput(
-                        req_id, new_token_ids, new_logprobs, new_prompt_logprobs,
-                        finish_reason=request.get_finish_reason(), stop_reason=request.stop_reason,
-                        num_cached_tokens=max(request.num_cached_tokens, 0),
-                    )
-                )
-            if request.is_finished():
+            new_prompt_logprobs = prompt_logprobs.get(req_id) if prompt_logprobs else None
+            if new_token_ids or new_prompt_logprobs or finished:
+                # A running request was given its num_cached_tokens (>= 0) when it was admitted.
+                outputs.append(EngineCoreOutput(
+                    req_id, new_token_ids, new_logprobs, new_prompt_logprobs,
+                    request.get_finish_reason() if finished else None, request.stop_reason,
+                    request.num_cached_tokens,
+                ))
+            if finished:
                 self.running.remove(request)
                 self._release(request)
         return outputs
 
-    def _append_and_check_stop(self, request: Request, sampled_token_ids: list[int]) -> list[int]:
-        """Append tokens one by one until a stop condition; tokens after a stop are dropped."""
-        kept: list[int] = []
-        for token_id in sampled_token_ids:
-            request.append_output_token_ids([token_id])
-            kept.append(token_id)
-            if self._check_stop(request, token_id):
-                break
-        if kept and request.first_token_time is None:
-            request.first_token_time = time.time()
-        return kept
-
-    def _check_stop(self, request: Request, token_id: int) -> bool:
-        """stop_token_ids, then EOS (both ignored below min_tokens), then the length limits."""
+    @staticmethod
+    def _stop_on_token(request: Request, token_id: int) -> bool:
+        """Whether ``token_id`` (just appended) stops the request: stop_token_ids, then EOS, both
+        ignored below min_tokens. The length limits are checked after this (by the caller)."""
         params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
-            if token_id in params.stop_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = token_id
-                return True
-            if not params.ignore_eos and token_id == request.eos_token_id:
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = None
-                return True
-        if (
-            request.num_output_tokens >= request.max_tokens
-            or request.num_tokens >= self.scheduler_config.max_model_len
-        ):
-            request.status = RequestStatus.FINISHED_LENGTH
+        if request.num_output_tokens < params.min_tokens:
+            return False
+        if token_id in params.stop_token_ids:
+            request.status, request.stop_reason = _FINISHED_STOPPED, token_id
+            return True
+        if not params.ignore_eos and token_id == request.eos_token_id:
+            request.status, request.stop_reason = _FINISHED_STOPPED, None
             return True
         return False
 
@@ -444,7 +489,8 @@ class Scheduler:
             assert request.status == RequestStatus.RUNNING, request
             num_blocks = len(self.kv_cache_manager.req_to_blocks[request.request_id])
             assert num_blocks * self.block_size >= request.num_computed_tokens, request
-            assert request.num_computed_tokens <= request.num_tokens, request
+            # A token in flight (async scheduling) may already be computed: it has a placeholder.
+            assert request.num_computed_tokens <= request.num_tokens + request.num_output_placeholders, request
         for request in self.waiting:
             assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), request
             assert request.num_computed_tokens == 0, request

@@ -11,6 +11,34 @@ from __future__ import annotations
 
 _INCOMPLETE = "\ufffd"
 _INITIAL_PREFIX_TOKENS = 5
+# Hugging Face tokenizer classes whose ``_decode`` is the Rust ``tokenizers.Tokenizer.decode`` plus an
+# optional clean-up of spaces (``tokenization_utils_fast`` before transformers 5).
+_BACKEND_DECODE_MODULES = ("transformers.tokenization_utils_tokenizers", "transformers.tokenization_utils_fast")
+
+
+def backend_decode(tokenizer):
+    """``tokenizers.Tokenizer.decode`` of ``tokenizer`` when the wrapper's ``decode(ids,
+    skip_special_tokens=...)`` returns exactly its result, else None.
+
+    That holds for a Hugging Face fast tokenizer that overrides neither ``decode`` nor ``_decode``
+    and does not clean up tokenization spaces; its ``spaces_between_special_tokens`` is ignored
+    there too. Calling the Rust decoder directly skips ~2 us of Python per call (two calls per
+    sequence per step).
+    """
+    cls = type(tokenizer)
+    backend = getattr(tokenizer, "_tokenizer", None)
+    wrapper, inner = getattr(cls, "decode", None), getattr(cls, "_decode", None)
+    if backend is None or wrapper is None or inner is None:
+        return None
+    if wrapper.__module__ != "transformers.tokenization_utils_base" or inner.__module__ not in _BACKEND_DECODE_MODULES:
+        return None
+    if getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return None
+    return backend.decode if isinstance(backend, Tokenizer) else None
 
 
 class IncrementalDetokenizer:
@@ -24,6 +52,7 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
+        self._backend_decode = backend_decode(tokenizer)
         # Seed the window with the prompt's tail so the first output token gets its correct spacing.
         self.token_ids: list[int] = list(prompt_token_ids[-_INITIAL_PREFIX_TOKENS:])
         self.prefix_offset = 0
@@ -33,6 +62,8 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         if not ids:
             return ""
+        if self._backend_decode is not None:
+            return self._backend_decode(ids, skip_special_tokens=self.skip_special_tokens)
         kwargs = {"skip_special_tokens": self.skip_special_tokens}
         if not self.spaces_between_special_tokens:
             kwargs["spaces_between_special_tokens"] = False

@@ -12,6 +12,7 @@ already compute it, and the runner feeds its id to step N on the GPU.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 
@@ -41,6 +42,11 @@ class EngineCore:
         self.cache_config = cache_config
         self.scheduler = Scheduler(config.scheduler_config, cache_config)
         self.runner.warm_up()
+        # Everything built so far (modules, imports, tables) lives as long as the engine: move it out
+        # of the garbage collector's sight, or each full collection while serving scans ~10^5
+        # objects (a 0.1-0.2 s stall of the step loop, measured on an H200).
+        gc.collect()
+        gc.freeze()
         self.async_scheduling = bool(config.extra.get("async_scheduling", config.device.startswith("cuda")))
         self._in_flight = None  # (SchedulerOutput, StepHandle) of the step still on the GPU
         # Cumulative wall time per phase (seconds), for profiling the CPU share of a step.
@@ -88,8 +94,10 @@ class EngineCore:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
+        if self.scheduler.has_unfinished_requests():  # the usual answer, checked first (every step)
+            return True
         in_flight = self._in_flight is not None and not self._in_flight[0].is_empty
-        return self.scheduler.has_unfinished_requests() or in_flight or self.scheduler.has_finished_requests()
+        return in_flight or self.scheduler.has_finished_requests()
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_requests()

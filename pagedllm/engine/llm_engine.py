@@ -43,7 +43,11 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
-        return cls(create_engine_config(engine_args))
+        t0 = time.perf_counter()
+        config = create_engine_config(engine_args)
+        logger.info("engine config (model %s) resolved in %.1f s", config.model_config.served_model_name,
+                    time.perf_counter() - t0)
+        return cls(config)
 
     def _eos_token_id(self) -> int | None:
         eos = getattr(self.model_config.hf_config, "eos_token_id", None)
@@ -174,7 +178,8 @@ class LLMEngine:
         if self.engine_core.has_unfinished_requests():
             core_outputs = self.engine_core.step()
             request_outputs, stopped = self.output_processor.process_outputs(core_outputs)
-            self.engine_core.finish_stopped(stopped)
+            if stopped:
+                self.engine_core.finish_stopped(stopped)
             if self._waiting_siblings:
                 self._release_siblings(core_outputs)
             outputs.extend(request_outputs)

@@ -16,6 +16,8 @@ from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
+_FINAL_ONLY = RequestOutputKind.FINAL_ONLY  # Enum attribute access is slow in the per-step loop
+
 
 @dataclass
 class ParentRequest:
@@ -70,7 +72,8 @@ class RequestState:
 
     def update(self, out: EngineCoreOutput) -> bool:
         """Apply one step's output; return True when a stop string finished the sequence here."""
-        self.token_ids.extend(out.new_token_ids)
+        new_ids = out.new_token_ids
+        self.token_ids.extend(new_ids)
         self.num_cached_tokens = out.num_cached_tokens
         if out.new_logprobs and self.cumulative_logprob is not None:
             for lp in out.new_logprobs:
@@ -79,21 +82,21 @@ class RequestState:
                     self.logprobs.append(self._to_logprob_dict(lp))
         if out.new_prompt_logprobs and self.prompt_logprobs is not None:
             self.prompt_logprobs.extend(self._to_logprob_dict(lp) for lp in out.new_prompt_logprobs)
-        new_ids = out.new_token_ids
-        if out.finish_reason == "stop" and not self.params.include_stop_str_in_output:
-            new_ids = new_ids[:-1]  # the EOS / stop id that ended it stays out of the text (vLLM)
-        stopped_by_string = False
+        finish_reason = out.finish_reason
         if self.detok is not None and new_ids:
-            delta = self.detok.add_tokens(new_ids)
-            stopped_by_string = self._append_text(delta)
-        if stopped_by_string:
-            return True
-        if out.finish_reason is not None:
-            self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
+            if finish_reason == "stop" and not self.params.include_stop_str_in_output:
+                new_ids = new_ids[:-1]  # the EOS / stop id that ended it stays out of the text (vLLM)
+            if new_ids and self._append_text(self.detok.add_tokens(new_ids)):
+                return True
+        if finish_reason is not None:
+            self.finish_reason, self.stop_reason = finish_reason, out.stop_reason
         return False
 
     def _append_text(self, delta: str) -> bool:
         if not delta:
+            return False
+        if not self.params.stop:
+            self.text += delta
             return False
         start = max(0, len(self.text) - max((len(s) for s in self.params.stop), default=0) + 1)
         self.text += delta
@@ -157,16 +160,26 @@ class OutputProcessor:
         return [request_id] if request_id in self.states else []
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Returns (request outputs to hand to the user, sequence ids stopped by a stop string)."""
+        """Returns (request outputs to hand to the user, sequence ids stopped by a stop string).
+
+        A FINAL_ONLY sequence that has not finished produces no output (``_make_output`` would
+        return None for it or its parent), so it is not even looked at: the common case of
+        ``LLM.generate`` costs one ``update`` per sequence per step.
+        """
         touched: dict[str, None] = {}
         stopped: list[str] = []
+        states = self.states
         for out in outputs:
-            state = self.states.get(out.req_id)
-            if state is None or state.finished:
+            state = states.get(out.req_id)
+            if state is None or state.finish_reason is not None:
                 continue
             if state.update(out):
                 stopped.append(out.req_id)
+            elif state.finish_reason is None and state.output_kind == _FINAL_ONLY:
+                continue
             touched[state.parent_id or state.request_id] = None
+        if not touched:
+            return [], stopped
         return [ro for rid in touched if (ro := self._make_output(rid)) is not None], stopped
 
     def finish_aborted(self, request_ids: list[str]) -> list[RequestOutput]:
@@ -186,9 +199,9 @@ class OutputProcessor:
         parent = self.parents.get(user_request_id)
         child_ids = parent.children if parent else [user_request_id]
         children = [self.states[c] for c in child_ids]
-        finished = all(c.finished for c in children)
+        finished = all(c.finish_reason is not None for c in children)
         first = children[0]
-        if not finished and (first.output_kind == RequestOutputKind.FINAL_ONLY
+        if not finished and (first.output_kind == _FINAL_ONLY
                              or (parent is not None and parent.n < len(children))):
             return None  # best_of > n streams nothing: which sequences survive is known at the end
         if parent is not None and finished and parent.n < len(children):

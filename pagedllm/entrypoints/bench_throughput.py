@@ -61,6 +61,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peers", default="", help="comma list of in-process peers on the GPU: hf,hf-cb")
     p.add_argument("--peer-requests", type=int, default=None, help="run the peers on the first N requests only")
     p.add_argument("--peer-batch-size", type=int, default=64, help="padded batch size for the hf generate peer")
+    p.add_argument("--trace-steps", default=None, metavar="PATH",
+                   help="GPU: write a per-step trace (CUDA events: time, batch shape, context) as JSON")
     p.add_argument("--results-dir", default=None, help="also write <device>-<workload>-bench-<date>.json here")
 
 
@@ -140,7 +142,13 @@ def main(ns: argparse.Namespace) -> int:
     core = llm.llm_engine.engine_core
     core.step_timings.update(schedule=0.0, execute=0.0, update=0.0, steps=0)
     core.runner.timings["prepare"] = 0.0
+    if ns.trace_steps:
+        from pagedllm.worker.model_runner import StepTrace
+
+        core.runner.trace = StepTrace()
     elapsed, produced = run_pagedllm(llm, wl, ns.temperature)
+    if ns.trace_steps:
+        _write_trace(core.runner, ns.trace_steps)
     phases = {k: round(v, 3) for k, v in {**core.step_timings, **core.runner.timings}.items()}
     result = {
         "workload": ns.workload, "num_requests": len(wl.prompts), "output_tokens": produced,
@@ -170,6 +178,17 @@ def main(ns: argparse.Namespace) -> int:
         _run_peers(peers, folder, wl, ns, result)
     _write_results(result, ns)
     return 0
+
+
+def _write_trace(runner, path: str) -> None:
+    rows = runner.trace.rows()
+    runner.trace = None
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(rows, f)
+    gpu = sum(r["gpu_ms"] for r in rows) / 1e3
+    idle = sum(r.get("idle_after_ms", 0.0) for r in rows) / 1e3
+    print(f"trace: {len(rows)} steps, GPU busy {gpu:.2f} s, idle between steps {idle:.2f} s -> {path}")
 
 
 def _gpu_floor(llm, wl: Workload, result: dict) -> None:

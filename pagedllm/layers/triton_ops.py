@@ -6,7 +6,9 @@ Triton is installed) it calls the one-launch kernel in ``pagedllm.layers.kernels
 - ``RMSNorm``: residual add + RMSNorm (or plain RMSNorm) -- one launch instead of ~9;
 - ``RotaryEmbedding.forward``: Qwen3's per-head q/k RMSNorm + NeoX RoPE of q and k -- one launch
   instead of ~34;
-- ``SiluAndMul``: one launch instead of 2 (plus the chunk views).
+- ``SiluAndMul``: one launch instead of 2 (plus the chunk views);
+- ``Linear`` at 1-2 rows (decode at batch 1-2): the weight-streaming GEMV of
+  ``kernels/skinny_gemm.py`` where it beats cuBLAS (``use_skinny_gemm`` says where).
 
 The kernels reproduce the torch path's float semantics (fp32 math, and a rounding to the input dtype
 wherever the torch path rounds), so in bf16 they differ only by the summation order of the norm.
@@ -80,3 +82,30 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     from pagedllm.layers.kernels.activation import silu_and_mul as kernel
 
     return kernel(x)
+
+
+# Where the Triton GEMV (default launch parameters) beats cuBLAS, measured on an H200 with
+# benchmarks/kernels/bench_skinny_gemm.py (weights read from HBM, in CUDA graphs): at one row for
+# weights up to 32 Mi elements (e.g. Qwen3-0.6B's o_proj 12.4 -> 3.1 us and down_proj 7.5 -> 6.0 us,
+# Llama-8B's qkv_proj 16.1 -> 15.0 us and o_proj 13.4 -> 11.7 us; 8B's down and gate_up are cuBLAS's),
+# and at two rows for narrow outputs (N <= 1024, K >= 2N: 0.6B's o_proj 11.3 -> 4.7 us), where
+# cuBLAS has too few column tiles to fill the GPU. At 3-4 rows cuBLAS wins or ties.
+SKINNY_MAX_WEIGHT_ELEMENTS = 32 * 2**20
+SKINNY_NARROW_N = 1024
+
+
+def use_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    if x.dim() != 2 or not 1 <= x.shape[0] <= 2 or x.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if not use_fused(x) or x.stride(-1) != 1 or not weight.is_contiguous():
+        return False
+    n, k = weight.shape
+    if x.shape[0] == 1:
+        return n * k <= SKINNY_MAX_WEIGHT_ELEMENTS
+    return n <= SKINNY_NARROW_N and k >= 2 * n
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    from pagedllm.layers.kernels.skinny_gemm import skinny_linear as kernel
+
+    return kernel(x, weight, bias)

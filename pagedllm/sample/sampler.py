@@ -18,13 +18,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from pagedllm.sample.history import TokenHistory
 from pagedllm.sample.logits_processors import build_logits_processors
 from pagedllm.sample.logprobs import gather_logprobs
 from pagedllm.sample.torch_sampling import exponential_race, processed_probs
-from pagedllm.sample.transfer import host_to_device
+from pagedllm.sample.transfer import host_to_device, numpy_to_device
 from pagedllm.sample.triton_sampling import fused_available, gumbel_argmax
 from pagedllm.sampling_params import SamplingParams
 
@@ -103,10 +104,17 @@ class Sampler:
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self._seed_rng = np.random.default_rng(seed)  # per-step base seeds of the fused GPU draw
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        """Sample one token per row. May modify ``logits`` in place when it is already float32."""
-        logits = logits.float()
+        """Sample one token per row. May modify ``logits`` in place when it is already float32.
+        A plain batch (no logprobs, no processors, no top-k/p/min-p) reads the logits in their own
+        dtype: argmax and the fused kernel upcast exactly, so no float32 copy is made."""
+        plain = meta.max_num_logprobs is None and not meta.logits_processors and (
+            meta.all_greedy or (meta.top_k is None and meta.top_p is None and meta.min_p is None
+                                and fused_available(logits)))
+        if not plain:
+            logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.max_num_logprobs is not None else None
         for proc in meta.logits_processors:
             logits = proc(logits)
@@ -130,13 +138,10 @@ class Sampler:
         return torch.where(meta.greedy, logits.argmax(dim=-1), random_ids)
 
     def _row_seeds(self, meta: SamplingMetadata, logits: torch.Tensor) -> torch.Tensor:
-        """Philox seeds for the fused GPU draw: a fresh random base per step (from this sampler's
-        generator, on the device: no sync) plus the row index; seeded rows use their own seed."""
-        rows = logits.shape[0]
-        base = torch.randint(0, 2**62, (1,), generator=self.generator, device=logits.device)
-        seeds = base + torch.arange(rows, device=logits.device)
-        if meta.seeded_rows:
-            idx, vals = zip(*meta.seeded_rows)
-            seeds[host_to_device(list(idx), torch.int64, logits.device)] = host_to_device(list(vals), torch.int64,
-                                                                                            logits.device)
-        return seeds
+        """Philox seeds for the fused GPU draw: a fresh random base per step (drawn on the host) plus
+        the row index; seeded rows use their own seed. One asynchronous host->device copy."""
+        base = int(self._seed_rng.integers(0, 2**62))
+        seeds = np.arange(base, base + logits.shape[0], dtype=np.int64)
+        for row, seed in meta.seeded_rows:
+            seeds[row] = seed
+        return numpy_to_device(seeds, logits.device)

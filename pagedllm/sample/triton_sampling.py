@@ -7,7 +7,9 @@ rows skip the noise. Used when no row needs a top-k / top-p / min-p mask (those 
 distribution; the torch path handles them).
 
 Each row's noise depends only on its seed, so a seeded request draws the same token whatever
-else is in the batch. Cost: one read of [B, V] logits, one program per row.
+else is in the batch. Cost: one read of [B, V] logits in their own dtype (upcast in registers), by
+``B * ceil(V / 4096)`` programs (a row is split so that small batches still fill the GPU), then a
+tiny per-row reduce of the chunk winners: two launches.
 """
 
 from __future__ import annotations
@@ -23,15 +25,17 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _gumbel_argmax_kernel(logits_ptr, stride_row, temp_ptr, greedy_ptr, seed_ptr, out_ptr, vocab,
-                              BLOCK: tl.constexpr):
+    def _gumbel_chunk_kernel(logits_ptr, stride_row, temp_ptr, greedy_ptr, seed_ptr, best_val_ptr, best_idx_ptr,
+                             vocab, num_chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        """Program (row, c): the best (score, index) of columns [c * CHUNK, (c + 1) * CHUNK)."""
         row = tl.program_id(0)
+        chunk = tl.program_id(1)
         inv_t = 1.0 / tl.load(temp_ptr + row)
         greedy = tl.load(greedy_ptr + row) != 0
         seed = tl.load(seed_ptr + row)
         best_val = tl.full((BLOCK,), float("-inf"), tl.float32)
         best_idx = tl.zeros((BLOCK,), tl.int32)
-        for start in range(0, vocab, BLOCK):
+        for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             mask = cols < vocab
             x = tl.load(logits_ptr + row * stride_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
@@ -45,7 +49,22 @@ if HAS_TRITON:
         top = tl.max(best_val, axis=0)
         # Lowest index among the maxima (argmax's tie rule).
         cand = tl.where(best_val == top, best_idx, vocab)
+        tl.store(best_val_ptr + row * num_chunks + chunk, top)
+        tl.store(best_idx_ptr + row * num_chunks + chunk, tl.min(cand, axis=0))
+
+    @triton.jit
+    def _gumbel_reduce_kernel(best_val_ptr, best_idx_ptr, out_ptr, vocab, num_chunks, CHUNKS_PAD: tl.constexpr):
+        row = tl.program_id(0)
+        c = tl.arange(0, CHUNKS_PAD)
+        valid = c < num_chunks
+        val = tl.load(best_val_ptr + row * num_chunks + c, mask=valid, other=float("-inf"))
+        idx = tl.load(best_idx_ptr + row * num_chunks + c, mask=valid, other=vocab)
+        top = tl.max(val, axis=0)
+        cand = tl.where(val == top, idx, vocab)
         tl.store(out_ptr + row, tl.min(cand, axis=0).to(tl.int64))
+
+
+_CHUNK = 4096  # columns per program: a row of 152k logits is read by 38 programs in parallel
 
 
 def fused_available(logits: torch.Tensor) -> bool:
@@ -63,6 +82,11 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch
     if num_rows == 0:
         return out
     assert logits.stride(-1) == 1
-    _gumbel_argmax_kernel[(num_rows,)](logits, logits.stride(0), temperature, greedy.to(torch.int8), seeds, out,
-                                       vocab, BLOCK=2048, num_warps=8)
+    num_chunks = triton.cdiv(vocab, _CHUNK)
+    best_val = torch.empty((num_rows, num_chunks), dtype=torch.float32, device=logits.device)
+    best_idx = torch.empty((num_rows, num_chunks), dtype=torch.int32, device=logits.device)
+    _gumbel_chunk_kernel[(num_rows, num_chunks)](logits, logits.stride(0), temperature, greedy, seeds, best_val,
+                                                 best_idx, vocab, num_chunks, CHUNK=_CHUNK, BLOCK=1024, num_warps=4)
+    _gumbel_reduce_kernel[(num_rows,)](best_val, best_idx, out, vocab, num_chunks,
+                                       CHUNKS_PAD=triton.next_power_of_2(num_chunks), num_warps=1)
     return out

@@ -21,6 +21,7 @@ from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput, Token
 from pagedllm.sample.history import TokenHistory
 from pagedllm.sample.logprobs import prompt_logprobs
 from pagedllm.sample.sampler import Sampler, SamplerOutput, build_sampling_metadata
+from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker import kv_cache as kvc
 from pagedllm.worker.cuda_graph import CUDAGraphRunner
 from pagedllm.worker.device_inputs import DeviceInputs
@@ -87,6 +88,8 @@ class ModelRunner:
         # Rows whose sampling reads their exact token history (penalties, bad words): a step with
         # such a row first waits for the previous step's tokens.
         self._needs_history = np.zeros(sc.max_num_seqs, dtype=bool)
+        # Per-step GPU trace (bench --trace-steps): None = off, else a StepTrace.
+        self.trace: StepTrace | None = None
 
     # -- KV cache --------------------------------------------------------------------------
     def block_bytes(self) -> int:
@@ -102,7 +105,10 @@ class ModelRunner:
         if self.device.type != "cuda":
             return kvc.cpu_num_blocks(cfg.extra.get("kv_cache_memory"), self.block_bytes(), self.block_size,
                                       sc.max_num_seqs, self.max_model_len)
+        t0 = time.perf_counter()
         peak = self._profile_peak_memory()
+        logger.info("memory profile (one forward of %d tokens) in %.1f s: peak %.2f GiB",
+                    sc.max_num_batched_tokens, time.perf_counter() - t0, peak / 2**30)
         num_blocks = kvc.cuda_num_blocks(self.device, cfg.extra.get("gpu_memory_utilization", 0.9), peak,
                                          self.block_bytes())
         return min(num_blocks, sc.max_num_seqs * self.max_blocks_per_req + 1)
@@ -143,11 +149,49 @@ class ModelRunner:
         return int(peak)
 
     def warm_up(self) -> None:
-        """After the KV cache exists: capture decode CUDA graphs (GPU, unless enforce_eager)."""
-        if self.device.type == "cuda" and not self.config.enforce_eager:
+        """After the KV cache exists (GPU): compile every kernel variant an eager step can take, then
+        capture the decode CUDA graphs (unless enforce_eager). Nothing compiles while serving."""
+        if self.device.type != "cuda":
+            return
+        t0 = time.perf_counter()
+        self._warm_up_eager_kernels()
+        logger.info("compiled the prefill / mixed-step kernels in %.1f s", time.perf_counter() - t0)
+        if not self.config.enforce_eager:
             self.graph_runner = CUDAGraphRunner(self.model, self.backend, self.inputs,
                                                 self.config.scheduler_config.max_num_seqs, self.device)
             self.graph_runner.capture_all()
+
+    @torch.inference_mode()
+    def _warm_up_eager_kernels(self) -> None:
+        """Run eager forwards of one decode plus one prefill of 2, 4, .., 64 tokens (each length picks
+        another attention tile height), logits, and both sampling kernels (greedy and the fused
+        random draw). Slots are -1 (the cache is not written); contexts read block 0."""
+        dev = self.device
+        for prefill_len in (2, 4, 8, 16, 32, 64):
+            if prefill_len + 1 > self.max_model_len:
+                break
+            lens = [prefill_len + 1, prefill_len]
+            qsl = [0, 1, 1 + prefill_len]
+            n = qsl[-1]
+            meta = AttentionMetadata(
+                num_actual_tokens=n, max_query_len=prefill_len, max_seq_len=max(lens),
+                query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+                seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+                block_tables=torch.zeros((2, self.max_blocks_per_req), dtype=torch.int32, device=dev),
+                slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=dev),
+                query_start_loc_cpu=qsl, seq_lens_cpu=lens,
+            )
+            ids = torch.zeros(n, dtype=torch.long, device=dev)
+            positions = torch.cat([torch.tensor([prefill_len]), torch.arange(prefill_len)]).to(dev)
+            with forward_context(meta, self.backend):
+                hidden = self.model(ids, positions)
+        logits = self.model.compute_logits(hidden[[0, n - 1]])
+        for temperature in (0.0, 1.0):
+            params = [SamplingParams(temperature=temperature, max_tokens=1)] * 2
+            history = TokenHistory(np.zeros((2, 1), dtype=np.int64), np.arange(2), np.ones(2, dtype=np.int64),
+                                   np.ones(2, dtype=np.int64))
+            self.sampler(logits, build_sampling_metadata(params, history, dev, logits.shape[-1]))
+        torch.cuda.synchronize(dev)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         shape = self.model.kv_cache_shape_per_layer(num_blocks, self.block_size)
@@ -169,6 +213,7 @@ class ModelRunner:
             return StepHandle.empty()
         if self._last_handle is not None and self._history_needed(so):
             self._last_handle.result()  # penalties etc. need the previous step's tokens on the host
+        trace_start = self.trace.begin() if self.trace is not None else None
         t0 = time.perf_counter()
         inp = self._prepare_inputs(so)
         self.timings["prepare"] += time.perf_counter() - t0
@@ -189,6 +234,8 @@ class ModelRunner:
             self._last_sample_index[rows] = np.arange(len(rows))
         handle.prompt_logprobs = self._prompt_logprobs(hidden, inp, so)
         self._last_handle = handle
+        if trace_start is not None:
+            self.trace.end(trace_start, inp)
         return handle
 
     def _sample(self, logits: torch.Tensor, rows: list[int], params: list) -> SamplerOutput:
@@ -351,6 +398,52 @@ class ModelRunner:
             k = p.logprobs
             top_ids, top_lps = ids[j][1 : 1 + k], lps[j][1 : 1 + k]
             out[i] = [TokenLogprobs([ids[j][0], *top_ids], [lps[j][0], *top_lps], [ranks[j], *range(1, k + 1)])]
+        return out
+
+
+class StepTrace:
+    """CUDA events around every launched step, for the benchmark's per-step breakdown. Recording
+    an event does not wait for the GPU; ``rows()`` synchronizes once at the end. Event ``start``
+    fires when the GPU reaches the step, ``end`` when it finishes the step's sampling and copies;
+    the gap from one step's end to the next one's start is time the GPU sat idle."""
+
+    def __init__(self) -> None:
+        self._steps: list = []
+
+    def begin(self):
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev, time.perf_counter()
+
+    def end(self, begun, inp: PreparedInputs) -> None:
+        start, host_start = begun
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        meta = inp.attn_metadata
+        qsl = np.asarray(meta.query_start_loc_cpu)
+        query_lens = np.diff(qsl)[: len(inp.req_ids)]
+        seq_lens = np.asarray(meta.seq_lens_cpu[: len(inp.req_ids)], dtype=np.int64)
+        self._steps.append((start, ev, {
+            "num_reqs": len(inp.req_ids),
+            "num_tokens": int(query_lens.sum()),
+            "num_decodes": int((query_lens == 1).sum()),
+            "sum_seq_lens": int(seq_lens.sum()),
+            "sum_decode_seq_lens": int(seq_lens[query_lens == 1].sum()),
+            "graph_size": inp.graph_size,
+            "host_start_s": host_start,
+            "host_launch_ms": (time.perf_counter() - host_start) * 1e3,
+        }))
+
+    def rows(self) -> list[dict]:
+        torch.cuda.synchronize()
+        out = []
+        t0 = self._steps[0][2]["host_start_s"] if self._steps else 0.0
+        for i, (start, end, info) in enumerate(self._steps):
+            info["host_start_s"] -= t0
+            row = dict(info, gpu_ms=start.elapsed_time(end))
+            if i + 1 < len(self._steps):
+                row["idle_after_ms"] = end.elapsed_time(self._steps[i + 1][0])
+            out.append(row)
         return out
 
 

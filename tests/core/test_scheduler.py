@@ -678,6 +678,100 @@ def test_random_operations_keep_integrity_and_lose_nothing(seed):
     workload.finish()
 
 
+
+# -- the decode fast path and async scheduling (one step in flight) ------------------------------
+
+
+def test_decode_inside_the_last_block_allocates_nothing_and_accounts_tokens_exactly():
+    scheduler, runner = setup(block_size=4, num_blocks=32)
+    r = make_request("a", 6, max_tokens=20)
+    scheduler.add_request(r)
+    blocks = scheduler.kv_cache_manager.req_to_blocks
+    while not r.is_finished():
+        before = r.num_computed_tokens
+        free_before = scheduler.block_pool.get_num_free_blocks()
+        held_before = len(blocks.get("a", ()))
+        out, _ = step(scheduler, runner)
+        n = out.num_scheduled_tokens["a"]
+        assert out.total_num_scheduled_tokens == n
+        if out.scheduled_cached_reqs:
+            (cached,) = out.scheduled_cached_reqs
+            assert cached.num_computed_tokens == before  # the value before the step
+            needed = -(-(before + n) // 4) - held_before
+            assert len(cached.new_block_ids) == max(needed, 0)  # new blocks only past the last one
+        if not r.is_finished():
+            assert scheduler.block_pool.get_num_free_blocks() == free_before - (len(blocks["a"]) - held_before)
+            assert r.num_computed_tokens == before + n
+            assert len(blocks["a"]) == -(-r.num_computed_tokens // 4)
+    assert r.output_token_ids == expected_tokens(r.prompt_token_ids, 20)
+    assert scheduler.block_pool.get_num_free_blocks() == 32
+
+
+def run_async(scheduler: Scheduler, runner: FakeRunner, max_steps: int = 10_000) -> dict[str, Result]:
+    """Drive the scheduler as EngineCore does with async scheduling: schedule and launch step N,
+    then apply step N-1's results (their tokens were placeholders while step N was scheduled)."""
+    results: dict[str, Result] = {}
+    in_flight = None
+    for _ in range(max_steps):
+        if not (scheduler.has_unfinished_requests() or scheduler.has_finished_requests() or in_flight):
+            break
+        out = scheduler.schedule()
+        scheduler.check_integrity()
+        assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
+        launched = (out, runner.execute(out)) if not out.is_empty or out.finished_req_ids else None
+        if in_flight is not None:
+            for o in scheduler.update_from_output(*in_flight):
+                r = results.setdefault(o.req_id, Result())
+                assert r.finish_reason is None, "output after finishing"
+                r.tokens += o.new_token_ids
+                r.finish_reason, r.stop_reason = o.finish_reason, o.stop_reason
+            scheduler.check_integrity()
+        in_flight = launched
+    assert not scheduler.has_unfinished_requests(), "did not finish"
+    assert scheduler.block_pool.get_num_free_blocks() == scheduler.block_pool.num_blocks, "leaked blocks"
+    return results
+
+
+@pytest.mark.parametrize("num_blocks", [400, 40])  # 40: preemption with tokens in flight
+def test_async_scheduling_gives_the_same_tokens_and_stops(num_blocks):
+    scheduler, runner = setup(num_blocks=num_blocks, block_size=4, max_num_seqs=6, max_num_batched_tokens=48)
+    rng = random.Random(1)
+    reqs = [make_request(f"r{i}", rng.randint(1, 30), max_tokens=rng.randint(1, 25)) for i in range(20)]
+    # One request stops on EOS, one on a stop token after min_tokens: the token after it is in flight.
+    eos_req = make_request("eos", [5, 6, 7], max_tokens=50, eos=expected_tokens([5, 6, 7], 4)[3])
+    stop_tok = expected_tokens([9, 8], 6)
+    stop_req = make_request("stop", [9, 8], max_tokens=50, stop_token_ids=[stop_tok[1], stop_tok[5]], min_tokens=3)
+    for r in [*reqs, eos_req, stop_req]:
+        scheduler.add_request(r)
+    results = run_async(scheduler, runner)
+    for r in reqs:
+        assert results[r.request_id].tokens == expected_tokens(r.prompt_token_ids, r.max_tokens)
+        assert results[r.request_id].finish_reason == "length"
+        assert r.num_output_placeholders == 0 or r.is_finished()
+    assert results["eos"].tokens == expected_tokens([5, 6, 7], 4) and results["eos"].finish_reason == "stop"
+    assert results["stop"].tokens == stop_tok and results["stop"].stop_reason == stop_tok[5]
+    if num_blocks == 40:
+        assert scheduler.stats().num_preemptions_total > 0
+
+
+def test_update_from_output_accepts_runner_rows_in_any_order():
+    def run(reorder: bool) -> list[EngineCoreOutput]:
+        scheduler, runner = setup()
+        for i in range(4):
+            scheduler.add_request(make_request(f"r{i}", 5 + i, max_tokens=3, arrival_time=float(i)))
+        outputs = []
+        while scheduler.has_unfinished_requests():
+            out = scheduler.schedule()
+            result = runner.execute(out)
+            if reorder:  # reversed rows, and a request that sampled nothing left out
+                rows = [(r, t) for r, t in zip(result.req_ids, result.sampled_token_ids) if t or r != "r1"][::-1]
+                result = ModelRunnerOutput([r for r, _ in rows], [t for _, t in rows])
+            outputs += scheduler.update_from_output(out, result)
+            scheduler.check_integrity()
+        return outputs
+
+    assert sorted(run(True), key=lambda o: o.req_id) == sorted(run(False), key=lambda o: o.req_id)
+
 try:
     from hypothesis import HealthCheck, settings
     from hypothesis import strategies as st

@@ -17,8 +17,8 @@ def test_greedy_rows_are_argmax():
 
 
 def test_ties_take_the_lowest_index():
-    logits = torch.zeros(2, 4096, device="cuda")
-    logits[:, 7] = logits[:, 3000] = 5.0
+    logits = torch.zeros(2, 10_000, device="cuda")
+    logits[:, 7] = logits[:, 3000] = logits[:, 9000] = 5.0  # 9000 lies in another chunk
     out = triton_sampling.gumbel_argmax(logits, torch.ones(2, device="cuda"), torch.ones(2, dtype=torch.bool, device="cuda"),
                                         torch.zeros(2, dtype=torch.int64, device="cuda"))
     assert out.tolist() == [7, 7]
@@ -38,3 +38,15 @@ def test_samples_follow_softmax_with_temperature():
     again = triton_sampling.gumbel_argmax(logits, torch.full((rows,), temp, device="cuda"),
                                           torch.zeros(rows, dtype=torch.bool, device="cuda"), seeds)
     assert torch.equal(out, again), "same seeds must give the same draws"
+
+
+def test_winner_in_any_chunk_of_a_large_vocab():
+    """Rows are split into chunks of columns; the reduce must pick the right chunk's winner."""
+    vocab = 151_936
+    logits = torch.randn(5, vocab, device="cuda", dtype=torch.bfloat16)
+    for row, col in enumerate([0, 4095, 4096, 100_000, vocab - 1]):
+        logits[row, col] = 50.0
+    n = logits.shape[0]
+    out = triton_sampling.gumbel_argmax(logits, torch.ones(n, device="cuda"), torch.ones(n, dtype=torch.bool, device="cuda"),
+                                        torch.arange(n, device="cuda"))
+    assert out.tolist() == [0, 4095, 4096, 100_000, vocab - 1]

@@ -125,7 +125,9 @@ def _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q: tl.constexpr)
     return lo - 1
 
 
-@triton.jit
+# ``num_reqs`` changes every step: not specialised (Triton would otherwise compile separate
+# variants for 1, multiples of 16 and the rest, one of them in the middle of serving).
+@triton.jit(do_not_specialize=["num_reqs"])
 def _unified_attention_kernel(
     out_ptr,
     q_ptr,
@@ -208,7 +210,9 @@ def _unified_attention_kernel(
     )
 
 
-@triton.jit
+# ``num_splits`` is a runtime value (one compiled variant per head shape, whatever the batch size);
+# only whether there is more than one split (``SPLIT``) is compiled in.
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
     out_ptr,
     part_acc_ptr,
@@ -229,6 +233,7 @@ def _decode_split_kernel(
     stride_c_blk,
     stride_c_slot,
     stride_c_head,
+    num_splits,
     NUM_HEADS: tl.constexpr,
     QUERIES_PER_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -236,7 +241,7 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     TILE_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,
     MIN_SPLIT_LEN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -247,7 +252,7 @@ def _decode_split_kernel(
     if tl.load(query_start_loc_ptr + req + 1) - q_row != 1:  # not a decode (or a padded request)
         return
     seq_len = tl.load(seq_lens_ptr + req)
-    split_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE_N) * TILE_N, MIN_SPLIT_LEN)
+    split_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), TILE_N) * TILE_N, MIN_SPLIT_LEN)
     kv_start = split * split_len
     kv_end = tl.maximum(tl.minimum(kv_start + split_len, seq_len), kv_start)  # == kv_start: an empty split
 
@@ -276,7 +281,7 @@ def _decode_split_kernel(
         acc, m_i, l_i, q, rows, k_cache_ptr, v_cache_ptr, bt_row, head_offset, unmasked_end, kv_end, scale_log2,
         stride_c_blk, stride_c_slot, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, TILE_N, 1, DOT_PRECISION,
     )  # fmt: skip
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # seq_len 0 (padding) gives zeros
         tl.store(
             out_ptr + q_row.to(tl.int64) * stride_o_tok + head[:, None] * stride_o_head + dims[None, :],
@@ -284,13 +289,13 @@ def _decode_split_kernel(
             mask=row_valid[:, None] & dim_valid[None, :],
         )
     else:
-        part = (req.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + split
+        part = (req.to(tl.int64) * NUM_HEADS + head) * num_splits + split
         tl.store(part_m_ptr + part, m_i, mask=row_valid)
         tl.store(part_l_ptr + part, l_i, mask=row_valid)
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + dims[None, :], acc, mask=row_valid[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     out_ptr,
     part_acc_ptr,
@@ -299,26 +304,28 @@ def _decode_reduce_kernel(
     query_start_loc_ptr,
     stride_o_tok,
     stride_o_head,
+    num_splits,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
 ):
     req = tl.program_id(0)
     head = tl.program_id(1)
     q_row = tl.load(query_start_loc_ptr + req)
     if tl.load(query_start_loc_ptr + req + 1) - q_row != 1:
         return
-    splits = tl.arange(0, NUM_SPLITS)
-    part = (req.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + splits
-    m = tl.load(part_m_ptr + part)
-    l = tl.load(part_l_ptr + part)  # noqa: E741
+    splits = tl.arange(0, MAX_SPLITS)
+    valid = splits < num_splits
+    part = (req.to(tl.int64) * NUM_HEADS + head) * num_splits + splits
+    m = tl.load(part_m_ptr + part, mask=valid, other=float("-inf"))
+    l = tl.load(part_l_ptr + part, mask=valid, other=0.0)  # noqa: E741
     m_max = tl.max(m, 0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.math.exp2(m - m_max)  # empty splits (m = -inf) weigh 0
     total = tl.sum(l * w, 0)
     dims = tl.arange(0, HEAD_DIM_PAD)
-    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + dims[None, :])
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + dims[None, :], mask=valid[:, None], other=0.0)
     out = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(
         out_ptr + q_row.to(tl.int64) * stride_o_tok + head * stride_o_head + dims,
@@ -462,7 +469,7 @@ def paged_decode(
     num_reqs = seq_lens.shape[0]
     if num_splits is None:
         num_splits = decode_num_splits(num_reqs, num_kv_heads, _num_sms(query.device))
-    assert num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
+    assert 1 <= num_splits <= _MAX_SPLITS, f"num_splits must be in 1..{_MAX_SPLITS}"
     head_dim_pad = triton.next_power_of_2(head_dim)
     block_m = max(16, triton.next_power_of_2(qpk))
     tile_n, num_stages = _fit_tiles(block_m, tile_n, num_stages, head_dim_pad, kv_cache.element_size())
@@ -493,6 +500,7 @@ def paged_decode(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        num_splits,
         NUM_HEADS=num_heads,
         QUERIES_PER_KV=qpk,
         HEAD_DIM=head_dim,
@@ -500,7 +508,7 @@ def paged_decode(
         BLOCK_SIZE=kv_cache.shape[2],
         BLOCK_M=block_m,
         TILE_N=tile_n,
-        NUM_SPLITS=num_splits,
+        SPLIT=num_splits > 1,
         MIN_SPLIT_LEN=max(_MIN_SPLIT_LEN, tile_n),
         DOT_PRECISION=_dot_precision(kv_cache.dtype),
         num_warps=num_warps,
@@ -515,9 +523,10 @@ def paged_decode(
             query_start_loc,
             out.stride(0),
             out.stride(1),
+            num_splits,
             NUM_HEADS=num_heads,
             HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad,
-            NUM_SPLITS=num_splits,
-            num_warps=4 if head_dim_pad * num_splits >= 4096 else 1,
+            MAX_SPLITS=_MAX_SPLITS,
+            num_warps=4,
         )

@@ -1,0 +1,23 @@
+"""Start-up: process start -> first token of one request, on the 0.6B config with CUDA graphs on.
+
+Run as a fresh process (the first one on a machine is the cold case: nothing in the OS file cache,
+no Triton kernel cache). ``PAGEDLLM_PROCESS_T0`` (seconds since the epoch, e.g. ``date +%s.%N``
+taken by the shell just before ``python3``) makes the figure include interpreter start-up.
+"""
+
+import os
+import time
+
+T0 = float(os.environ.get("PAGEDLLM_PROCESS_T0", time.time()))
+
+from pagedllm import LLM, SamplingParams  # noqa: E402
+
+t_import = time.time()
+llm = LLM("benchmarks/configs/qwen3-0.6b", load_format="dummy", skip_tokenizer_init=True, max_model_len=4096)
+t_engine = time.time()
+out = llm.generate([{"prompt_token_ids": list(range(100, 612))}], SamplingParams(max_tokens=1, detokenize=False),
+                   use_tqdm=False)
+t_first = time.time()
+assert len(out[0].outputs[0].token_ids) == 1
+print(f"start-up: imports {t_import - T0:.1f} s, engine {t_engine - t_import:.1f} s, first token "
+      f"{t_first - t_engine:.2f} s -> process start to first token {t_first - T0:.1f} s")

@@ -1,0 +1,100 @@
+"""``y = x W^T`` for a handful of rows (decode at batch 1..4): a weight-streaming GEMV in Triton.
+
+At M <= 4 a linear layer is a pure read of W; cuBLAS picks GEMM tiles for these shapes that reach
+only 25-50% of the copy bandwidth on an H200 (e.g. 12 us for Qwen3-0.6B's 12.6 MB gate_up
+projection at M=1, see benchmarks/kernels/bench_skinny_gemm.py). Here each program owns
+``BLOCK_N`` output columns and streams their ``[BLOCK_N, K]`` slice of W once, in ``BLOCK_K``
+chunks, for all M rows at once (M, 1..4, is a compile-time constant), accumulating in fp32.
+Grid ``cdiv(N, BLOCK_N)``; ``BLOCK_N`` is chosen so that there are >= ~4 programs per SM.
+
+Cost: N*K weight elements read once, M*K input elements per program (L2 hits), M*N written.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 4
+
+
+@triton.jit
+def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_om,
+                        M: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rn < N
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    acc0 = tl.zeros((BLOCK_N,), tl.float32)
+    acc1 = tl.zeros((BLOCK_N,), tl.float32)
+    acc2 = tl.zeros((BLOCK_N,), tl.float32)
+    acc3 = tl.zeros((BLOCK_N,), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_mask = rk < K
+        w = tl.load(w_rows + rk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        x0 = tl.load(x_ptr + rk, mask=k_mask, other=0.0).to(tl.float32)
+        acc0 += tl.sum(w * x0[None, :], axis=1)
+        if M > 1:
+            x1 = tl.load(x_ptr + stride_xm + rk, mask=k_mask, other=0.0).to(tl.float32)
+            acc1 += tl.sum(w * x1[None, :], axis=1)
+        if M > 2:
+            x2 = tl.load(x_ptr + 2 * stride_xm + rk, mask=k_mask, other=0.0).to(tl.float32)
+            acc2 += tl.sum(w * x2[None, :], axis=1)
+        if M > 3:
+            x3 = tl.load(x_ptr + 3 * stride_xm + rk, mask=k_mask, other=0.0).to(tl.float32)
+            acc3 += tl.sum(w * x3[None, :], axis=1)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+        acc0 += bias
+        acc1 += bias
+        acc2 += bias
+        acc3 += bias
+    out_dtype = out_ptr.dtype.element_ty
+    tl.store(out_ptr + rn, acc0.to(out_dtype), mask=n_mask)
+    if M > 1:
+        tl.store(out_ptr + stride_om + rn, acc1.to(out_dtype), mask=n_mask)
+    if M > 2:
+        tl.store(out_ptr + 2 * stride_om + rn, acc2.to(out_dtype), mask=n_mask)
+    if M > 3:
+        tl.store(out_ptr + 3 * stride_om + rn, acc3.to(out_dtype), mask=n_mask)
+
+
+@functools.lru_cache(maxsize=64)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def pick_block_n(n: int, num_sms: int) -> int:
+    """The widest power-of-two column block (4..64) that still gives >= 4 programs per SM."""
+    block = 64
+    while block > 4 and triton.cdiv(n, block) < 4 * num_sms:
+        block //= 2
+    return block
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
+                  num_stages: int = 3) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for 2-D ``x`` with 1 <= M <= 4 rows and a contiguous ``weight``
+    ``[N, K]``. Returns a new ``[M, N]`` tensor in ``x``'s dtype."""
+    m, k = x.shape
+    n = weight.shape[0]
+    assert 1 <= m <= MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    # Defaults from the H200 sweep: long rows stream in 1024-element chunks with 8 warps.
+    if block_k is None:
+        block_k = 1024 if k >= 2048 else 512
+    if num_warps is None:
+        num_warps = 8 if k >= 2048 else 4
+    if block_n is None:
+        index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        block_n = pick_block_n(n, _num_sms(index))
+    grid = (triton.cdiv(n, block_n),)
+    _skinny_gemm_kernel[grid](x, weight, bias if bias is not None else weight, out, n, k, x.stride(0),
+                              weight.stride(0), out.stride(0), M=m, HAS_BIAS=bias is not None,
+                              BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
+    return out
