@@ -163,35 +163,44 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _warm_up_eager_kernels(self) -> None:
-        """Run eager forwards of one decode plus one prefill of 2, 4, .., 64 tokens (each length picks
-        another attention tile height), logits, and both sampling kernels (greedy and the fused
-        random draw). Slots are -1 (the cache is not written); contexts read block 0."""
-        dev = self.device
-        for prefill_len in (2, 4, 8, 16, 32, 64):
-            if prefill_len + 1 > self.max_model_len:
+        """Run eager forwards of 1 and 2 decodes (the small-M GEMV, eager decode attention), then of one
+        decode plus one prefill of 2, 4, .., 64 tokens (each length picks another attention tile
+        height), logits, and both sampling kernels (greedy and the fused random draw). Slots are -1
+        (the cache is not written); contexts are 2 tokens longer than the query and read block 0."""
+        batches = [[1], [1, 1]] + [[1, n] for n in (2, 4, 8, 16, 32, 64)]
+        hidden = None
+        for query_lens in batches:
+            if max(query_lens) + 2 > self.max_model_len:
                 break
-            lens = [prefill_len + 1, prefill_len]
-            qsl = [0, 1, 1 + prefill_len]
-            n = qsl[-1]
-            meta = AttentionMetadata(
-                num_actual_tokens=n, max_query_len=prefill_len, max_seq_len=max(lens),
-                query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-                seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-                block_tables=torch.zeros((2, self.max_blocks_per_req), dtype=torch.int32, device=dev),
-                slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=dev),
-                query_start_loc_cpu=qsl, seq_lens_cpu=lens,
-            )
-            ids = torch.zeros(n, dtype=torch.long, device=dev)
-            positions = torch.cat([torch.tensor([prefill_len]), torch.arange(prefill_len)]).to(dev)
-            with forward_context(meta, self.backend):
-                hidden = self.model(ids, positions)
-        logits = self.model.compute_logits(hidden[[0, n - 1]])
+            hidden = self._eager_dummy_forward(query_lens)
+        if hidden is None:
+            return
+        logits = self.model.compute_logits(hidden[[0, hidden.shape[0] - 1]])
         for temperature in (0.0, 1.0):
             params = [SamplingParams(temperature=temperature, max_tokens=1)] * 2
             history = TokenHistory(np.zeros((2, 1), dtype=np.int64), np.arange(2), np.ones(2, dtype=np.int64),
                                    np.ones(2, dtype=np.int64))
-            self.sampler(logits, build_sampling_metadata(params, history, dev, logits.shape[-1]))
-        torch.cuda.synchronize(dev)
+            self.sampler(logits, build_sampling_metadata(params, history, self.device, logits.shape[-1]))
+        torch.cuda.synchronize(self.device)
+
+    def _eager_dummy_forward(self, query_lens: list[int]) -> torch.Tensor:
+        """One eager forward of requests with these query lengths, each over a context of its query
+        plus 2 earlier positions; nothing is written to the KV cache."""
+        dev = self.device
+        lens = [q + 2 for q in query_lens]
+        qsl = np.concatenate([[0], np.cumsum(query_lens)]).tolist()
+        n = qsl[-1]
+        meta = AttentionMetadata(
+            num_actual_tokens=n, max_query_len=max(query_lens), max_seq_len=max(lens),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            block_tables=torch.zeros((len(lens), self.max_blocks_per_req), dtype=torch.int32, device=dev),
+            slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=dev),
+            query_start_loc_cpu=qsl, seq_lens_cpu=lens,
+        )
+        positions = torch.cat([torch.arange(2, 2 + q) for q in query_lens]).to(dev)
+        with forward_context(meta, self.backend):
+            return self.model(torch.zeros(n, dtype=torch.long, device=dev), positions)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         shape = self.model.kv_cache_shape_per_layer(num_blocks, self.block_size)
