@@ -50,17 +50,22 @@ class AttentionBackend:
     ``Attention`` layer fetches it from the forward context."""
 
     name = "base"
+    # Whether ``forward(..., kv_stored=True)`` is supported: the caller (a fused RoPE kernel) has
+    # already written this step's K/V at ``meta.slot_mapping``, and the backend only attends.
+    accepts_stored_kv = False
 
     def forward(
         self,
         query: torch.Tensor,  # [T, num_heads, head_dim]
-        key: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        key: torch.Tensor | None,  # [T, num_kv_heads, head_dim]; None only with kv_stored
         value: torch.Tensor,  # [T, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
+        kv_stored: bool = False,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        """Store key/value at ``meta.slot_mapping``, then attend as described in the module doc."""
+        """Store key/value at ``meta.slot_mapping`` (unless ``kv_stored``), then attend as described
+        in the module doc."""
         raise NotImplementedError  # abstract: each backend defines it
 
 

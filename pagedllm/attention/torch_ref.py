@@ -1,11 +1,15 @@
 """Reference attention in plain torch: the CPU path and the oracle for every GPU kernel.
 
-Cost per layer: one scatter of the new K/V into the cache, then decode requests (query_len 1)
-batched into one padded ``scaled_dot_product_attention`` call, and every other request
-(prefill / chunked prefill) attended one by one with an explicit causal-with-prefix mask.
+Cost per layer: one scatter of the new K/V into the cache, then decode requests (query_len 1) in
+a few padded ``scaled_dot_product_attention`` calls, one per group of similar context lengths (the
+grouping is planned once per step: a single padded batch would gather up to the longest context for
+every request, 2-3x the keys at mixed lengths), and every other request (prefill / chunked
+prefill) attended one by one with an explicit causal-with-prefix mask.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -54,17 +58,79 @@ def _grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     return o.reshape(B, H, Lq, D).permute(0, 2, 1, 3)
 
 
+@dataclass
+class DecodeGroup:
+    """Decode requests of similar context length, attended in one padded SDPA call.
+
+    ``rows``: their query rows; ``blocks``: their first ``num_blocks`` block ids, flattened
+    ``[B * num_blocks]``; ``mask``: additive float ``[B, 1, 1, max_len]``, 0 where a key position is
+    inside the request's context and -inf past it (broadcast over heads by SDPA)."""
+
+    rows: torch.Tensor
+    blocks: torch.Tensor
+    num_blocks: int
+    max_len: int
+    mask: torch.Tensor
+
+
+@dataclass
+class DecodePlan:
+    """How one step's decode requests are grouped; built once per step, shared by every layer."""
+
+    groups: list[DecodeGroup]
+
+
+# A group's padding may add this share of its real keys before the next shorter request starts
+# a new group; each extra group costs two gathers and one SDPA call (tens of microseconds).
+MAX_PADDING_SHARE = 0.25
+
+
+def plan_decode_groups(seq_lens: list[int], rows: list[int], block_tables: torch.Tensor, block_size: int,
+                       device: torch.device) -> DecodePlan:
+    """Group decode requests by context length so the padded gather reads few wasted keys.
+
+    Requests are taken longest first; a group stays open while adding the next one keeps its
+    padded size ``B * max_len`` within ``(1 + MAX_PADDING_SHARE)`` of its real keys. Cost: one sort
+    and a handful of small tensors per group, once per step."""
+    order = sorted(range(len(rows)), key=lambda i: -seq_lens[i])
+    groups, current, real = [], [], 0
+    for i in order:
+        longest = seq_lens[current[0]] if current else seq_lens[i]
+        if current and longest * (len(current) + 1) > (1 + MAX_PADDING_SHARE) * (real + seq_lens[i]):
+            groups.append(current)
+            current, real = [], 0
+        current.append(i)
+        real += seq_lens[i]
+    if current:
+        groups.append(current)
+    out = []
+    for members in groups:
+        lens = [seq_lens[i] for i in members]
+        max_len = lens[0]
+        num_blocks = (max_len + block_size - 1) // block_size
+        reqs = torch.tensor([rows[i] for i in members], device=device)
+        blocks = block_tables[torch.tensor(members, device=device), :num_blocks].long().flatten()
+        lens_t = torch.tensor(lens, device=device)
+        outside = torch.arange(max_len, device=device).unsqueeze(0) >= lens_t.unsqueeze(1)
+        mask = torch.zeros(len(members), 1, 1, max_len, device=device).masked_fill_(outside[:, None, None], float("-inf"))
+        out.append(DecodeGroup(reqs, blocks, num_blocks, max_len, mask))
+    return DecodePlan(out)
+
+
 def paged_attention_ref(
-    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    decode_plan: DecodePlan | None = None,
 ) -> torch.Tensor:
-    """Attention over keys already stored in the paged cache (see backend.py for the semantics)."""
+    """Attention over keys already stored in the paged cache (see backend.py for the semantics).
+    ``decode_plan`` (from ``plan_decode_groups``) may be passed to reuse one step's grouping."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     qsl = meta.query_start_loc_cpu or meta.query_start_loc.tolist()
     seq_lens = meta.seq_lens_cpu or meta.seq_lens.tolist()
     out = torch.empty_like(query)
-    decode_reqs = [r for r in range(len(seq_lens)) if qsl[r + 1] - qsl[r] == 1]
-    if decode_reqs:
-        _decode_batch(query, kv_cache, meta.block_tables, decode_reqs, qsl, seq_lens, scale, out)
+    if decode_plan is None:
+        decode_plan = _plan_for(meta, kv_cache.shape[2], query.device)
+    for group in decode_plan.groups:
+        _decode_group(query, kv_cache, group, scale, out)
     for r in range(len(seq_lens)):
         q_start, q_end = qsl[r], qsl[r + 1]
         q_len = q_end - q_start
@@ -81,31 +147,48 @@ def paged_attention_ref(
     return out.view(-1, num_heads, head_dim)
 
 
-def _decode_batch(query, kv_cache, block_tables, reqs, qsl, seq_lens, scale, out) -> None:
-    """All single-token queries in one padded SDPA call (keys padded to the longest context)."""
+def _plan_for(meta: AttentionMetadata, block_size: int, device: torch.device) -> DecodePlan:
+    qsl = meta.query_start_loc_cpu or meta.query_start_loc.tolist()
+    seq_lens = meta.seq_lens_cpu or meta.seq_lens.tolist()
+    reqs = [r for r in range(len(seq_lens)) if qsl[r + 1] - qsl[r] == 1]
+    if not reqs:
+        return DecodePlan([])
+    return plan_decode_groups([seq_lens[r] for r in reqs], [qsl[r] for r in reqs],
+                              meta.block_tables[torch.tensor(reqs, device=device)], block_size, device)
+
+
+def _decode_group(query, kv_cache, group: DecodeGroup, scale: float, out: torch.Tensor) -> None:
+    """One group's single-token queries in one SDPA call (keys padded to the group's longest)."""
+    B = group.rows.shape[0]
     block_size = kv_cache.shape[2]
-    lens = [seq_lens[r] for r in reqs]
-    max_len = max(lens)
-    max_blocks = (max_len + block_size - 1) // block_size
-    idx = torch.tensor(reqs, device=query.device)
-    tables = block_tables[idx, :max_blocks].long().flatten()  # [B * max_blocks]
-    B = len(reqs)
-    shape = (B, max_blocks * block_size, kv_cache.shape[-2], kv_cache.shape[-1])
-    k = kv_cache[0].index_select(0, tables).view(shape)[:, :max_len]
-    v = kv_cache[1].index_select(0, tables).view(shape)[:, :max_len]
-    rows = torch.tensor([qsl[r] for r in reqs], device=query.device)
-    lens_t = torch.tensor(lens, device=query.device)
-    mask = (torch.arange(max_len, device=query.device).unsqueeze(0) < lens_t.unsqueeze(1)).unsqueeze(1)  # [B, 1, L]
-    o = _grouped_sdpa(query[rows].unsqueeze(1), k, v, mask, scale)  # [B, 1, H, D]
-    out[rows] = o[:, 0].to(out.dtype)
+    shape = (B, group.num_blocks * block_size, kv_cache.shape[-2], kv_cache.shape[-1])
+    k = kv_cache[0].index_select(0, group.blocks).view(shape)[:, :group.max_len]
+    v = kv_cache[1].index_select(0, group.blocks).view(shape)[:, :group.max_len]
+    num_heads, head_dim, num_kv_heads = query.shape[1], query.shape[2], kv_cache.shape[-2]
+    # GQA as in _grouped_sdpa: the heads of a KV group are the query rows of one SDPA "head".
+    qg = query[group.rows].view(B, num_kv_heads, num_heads // num_kv_heads, head_dim).to(k.dtype)
+    o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=group.mask.to(k.dtype),
+                                       scale=scale)  # [B, Hkv, rep, D]
+    out[group.rows] = o.reshape(B, num_heads, head_dim).to(out.dtype)
 
 
 class TorchRefBackend(AttentionBackend):
+    """The reference backend. It plans a step's decode groups at its first layer and reuses the plan
+    for the other layers of the same step (the metadata object identifies the step)."""
+
     name = "torch_ref"
 
-    def forward(self, query, key, value, kv_cache, meta, scale):
+    def __init__(self) -> None:
+        self._plan_meta: AttentionMetadata | None = None
+        self._plan: DecodePlan | None = None
+
+    def forward(self, query, key, value, kv_cache, meta, scale, kv_stored=False):
         n = meta.num_actual_tokens
+        if kv_stored:
+            raise ValueError("the torch_ref backend stores K/V itself (accepts_stored_kv is False)")
         store_kv_cache(key[:n], value[:n], kv_cache, meta.slot_mapping[:n])
+        if self._plan_meta is not meta:
+            self._plan_meta, self._plan = meta, _plan_for(meta, kv_cache.shape[2], query.device)
         out = torch.zeros_like(query)
-        out[:n] = paged_attention_ref(query[:n], kv_cache, meta, scale)
+        out[:n] = paged_attention_ref(query[:n], kv_cache, meta, scale, self._plan)
         return out

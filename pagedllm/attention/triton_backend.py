@@ -43,6 +43,7 @@ class TritonBackend(AttentionBackend):
     """Triton paged attention. Stateless: every call reads only its arguments."""
 
     name = "triton"
+    accepts_stored_kv = True
 
     def __init__(self) -> None:
         if not HAS_TRITON:
@@ -58,15 +59,18 @@ class TritonBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_stored: bool = False,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Store K/V, then attend. ``out`` (optional, shaped like ``query``) is written in place and
-        returned: a preallocated buffer for CUDA graphs, or a poisoned one in tests."""
+        """Store K/V (unless ``kv_stored``: the fused RoPE kernel did), then attend. ``out`` (optional,
+        shaped like ``query``) is written in place and returned: a preallocated buffer for CUDA
+        graphs, or a poisoned one in tests."""
         from pagedllm.attention.triton_kernels import kv_store, paged_attention
 
-        kv_store.store_kv_cache(
-            _last_dim_contiguous(key), _last_dim_contiguous(value), kv_cache, meta.slot_mapping
-        )
+        if not kv_stored:
+            kv_store.store_kv_cache(
+                _last_dim_contiguous(key), _last_dim_contiguous(value), kv_cache, meta.slot_mapping
+            )
         query = _last_dim_contiguous(query)
         if out is None:
             out = torch.empty_like(query)

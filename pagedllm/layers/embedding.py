@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.layers import cpu_gemm
 from pagedllm.layers.linear import default_weight_loader
 
 
@@ -23,7 +24,8 @@ class VocabEmbedding(nn.Module):
 
 
 class LMHead(nn.Module):
-    """``[N, hidden] -> [N, vocab]`` logits in float32 (computed in the model dtype, then upcast, as HF).
+    """``[N, hidden] -> [N, vocab]`` logits in float32 (computed in the model dtype, then upcast, as HF;
+    ``upcast=False`` leaves them in the model dtype).
 
     With ``tied_to`` the head shares the embedding's weight: one Parameter, loaded once.
     """
@@ -36,6 +38,18 @@ class LMHead(nn.Module):
         else:
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
             self.weight.weight_loader = default_weight_loader
+        self.cpu_packed_weight: torch.Tensor | None = None  # as in ``Linear``: the oneDNN-blocked copy
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight).float()
+    def pack_cpu_weight(self) -> bool:
+        """Prepack the head for the CPU (``cpu_gemm``): a tied head gets its own packed copy."""
+        self.cpu_packed_weight = cpu_gemm.pack_weight(self.weight)
+        return self.cpu_packed_weight is not None
+
+    def forward(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """Logits, upcast to float32 unless ``upcast=False`` (then in the model dtype: one kernel and
+        a vocab-wide copy fewer per step, for a consumer that upcasts itself, like the sampler)."""
+        if self.cpu_packed_weight is not None and hidden.device.type == "cpu" and hidden.dtype == self.weight.dtype:
+            logits = cpu_gemm.packed_linear(hidden, self.cpu_packed_weight, None)
+        else:
+            logits = F.linear(hidden, self.weight)
+        return logits.float() if upcast else logits

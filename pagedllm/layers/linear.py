@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers import triton_ops
+from pagedllm.layers import cpu_gemm, triton_ops
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
@@ -36,13 +36,23 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         for p in self.parameters():
             p.weight_loader = self.weight_loader
+        # oneDNN-blocked copy of ``weight`` for the CPU (``pack_cpu_weight``); None: not packed.
+        self.cpu_packed_weight: torch.Tensor | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         default_weight_loader(param, loaded_weight)
 
+    def pack_cpu_weight(self) -> bool:
+        """Make the prepacked CPU copy (``cpu_gemm``); call once the weights are final (a later
+        change to ``weight`` is not seen by the packed copy)."""
+        self.cpu_packed_weight = cpu_gemm.pack_weight(self.weight)
+        return self.cpu_packed_weight is not None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """cuBLAS (``F.linear``), or on CUDA at 1-4 rows the Triton GEMV where it is faster
-        (``triton_ops.use_skinny_gemm``)."""
+        (``triton_ops.use_skinny_gemm``); on the CPU the prepacked oneDNN GEMM once packed."""
+        if self.cpu_packed_weight is not None and x.device.type == "cpu" and x.dtype == self.weight.dtype:
+            return cpu_gemm.packed_linear(x, self.cpu_packed_weight, self.bias)
         if triton_ops.use_skinny_gemm(x, self.weight):
             return triton_ops.skinny_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)

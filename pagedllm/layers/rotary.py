@@ -95,6 +95,23 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self.cos_sin(positions)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
+    def forward_and_store(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+        q_norm: RMSNorm | None, k_norm: RMSNorm | None,
+        kv_store: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor | None:
+        """``forward`` with the attention's KV store folded into the same launch: the rotated k and
+        the value go straight into the cache (``kv_store = Attention.fused_kv_store(v)``); returns the
+        rotated q. None when the fused kernel does not apply (the caller then uses ``forward`` and
+        lets the backend store): one launch per layer instead of two."""
+        value, kv_cache = kv_store[0], kv_store[1]
+        if not (self._fusable(q, k, q_norm, k_norm) and kv_cache.dtype == k.dtype and value.stride(-1) == 1):
+            return None
+        qn = (q_norm.weight, q_norm.eps) if q_norm is not None else None
+        kn = (k_norm.weight, k_norm.eps) if k_norm is not None else None
+        q_rot, _ = triton_ops.qk_norm_rope(positions, q, k, self.cos_cache, self.sin_cache, qn, kn, kv_store)
+        return q_rot
+
     def _fusable(self, q: torch.Tensor, k: torch.Tensor, q_norm: RMSNorm | None, k_norm: RMSNorm | None) -> bool:
         """The fused kernel's preconditions: CUDA, one dtype, full rotary, unit last stride, norms both
         or neither with weights in q's dtype."""

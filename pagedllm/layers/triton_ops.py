@@ -8,7 +8,10 @@ Triton is installed) it calls the one-launch kernel in ``pagedllm.layers.kernels
   instead of ~34;
 - ``SiluAndMul``: one launch instead of 2 (plus the chunk views);
 - ``Linear`` at 1-2 rows (decode at batch 1-2): the weight-streaming GEMV of
-  ``kernels/skinny_gemm.py`` where it beats cuBLAS (``use_skinny_gemm`` says where).
+  ``kernels/skinny_gemm.py`` where it beats cuBLAS (``use_skinny_gemm`` says where);
+- where that GEMV is taken, ``layers.fused`` folds the op before it into it (``kernels/fused_gemv.py``):
+  residual add + RMSNorm + qkv / gate_up projection, and SiLU-and-mul + down projection -- one
+  launch instead of two (``use_fused_norm_linear`` / ``use_fused_silu_and_mul_linear``).
 
 The kernels reproduce the torch path's float semantics (fp32 math, and a rounding to the input dtype
 wherever the torch path rounds), so in bf16 they differ only by the summation order of the norm.
@@ -72,10 +75,11 @@ def qk_norm_rope(
     sin_cache: torch.Tensor,
     q_norm: tuple[torch.Tensor, float] | None = None,
     k_norm: tuple[torch.Tensor, float] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    kv_store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     from pagedllm.layers.kernels.rotary import qk_norm_rope as kernel
 
-    return kernel(positions, q, k, cos_cache, sin_cache, q_norm, k_norm)
+    return kernel(positions, q, k, cos_cache, sin_cache, q_norm, k_norm, kv_store=kv_store)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -107,5 +111,37 @@ def use_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     from pagedllm.layers.kernels.skinny_gemm import skinny_linear as kernel
+
+    return kernel(x, weight, bias)
+
+
+def use_fused_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                          weight: torch.Tensor) -> bool:
+    """Whether ``RMSNorm(x, residual)`` then ``Linear`` (``weight`` ``[N, K]``) take the one-launch
+    ``rms_norm_linear``: exactly where the linear alone would take the Triton GEMV (the normed input
+    has ``x``'s shape and dtype), with the norm weight, the residual and W all in ``x``'s dtype."""
+    if not use_skinny_gemm(x, weight) or weight.dtype != x.dtype or norm_weight.dtype != x.dtype:
+        return False
+    if norm_weight.shape != (x.shape[1],) or not norm_weight.is_contiguous():
+        return False
+    return residual is None or (residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1)
+
+
+def use_fused_silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``SiluAndMul(x)`` (``x`` ``[M, 2*I]``) then ``Linear`` (``weight`` ``[N, I]``) take the
+    one-launch ``silu_and_mul_linear``: exactly where the linear alone would take the Triton GEMV
+    (``use_skinny_gemm`` reads only M, dtype, strides and W's shape, so ``x`` stands for its input)."""
+    return x.dim() == 2 and x.shape[1] == 2 * weight.shape[1] and weight.dtype == x.dtype and use_skinny_gemm(x, weight)
+
+
+def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                    weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    from pagedllm.layers.kernels.fused_gemv import rms_norm_linear as kernel
+
+    return kernel(x, residual, norm_weight, eps, weight, bias)
+
+
+def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    from pagedllm.layers.kernels.fused_gemv import silu_and_mul_linear as kernel
 
     return kernel(x, weight, bias)

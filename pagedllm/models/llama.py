@@ -34,6 +34,8 @@ from pagedllm.layers import (
     SiluAndMul,
     VocabEmbedding,
     default_weight_loader,
+    fused_norm_linear,
+    fused_silu_and_mul_linear,
     get_rope_parameters,
 )
 
@@ -63,10 +65,12 @@ def sliding_window_of(cfg: Any) -> int | None:
 
 
 class LlamaAttention(nn.Module):
-    """qkv projection -> (q/k norm +) RoPE -> paged attention -> o_proj.
+    """(residual add +) input norm -> qkv projection -> (q/k norm +) RoPE -> paged attention -> o_proj.
 
-    Cost on CUDA: 2 GEMMs, one fused q/k norm + RoPE launch (``RotaryEmbedding.forward``), and the
-    attention backend's launches; q/k/v stay views of the merged qkv output (no copies).
+    Cost on CUDA: the norm launch and 2 GEMMs (at decode batch 1-2 the norm runs inside the qkv GEMV
+    where that is the Triton GEMV: ``layers.fused``), one launch for the q/k norm + RoPE that also
+    writes k and v into the KV cache (``RotaryEmbedding.forward_and_store``), and the attention
+    backend's launches; q/k/v stay views of the merged qkv output (no copies).
     ``rotary_emb`` is the model's one shared table (a submodule of every layer, stored once).
     """
 
@@ -86,19 +90,36 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``norm`` (the layer's input norm) adds ``residual`` to ``hidden`` and normalises the sum;
+        returns ``(o_proj output, new residual)``."""
         num_tokens = hidden.shape[0]
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        qkv, residual = fused_norm_linear(norm, self.qkv_proj, hidden, residual)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)
-        out = self.attn(q.reshape(num_tokens, q_size), k.reshape(num_tokens, kv_size), v)
-        return self.o_proj(out)
+        kv_store = self.attn.fused_kv_store(v)
+        q_rot = None
+        if kv_store is not None:  # on CUDA: rotate and store K/V in one launch
+            q_rot = self.rotary_emb.forward_and_store(positions, q, k, self.q_norm, self.k_norm, kv_store)
+        if q_rot is not None:
+            out = self.attn(q_rot.reshape(num_tokens, q_size), None, v, kv_stored=True)
+        else:
+            q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)
+            out = self.attn(q.reshape(num_tokens, q_size), k.reshape(num_tokens, kv_size), v)
+        return self.o_proj(out), residual
 
 
 class LlamaMLP(nn.Module):
-    """``down(silu(gate) * up)``: 2 GEMMs and, on CUDA, one fused activation launch."""
+    """(residual add +) post-attention norm -> ``down(silu(gate) * up)``.
+
+    Cost on CUDA: the norm launch, 2 GEMMs and one fused activation launch; at decode batch 1-2 the
+    norm runs inside the gate_up GEMV and the activation inside the down GEMV wherever those are the
+    Triton GEMV (``layers.fused``), down to 2 launches.
+    """
 
     def __init__(self, cfg: Any) -> None:
         super().__init__()
@@ -110,8 +131,11 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(size, cfg.hidden_size, bias=bias)
         self.act = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """``norm`` (the layer's post-attention norm) adds ``residual`` to ``hidden`` and normalises
+        the sum; returns ``(down_proj output, new residual)``."""
+        gate_up, residual = fused_norm_linear(norm, self.gate_up_proj, hidden, residual)
+        return fused_silu_and_mul_linear(self.act, self.down_proj, gate_up), residual
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -126,14 +150,11 @@ class LlamaDecoderLayer(nn.Module):
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-norm block; the residual stream travels beside ``hidden`` and is added inside the norms
-        (one fused launch each on CUDA), so a layer has no separate residual adds."""
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        (one fused launch each on CUDA, or inside the next GEMV at decode batch 1-2), so a layer has
+        no separate residual adds. ``residual`` is None in the first layer (the stream starts as
+        ``hidden``)."""
+        hidden, residual = self.self_attn(positions, hidden, residual, self.input_layernorm)
+        return self.mlp(hidden, residual, self.post_attention_layernorm)
 
 
 class LlamaModel(nn.Module):
@@ -159,7 +180,8 @@ class LlamaForCausalLM(nn.Module):
     """The causal LM. Public surface used by the runner:
 
     - ``forward(input_ids [T], positions [T]) -> hidden [T, hidden_size]`` (inside ``forward_context``)
-    - ``compute_logits(hidden [N, hidden_size]) -> [N, vocab_size]`` float32
+    - ``compute_logits(hidden [N, hidden_size], upcast=True) -> [N, vocab_size]`` float32 (model dtype
+      with ``upcast=False``)
     - ``num_attention_layers``, ``kv_cache_shape_per_layer(num_blocks, block_size)``,
       ``bind_kv_caches(caches)``, ``max_supported_len`` (None or the sliding window; see module doc)
     - ``load_weights(iterable of (HF name, tensor))``
@@ -176,8 +198,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """``[N, vocab]`` logits, float32 (or in the model dtype with ``upcast=False``)."""
+        return self.lm_head(hidden, upcast)
 
     # ---- KV cache -------------------------------------------------------------------------------
     @property

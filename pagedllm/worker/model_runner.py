@@ -18,6 +18,7 @@ import torch
 from pagedllm.attention.backend import AttentionMetadata, forward_context, get_attention_backend
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from pagedllm.layers.cpu_gemm import pack_linear_weights
 from pagedllm.sample.history import TokenHistory
 from pagedllm.sample.logprobs import prompt_logprobs
 from pagedllm.sample.sampler import Sampler, SamplerOutput, build_sampling_metadata
@@ -46,7 +47,8 @@ class PreparedInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     attn_metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # token index of each sampling request's last scheduled token
+    # Token index of each sampling request's last scheduled token (a slice when they are 0..n-1).
+    logits_indices: torch.Tensor | slice
     req_ids: list[str]  # scheduled requests in batch order
     sample_req_idx: list[int]  # indices into req_ids of the requests that produce a token
     graph_size: int | None = None  # padded decode batch size to replay, None = eager
@@ -68,6 +70,9 @@ class ModelRunner:
         else:
             self.model = load_model(mc.source, mc.hf_config, self.dtype, self.device)
         self.model.eval()
+        if self.device.type == "cpu":
+            packed = pack_linear_weights(self.model)  # oneDNN-blocked weights: see layers/cpu_gemm.py
+            logger.debug("prepacked %d linear weights for the CPU", packed)
         logger.info("model loaded in %.1f s", time.perf_counter() - t0)
         self.backend = get_attention_backend(config.attention_backend, self.device)
         self.sampler = Sampler(seed=mc.seed, device=self.device)
@@ -175,7 +180,7 @@ class ModelRunner:
             hidden = self._eager_dummy_forward(query_lens)
         if hidden is None:
             return
-        logits = self.model.compute_logits(hidden[[0, hidden.shape[0] - 1]])
+        logits = self.model.compute_logits(hidden[[0, hidden.shape[0] - 1]], upcast=False)  # as in a step
         for temperature in (0.0, 1.0):
             params = [SamplingParams(temperature=temperature, max_tokens=1)] * 2
             history = TokenHistory(np.zeros((2, 1), dtype=np.int64), np.arange(2), np.ones(2, dtype=np.int64),
@@ -233,7 +238,8 @@ class ModelRunner:
                 hidden = self.model(inp.input_ids, inp.positions)
         handle = StepHandle(self, inp.req_ids, inp.sample_req_idx)
         if inp.sample_req_idx:
-            logits = self.model.compute_logits(hidden[inp.logits_indices])
+            # Logits in the model dtype: the sampler upcasts where it needs float32.
+            logits = self.model.compute_logits(hidden[inp.logits_indices], upcast=False)
             rows = [self.input_batch.req_id_to_row[inp.req_ids[i]] for i in inp.sample_req_idx]
             params = [self.input_batch.params[r] for r in rows]
             result = self._sample(logits, rows, params)
@@ -339,10 +345,16 @@ class ModelRunner:
         this step's input_ids, index in the previous step's sampled ids) pairs for a device copy."""
         pending = np.nonzero((self.input_batch.num_pending[rows] > 0) & (known >= start) & (known < seq_lens))[0]
         self._num_pending_copies = len(pending)
+        self._pending_in_order = False
         if len(pending):
             stage = self.inputs.np
-            stage["pending_dst"][: len(pending)] = first_token[pending] + known[pending] - start[pending]
-            stage["pending_src"][: len(pending)] = self._last_sample_index[rows[pending]]
+            dst = stage["pending_dst"][: len(pending)]
+            src = stage["pending_src"][: len(pending)]
+            dst[:] = first_token[pending] + known[pending] - start[pending]
+            src[:] = self._last_sample_index[rows[pending]]
+            # Steady decode: token i of this step is sampled id i of the last one (one plain copy).
+            order = np.arange(len(pending))
+            self._pending_in_order = bool(np.array_equal(dst, order) and np.array_equal(src, order))
 
     def _history_needed(self, so: SchedulerOutput) -> bool:
         batch = self.input_batch
@@ -382,12 +394,19 @@ class ModelRunner:
         input_ids = to_dev("input_ids", n_tok)
         if self._num_pending_copies:
             n = self._num_pending_copies
-            input_ids.index_copy_(0, to_dev("pending_dst", n), self._last_sampled[to_dev("pending_src", n)])
+            if self._pending_in_order:
+                input_ids[:n].copy_(self._last_sampled[:n])
+            else:
+                input_ids.index_copy_(0, to_dev("pending_dst", n), self._last_sampled[to_dev("pending_src", n)])
+        num_logits = len(sample_idx)
+        leading = self.inputs.np["logits_indices"][:num_logits]
         return PreparedInputs(
             input_ids=input_ids,
             positions=to_dev("positions", n_tok),
             attn_metadata=meta,
-            logits_indices=to_dev("logits_indices", len(sample_idx)),
+            # Pure decode samples tokens 0..n-1 in order: a slice of the hidden states, no gather.
+            logits_indices=(slice(0, num_logits) if np.array_equal(leading, np.arange(num_logits))
+                            else to_dev("logits_indices", num_logits)),
             req_ids=req_ids,
             sample_req_idx=sample_idx.tolist(),
             graph_size=graph_size,

@@ -20,6 +20,11 @@ from tests.helpers import make_tiny_model
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
+# Top-2 log-prob gap (nats) under which a bf16 greedy choice may flip: the logprobs themselves
+# differ from the reference by up to ~2e-2 relative.
+NEAR_TIE_GAP = 0.1
+
+
 def _run(engine, requests):
     for rid, prompt, params in requests:
         engine.add_request(rid, {"prompt_token_ids": prompt}, params)
@@ -78,6 +83,13 @@ def test_gpu_engine_logprobs_match_transformers(arch, tmp_path):
     ours = [out.outputs[0].logprobs[j][t].logprob for j, t in enumerate(tokens)]
     ref = [float(lp[len(prompt) - 1 + j, t]) for j, t in enumerate(tokens)]
     assert _rel(ours, ref) < 2e-2
+    # Greedy choices must agree wherever the reference is not a near-tie: a random tiny model's
+    # logits are flat, and bf16 noise (different summation orders in fused kernels) flips ties.
+    top2 = lp[len(prompt) - 1 :][: len(tokens)].topk(2, dim=-1).values
+    gaps = (top2[:, 0] - top2[:, 1]).tolist()
     greedy_ref = lp[len(prompt) - 1 :].argmax(-1)[: len(tokens)].tolist()
+    decisive = [j for j, gap in enumerate(gaps) if gap > NEAR_TIE_GAP]
+    wrong = [(j, round(gaps[j], 4)) for j in decisive if tokens[j] != greedy_ref[j]]
+    assert not wrong, f"greedy differs from transformers at non-tied positions (position, top-2 gap): {wrong}"
     agree = sum(a == b for a, b in zip(tokens, greedy_ref)) / len(tokens)
-    assert agree >= 0.9, f"top-1 agreement {agree:.2f}"
+    assert agree >= 0.75, f"top-1 agreement {agree:.2f} (near-ties included)"

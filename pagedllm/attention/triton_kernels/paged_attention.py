@@ -43,9 +43,12 @@ import triton.language as tl
 _LOG2E = 1.4426950408889634
 # Split-KV sizing: aim for this many programs per SM; never more splits than this; never a split
 # shorter than this many keys (short contexts then leave trailing splits empty; they exit cheaply).
+# 64 keys (one tile) per split: at batch 1-4 and 512-4096 keys the split + reduce pair takes
+# 8.1-8.5 us instead of 9.4-9.9 us at 128 (H200, benchmarks/kernels/sweep_small_decode.py); from
+# batch 16 up the two are within 1%.
 _DECODE_PROGRAMS_PER_SM = 2
 _MAX_SPLITS = 64
-_MIN_SPLIT_LEN = 128
+_MIN_SPLIT_LEN = 64
 
 
 @triton.jit
@@ -460,6 +463,7 @@ def paged_decode(
     tile_n: int = 64,
     num_warps: int = 2,
     num_stages: int = 3,
+    min_split_len: int = _MIN_SPLIT_LEN,
 ) -> None:
     """Split-KV decode of the requests with ``query_len == 1``; other requests are skipped (padded
     requests with ``query_len 0``, or prefills left to ``unified_attention(skip_decodes=True)``); a
@@ -509,7 +513,7 @@ def paged_decode(
         BLOCK_M=block_m,
         TILE_N=tile_n,
         SPLIT=num_splits > 1,
-        MIN_SPLIT_LEN=max(_MIN_SPLIT_LEN, tile_n),
+        MIN_SPLIT_LEN=max(min_split_len, tile_n),
         DOT_PRECISION=_dot_precision(kv_cache.dtype),
         num_warps=num_warps,
         num_stages=num_stages,

@@ -82,6 +82,16 @@ def _qk_norm_rope_kernel(
     stride_cache,
     q_eps,
     k_eps,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    num_slots,
+    stride_v_tok,
+    stride_v_head,
+    stride_c_blk,
+    stride_c_slot,
+    stride_c_head,
     NUM_Q_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HALF: tl.constexpr,
@@ -89,6 +99,8 @@ def _qk_norm_rope_kernel(
     BLOCK_H: tl.constexpr,
     NUM_Q_BLOCKS: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    STORE_KV: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
@@ -105,12 +117,28 @@ def _qk_norm_rope_kernel(
             stride_q_head, stride_qo_head, head_block * BLOCK_H, NUM_Q_HEADS, cos, sin, q_eps,
             HALF, HALF_PAD, BLOCK_H, HAS_NORM,
         )  # fmt: skip
-    else:
+    elif not STORE_KV:
         _norm_rope_heads(
             k_ptr + token * stride_k_tok, k_out_ptr + token * stride_ko_tok, kw_ptr,
             stride_k_head, stride_ko_head, (head_block - NUM_Q_BLOCKS) * BLOCK_H, NUM_KV_HEADS, cos, sin,
             k_eps, HALF, HALF_PAD, BLOCK_H, HAS_NORM,
         )  # fmt: skip
+    else:  # rotated k and the untouched v go straight to the token's cache slot (skipped when < 0)
+        slot = tl.load(slot_ptr + token, mask=token < num_slots, other=-1).to(tl.int64)
+        if slot >= 0:
+            first_head = (head_block - NUM_Q_BLOCKS) * BLOCK_H
+            dst = (slot // BLOCK_SIZE) * stride_c_blk + (slot % BLOCK_SIZE) * stride_c_slot
+            _norm_rope_heads(
+                k_ptr + token * stride_k_tok, k_cache_ptr + dst, kw_ptr, stride_k_head, stride_c_head,
+                first_head, NUM_KV_HEADS, cos, sin, k_eps, HALF, HALF_PAD, BLOCK_H, HAS_NORM,
+            )  # fmt: skip
+            v_heads = first_head + tl.arange(0, BLOCK_H)
+            v_dims = tl.arange(0, 2 * HALF_PAD)
+            v_mask = (v_heads[:, None] < NUM_KV_HEADS) & (v_dims[None, :] < 2 * HALF)
+            v_offs = v_heads[:, None] * stride_v_head + v_dims[None, :]
+            v = tl.load(v_ptr + token * stride_v_tok + v_offs, mask=v_mask)
+            tl.store(v_cache_ptr + dst + v_heads[:, None] * stride_c_head + v_dims[None, :],
+                     v.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
 
 
 def qk_norm_rope(
@@ -123,13 +151,19 @@ def qk_norm_rope(
     k_norm: tuple[torch.Tensor, float] | None = None,
     q_out: torch.Tensor | None = None,
     k_out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    kv_store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rotated (and, with ``q_norm``/``k_norm`` = ``(weight [head_dim], eps)``, first normed) copies of
     ``q`` ``[T, H, D]`` and ``k`` ``[T, Hkv, D]`` (same dtype, unit last stride, any other strides).
 
     ``cos_cache``/``sin_cache``: ``[max_position, D // 2]`` float32 (rotary_dim == head_dim);
     ``positions``: ``[T]`` integer. ``q_out``/``k_out`` (optional, shaped like q/k) are written in place.
     Norms come both or neither, with weights in the dtype of q.
+
+    ``kv_store = (value [T, Hkv, D], kv_cache [2, num_blocks, block_size, Hkv, D], slot_mapping [S])``
+    fuses the KV store of the attention backend into this launch: the rotated k and ``value`` of
+    token ``t`` are written to cache slot ``slot_mapping[t]`` (tokens with a negative slot, or
+    ``t >= S``, are skipped) and no k copy is made: the second result is then None.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -139,7 +173,12 @@ def qk_norm_rope(
     assert (q_norm is None) == (k_norm is None)
     if q_out is None:
         q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if k_out is None:
+    if kv_store is not None:
+        value, kv_cache, slot_mapping = kv_store
+        assert value.shape == k.shape and value.stride(-1) == 1 and kv_cache.stride(-1) == 1
+        assert tuple(kv_cache.shape[3:]) == tuple(k.shape[1:]) and kv_cache.dtype == k.dtype
+        k_out = None
+    elif k_out is None:
         k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if num_tokens == 0:
         return q_out, k_out
@@ -152,10 +191,12 @@ def qk_norm_rope(
     qw, q_eps = q_norm if q_norm is not None else (cos_cache, 0.0)
     kw, k_eps = k_norm if k_norm is not None else (cos_cache, 0.0)
     _qk_norm_rope_kernel[grid](
-        q, k, q_out, k_out, positions, cos_cache, sin_cache, qw, kw,
+        q, k, q_out, k_out if k_out is not None else q_out, positions, cos_cache, sin_cache, qw, kw,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
+        q_out.stride(0), q_out.stride(1),
+        k_out.stride(0) if k_out is not None else 0, k_out.stride(1) if k_out is not None else 0,
         cos_cache.stride(0), q_eps, k_eps,
+        *_store_args(kv_store, q),
         NUM_Q_HEADS=num_q_heads,
         NUM_KV_HEADS=num_kv_heads,
         HALF=half,
@@ -163,6 +204,18 @@ def qk_norm_rope(
         BLOCK_H=block_h,
         NUM_Q_BLOCKS=num_q_blocks,
         HAS_NORM=q_norm is not None,
+        STORE_KV=kv_store is not None,
+        BLOCK_SIZE=kv_store[1].shape[2] if kv_store is not None else 1,
         num_warps=4 if block_h * half_pad >= 512 else 2,
     )  # fmt: skip
     return q_out, k_out
+
+
+def _store_args(kv_store, q: torch.Tensor) -> tuple:
+    """The kernel's KV-store arguments (placeholders that are never read when there is no store)."""
+    if kv_store is None:
+        return (q, q, q, q, 0, 0, 0, 0, 0, 0)
+    value, kv_cache, slot_mapping = kv_store
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    return (value, k_cache, v_cache, slot_mapping, slot_mapping.shape[0], value.stride(0), value.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))

@@ -76,6 +76,24 @@ def pick_block_n(n: int, num_sms: int) -> int:
     return block
 
 
+def launch_config(device: torch.device, n: int, k: int, block_n: int | None = None, block_k: int | None = None,
+                  num_warps: int | None = None) -> tuple[int, int, int]:
+    """``(block_n, block_k, num_warps)``, each the given value or the default for an ``[n, k]`` weight.
+    Defaults from the H200 sweep: long rows stream in 1024-element chunks with 8 warps; ``block_n``
+    from ``pick_block_n``. (The fused decode GEMVs of ``fused_gemv.py`` use the same defaults.)"""
+    if block_k is None:
+        block_k = 1024 if k >= 2048 else 512
+    if num_warps is None:
+        num_warps = 8 if k >= 2048 else 4
+    if block_n is None:
+        if device.type == "cuda":
+            sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+        else:  # Triton's CPU interpreter (tests): size the grid as for an H200
+            sms = 132
+        block_n = pick_block_n(n, sms)
+    return block_n, block_k, num_warps
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
                   num_stages: int = 3) -> torch.Tensor:
@@ -85,14 +103,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     n = weight.shape[0]
     assert 1 <= m <= MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    # Defaults from the H200 sweep: long rows stream in 1024-element chunks with 8 warps.
-    if block_k is None:
-        block_k = 1024 if k >= 2048 else 512
-    if num_warps is None:
-        num_warps = 8 if k >= 2048 else 4
-    if block_n is None:
-        index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-        block_n = pick_block_n(n, _num_sms(index))
+    block_n, block_k, num_warps = launch_config(x.device, n, k, block_n, block_k, num_warps)
     grid = (triton.cdiv(n, block_n),)
     _skinny_gemm_kernel[grid](x, weight, bias if bias is not None else weight, out, n, k, x.stride(0),
                               weight.stride(0), out.stride(0), M=m, HAS_BIAS=bias is not None,

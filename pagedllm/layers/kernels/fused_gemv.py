@@ -1,0 +1,255 @@
+"""Decode GEMVs with the preceding elementwise op folded into their prologue (one launch, not two).
+
+- ``rms_norm_linear``: ``(x, residual) -> (F.linear(rmsnorm(x + residual) * g, W, b), x + residual)``,
+  i.e. ``RMSNorm.forward`` followed by ``Linear.forward`` (qkv_proj after input_layernorm, gate_up_proj
+  after post_attention_layernorm);
+- ``silu_and_mul_linear``: ``[gate | up] -> F.linear(silu(gate) * up, W, b)``, i.e. ``SiluAndMul`` then
+  ``Linear`` (down_proj).
+
+Structure and launch parameters are those of ``skinny_gemm.py``: each program owns ``BLOCK_N``
+output columns and streams their ``[BLOCK_N, K]`` slice of W once in ``BLOCK_K`` chunks, for all M
+rows (1..4, a compile-time constant), accumulating in float32. The GEMV's input chunk is computed on
+the fly from the op's inputs instead of being loaded.
+
+Float semantics are the torch path's (as ``rms_norm.py`` and ``activation.py``): the residual add is
+rounded to the input dtype; the norm is float32 over the full row, ``x * rstd`` is rounded to the
+input dtype, multiplied by the norm weight and rounded again (the normed row the linear would read);
+``silu(gate)`` is rounded to the input dtype and the product rounded again. So the result differs from
+the two-launch path only by the norm's float32 summation order (and the GEMV's, as between cuBLAS and
+``skinny_gemm``).
+
+Invariant: the inputs are never written. The new residual ``x + residual`` goes to a new tensor,
+written by program 0 only (every program reads x and residual).
+
+Cost: as the GEMV (N*K weight elements read once from HBM), plus per program the op's input re-read
+from L2: the norm reads each row of x (and residual) twice -- once for the sum of squares, once while
+streaming -- and the norm weight once, ``(2 or 4) + 1`` K-element rows; the activation reads ``2 * K``
+per row and computes K exps per row. Grid ``cdiv(N, BLOCK_N)``; no host syncs (capturable).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedllm.layers.kernels.skinny_gemm import launch_config
+
+MAX_ROWS = 4
+# The sum-of-squares pass loads up to this many elements of a row at once (all loads in flight, as
+# rms_norm.py does): hidden sizes up to 4096 take one chunk, 16 values per thread at 8 warps.
+MAX_NORM_BLOCK = 4096
+
+
+@triton.jit
+def _sum_chunk(x_ptr, res_ptr, res_out_ptr, rk, k_mask, store_mask, HAS_RESIDUAL: tl.constexpr, STORE: tl.constexpr):
+    """One chunk of a row of ``x + residual`` as float32, the add rounded to the input dtype (stored to
+    ``res_out`` under ``store_mask`` when ``STORE``); without a residual, the chunk of x."""
+    x = tl.load(x_ptr + rk, mask=k_mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + rk, mask=k_mask, other=0.0).to(tl.float32)
+        s = (x + r).to(x_ptr.dtype.element_ty)
+        if STORE:
+            tl.store(res_out_ptr + rk, s, mask=store_mask)
+        x = s.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _row_rstd(x_ptr, res_ptr, res_out_ptr, K, eps, store, HAS_RESIDUAL: tl.constexpr, NORM_BLOCK: tl.constexpr,
+              NUM_NORM_CHUNKS: tl.constexpr):
+    """``1 / sqrt(mean((x + residual)^2) + eps)`` of one row in float32 (first pass over the row, in
+    ``NORM_BLOCK`` chunks: usually the whole row at once; the program with ``store`` true also writes
+    the new residual)."""
+    acc = tl.zeros((NORM_BLOCK,), tl.float32)
+    for c in range(NUM_NORM_CHUNKS):
+        rk = c * NORM_BLOCK + tl.arange(0, NORM_BLOCK)
+        k_mask = rk < K
+        s = _sum_chunk(x_ptr, res_ptr, res_out_ptr, rk, k_mask, k_mask & store, HAS_RESIDUAL, True)
+        acc += s * s
+    return tl.math.rsqrt(tl.sum(acc, axis=0) / K + eps)
+
+
+@triton.jit
+def _normed_chunk(x_ptr, res_ptr, rk, k_mask, rstd, g, HAS_RESIDUAL: tl.constexpr):
+    """One chunk of ``g * rmsnorm(x + residual)`` as the torch path rounds it, as float32."""
+    io_dtype = x_ptr.dtype.element_ty
+    s = _sum_chunk(x_ptr, res_ptr, res_ptr, rk, k_mask, k_mask, HAS_RESIDUAL, False)
+    return ((s * rstd).to(io_dtype).to(tl.float32) * g).to(io_dtype).to(tl.float32)
+
+
+@triton.jit
+def _store_rows(b_ptr, out_ptr, rn, n_mask, stride_om, acc0, acc1, acc2, acc3, M: tl.constexpr,
+                HAS_BIAS: tl.constexpr):
+    """Add the bias (float32) and store the M accumulated rows, rounded to the output dtype."""
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+        acc0 += bias
+        acc1 += bias
+        acc2 += bias
+        acc3 += bias
+    out_dtype = out_ptr.dtype.element_ty
+    tl.store(out_ptr + rn, acc0.to(out_dtype), mask=n_mask)
+    if M > 1:
+        tl.store(out_ptr + stride_om + rn, acc1.to(out_dtype), mask=n_mask)
+    if M > 2:
+        tl.store(out_ptr + 2 * stride_om + rn, acc2.to(out_dtype), mask=n_mask)
+    if M > 3:
+        tl.store(out_ptr + 3 * stride_om + rn, acc3.to(out_dtype), mask=n_mask)
+
+
+@triton.jit
+def _rms_norm_gemv_kernel(x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, N, K, eps,
+                          stride_xm, stride_rm, stride_wn, stride_om, stride_rom,
+                          M: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K_CHUNKS: tl.constexpr,
+                          NORM_BLOCK: tl.constexpr, NUM_NORM_CHUNKS: tl.constexpr):
+    pid = tl.program_id(0)
+    store = pid == 0  # program 0 writes the new residual
+    # Pass 1: each row's rstd (every program, from L2: K is at most a few thousand).
+    rstd0 = _row_rstd(x_ptr, res_ptr, res_out_ptr, K, eps, store, HAS_RESIDUAL, NORM_BLOCK, NUM_NORM_CHUNKS)
+    rstd1 = rstd0
+    rstd2 = rstd0
+    rstd3 = rstd0
+    if M > 1:
+        rstd1 = _row_rstd(x_ptr + stride_xm, res_ptr + stride_rm, res_out_ptr + stride_rom, K, eps, store,
+                          HAS_RESIDUAL, NORM_BLOCK, NUM_NORM_CHUNKS)
+    if M > 2:
+        rstd2 = _row_rstd(x_ptr + 2 * stride_xm, res_ptr + 2 * stride_rm, res_out_ptr + 2 * stride_rom, K, eps,
+                          store, HAS_RESIDUAL, NORM_BLOCK, NUM_NORM_CHUNKS)
+    if M > 3:
+        rstd3 = _row_rstd(x_ptr + 3 * stride_xm, res_ptr + 3 * stride_rm, res_out_ptr + 3 * stride_rom, K, eps,
+                          store, HAS_RESIDUAL, NORM_BLOCK, NUM_NORM_CHUNKS)
+    # Pass 2: the GEMV, normalising each chunk of the rows on the fly.
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rn < N
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    acc0 = tl.zeros((BLOCK_N,), tl.float32)
+    acc1 = tl.zeros((BLOCK_N,), tl.float32)
+    acc2 = tl.zeros((BLOCK_N,), tl.float32)
+    acc3 = tl.zeros((BLOCK_N,), tl.float32)
+    for c in range(NUM_K_CHUNKS):
+        rk = c * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_mask = rk < K
+        w = tl.load(w_rows + rk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + rk, mask=k_mask, other=0.0).to(tl.float32)
+        x0 = _normed_chunk(x_ptr, res_ptr, rk, k_mask, rstd0, g, HAS_RESIDUAL)
+        acc0 += tl.sum(w * x0[None, :], axis=1)
+        if M > 1:
+            x1 = _normed_chunk(x_ptr + stride_xm, res_ptr + stride_rm, rk, k_mask, rstd1, g, HAS_RESIDUAL)
+            acc1 += tl.sum(w * x1[None, :], axis=1)
+        if M > 2:
+            x2 = _normed_chunk(x_ptr + 2 * stride_xm, res_ptr + 2 * stride_rm, rk, k_mask, rstd2, g, HAS_RESIDUAL)
+            acc2 += tl.sum(w * x2[None, :], axis=1)
+        if M > 3:
+            x3 = _normed_chunk(x_ptr + 3 * stride_xm, res_ptr + 3 * stride_rm, rk, k_mask, rstd3, g, HAS_RESIDUAL)
+            acc3 += tl.sum(w * x3[None, :], axis=1)
+    _store_rows(b_ptr, out_ptr, rn, n_mask, stride_om, acc0, acc1, acc2, acc3, M, HAS_BIAS)
+
+
+@triton.jit
+def _silu_mul_chunk(x_ptr, rk, k_mask, K):
+    """One chunk of ``silu(gate) * up`` (gate = columns ``[0, K)`` of the row, up = ``[K, 2K)``) as the
+    torch path rounds it, as float32."""
+    io_dtype = x_ptr.dtype.element_ty
+    gate = tl.load(x_ptr + rk, mask=k_mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + K + rk, mask=k_mask, other=0.0).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(io_dtype).to(tl.float32)
+    return (act * up).to(io_dtype).to(tl.float32)
+
+
+@triton.jit
+def _silu_mul_gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_om,
+                          M: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          NUM_K_CHUNKS: tl.constexpr):
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rn < N
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    acc0 = tl.zeros((BLOCK_N,), tl.float32)
+    acc1 = tl.zeros((BLOCK_N,), tl.float32)
+    acc2 = tl.zeros((BLOCK_N,), tl.float32)
+    acc3 = tl.zeros((BLOCK_N,), tl.float32)
+    for c in range(NUM_K_CHUNKS):
+        rk = c * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_mask = rk < K
+        w = tl.load(w_rows + rk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        x0 = _silu_mul_chunk(x_ptr, rk, k_mask, K)
+        acc0 += tl.sum(w * x0[None, :], axis=1)
+        if M > 1:
+            x1 = _silu_mul_chunk(x_ptr + stride_xm, rk, k_mask, K)
+            acc1 += tl.sum(w * x1[None, :], axis=1)
+        if M > 2:
+            x2 = _silu_mul_chunk(x_ptr + 2 * stride_xm, rk, k_mask, K)
+            acc2 += tl.sum(w * x2[None, :], axis=1)
+        if M > 3:
+            x3 = _silu_mul_chunk(x_ptr + 3 * stride_xm, rk, k_mask, K)
+            acc3 += tl.sum(w * x3[None, :], axis=1)
+    _store_rows(b_ptr, out_ptr, rn, n_mask, stride_om, acc0, acc1, acc2, acc3, M, HAS_BIAS)
+
+
+def _check_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int) -> None:
+    assert x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.stride(1) == 1, "x: [1..4, K'] with unit column stride"
+    assert weight.shape[1] == k and weight.stride(1) == 1, "weight: [N, K] with unit column stride"
+    assert weight.dtype == x.dtype and (bias is None or bias.shape == (weight.shape[0],))
+
+
+def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                    weight: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                    residual_out: torch.Tensor | None = None, block_n: int | None = None,
+                    block_k: int | None = None, num_warps: int | None = None, num_stages: int = 3,
+                    max_norm_block: int = MAX_NORM_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """``RMSNorm.forward`` then ``Linear.forward`` in one launch: returns ``(y [M, N], new_residual)``.
+
+    ``x`` ``[M, K]`` (1 <= M <= 4, strided rows allowed), ``residual`` None or like ``x``,
+    ``norm_weight`` ``[K]`` and ``weight`` ``[N, K]`` in ``x``'s dtype. ``new_residual`` is a new
+    tensor ``x + residual`` (``residual_out`` if given), or ``x`` itself when ``residual`` is None.
+    ``out`` / ``residual_out`` (optional, contiguous) are written in place; the launch parameters
+    default as in ``skinny_gemm.skinny_linear``. ``max_norm_block`` caps the chunk of the sum-of-squares
+    pass (tests lower it to exercise the loop).
+    """
+    m, k = x.shape
+    n = weight.shape[0]
+    _check_gemv(x, weight, bias, k)
+    assert norm_weight.shape == (k,) and norm_weight.stride(0) == 1 and norm_weight.dtype == x.dtype
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if residual is not None:
+        assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(1) == 1
+        if residual_out is None:
+            residual_out = torch.empty((m, k), dtype=x.dtype, device=x.device)
+        res, res_out = residual, residual_out
+    else:
+        res = res_out = x  # unused by the kernel
+    block_n, block_k, num_warps = launch_config(x.device, n, k, block_n, block_k, num_warps)
+    norm_block = min(triton.next_power_of_2(k), max_norm_block)
+    _rms_norm_gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, res, norm_weight, weight, bias if bias is not None else weight, out, res_out, n, k, eps,
+        x.stride(0), res.stride(0), weight.stride(0), out.stride(0), res_out.stride(0),
+        M=m, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
+        BLOCK_N=block_n, BLOCK_K=block_k, NUM_K_CHUNKS=triton.cdiv(k, block_k),
+        NORM_BLOCK=norm_block, NUM_NORM_CHUNKS=triton.cdiv(k, norm_block),
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return out, (residual_out if residual is not None else x)
+
+
+def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                        out: torch.Tensor | None = None, block_n: int | None = None, block_k: int | None = None,
+                        num_warps: int | None = None, num_stages: int = 3) -> torch.Tensor:
+    """``SiluAndMul`` then ``Linear.forward`` in one launch: ``x`` ``[M, 2*I]`` (1 <= M <= 4, gate then
+    up; strided rows allowed), ``weight`` ``[N, I]`` -> a new ``[M, N]`` tensor (or ``out``)."""
+    m, k2 = x.shape
+    k = k2 // 2
+    assert k2 == 2 * k, "x's last dim must be even: [gate | up]"
+    n = weight.shape[0]
+    _check_gemv(x, weight, bias, k)
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    block_n, block_k, num_warps = launch_config(x.device, n, k, block_n, block_k, num_warps)
+    _silu_mul_gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, bias if bias is not None else weight, out, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        M=m, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, NUM_K_CHUNKS=triton.cdiv(k, block_k),
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return out
