@@ -4,11 +4,11 @@
 on every call: at decode sizes (a few to a few hundred rows) that repacking is a second full pass
 over the weights. oneDNN can keep the weight in its blocked layout (an ``mkldnn`` tensor made once
 by ``_reorder_linear_weight``), so each call streams the weights once. Measured on the 2-core
-AVX-512 CI machine, the 30 linear layers of SmolLM2-135M in float32 (weights from DRAM):
+AVX-512 CI machine over all 121 linear layers of SmolLM2-135M in float32 (``benchmarks/cpu_linear.py``):
 
-    rows                 8      32      64     128     512
-    F.linear (ms)       40      75     110     245     677
-    prepacked (ms)      22      47      80     162     540
+    rows                 1       8      32      64     128     512
+    F.linear (ms)     46.7    60.0    94.1   142.9   240.2   812.2
+    prepacked (ms)    26.3    25.9    53.5    91.9   170.1   675.4
 
 Results equal ``F.linear``'s up to float32 summation order (a few ulps), so greedy outputs stay
 exact against transformers except at near-ties, as with any GEMM.
