@@ -33,7 +33,9 @@ def test_packed_linear_matches_f_linear(rows, bias):
 
 
 def test_only_float32_cpu_weights_are_packed():
-    layer = Linear(32, 16).to(torch.bfloat16)
+    layer = Linear(32, 16)
+    torch.nn.init.normal_(layer.weight)  # Linear allocates with torch.empty
+    layer = layer.to(torch.bfloat16)
     assert not layer.pack_cpu_weight() and layer.cpu_packed_weight is None
     x = torch.randn(2, 32, dtype=torch.bfloat16)
     assert torch.equal(layer(x), F.linear(x, layer.weight))
