@@ -85,9 +85,8 @@ class RotaryEmbedding(nn.Module):
         ``positions`` ``[T]``; with ``q_norm``/``k_norm`` (``RMSNorm`` over head_dim, Qwen3) each head is
         normed first. Returns new tensors; the inputs are not modified."""
         if self._fusable(q, k, q_norm, k_norm):
-            qn = (q_norm.weight, q_norm.eps) if q_norm is not None else None
-            kn = (k_norm.weight, k_norm.eps) if k_norm is not None else None
-            return triton_ops.qk_norm_rope(positions, q, k, self.cos_cache, self.sin_cache, qn, kn)
+            return triton_ops.qk_norm_rope(positions, q, k, self.cos_cache, self.sin_cache,
+                                           _norm_args(q_norm), _norm_args(k_norm))
         if q_norm is not None:
             q = q_norm(q)
         if k_norm is not None:
@@ -107,9 +106,8 @@ class RotaryEmbedding(nn.Module):
         value, kv_cache = kv_store[0], kv_store[1]
         if not (self._fusable(q, k, q_norm, k_norm) and kv_cache.dtype == k.dtype and value.stride(-1) == 1):
             return None
-        qn = (q_norm.weight, q_norm.eps) if q_norm is not None else None
-        kn = (k_norm.weight, k_norm.eps) if k_norm is not None else None
-        q_rot, _ = triton_ops.qk_norm_rope(positions, q, k, self.cos_cache, self.sin_cache, qn, kn, kv_store)
+        q_rot, _ = triton_ops.qk_norm_rope(positions, q, k, self.cos_cache, self.sin_cache, _norm_args(q_norm),
+                                           _norm_args(k_norm), kv_store)
         return q_rot
 
     def _fusable(self, q: torch.Tensor, k: torch.Tensor, q_norm: RMSNorm | None, k_norm: RMSNorm | None) -> bool:
@@ -127,6 +125,11 @@ class RotaryEmbedding(nn.Module):
             and (q_norm is None) == (k_norm is None)
             and (q_norm is None or q_norm.weight.dtype == k_norm.weight.dtype == q.dtype)
         )
+
+
+def _norm_args(norm: RMSNorm | None) -> tuple[torch.Tensor, float] | None:
+    """A per-head RMSNorm as the fused kernel takes it: ``(weight, eps)``, or None."""
+    return (norm.weight, norm.eps) if norm is not None else None
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -108,3 +108,11 @@ def test_backend_plans_once_per_step():
     q2, k2, v2, cache2, meta2, _, _ = _batch([5, 30], [1, 1])
     backend.forward(q2, k2, v2, cache2, meta2, 0.25)
     assert backend._plan is not plan
+
+
+def test_reference_backend_refuses_pre_stored_kv():
+    """The CPU reference stores K/V itself; a caller claiming it already did is a bug, not a no-op."""
+    q, k, v, cache, meta, _, _ = _batch([5, 9], [1, 1])
+    assert not TorchRefBackend.accepts_stored_kv
+    with pytest.raises(ValueError, match="stores K/V itself"):
+        TorchRefBackend().forward(q, k, v, cache, meta, 0.25, kv_stored=True)

@@ -70,3 +70,13 @@ def test_cpu_runner_packs_the_models_linears(tmp_path):
     model = engine.engine_core.runner.model
     layers = [m for m in model.modules() if isinstance(m, (Linear, LMHead))]
     assert layers and all(m.cpu_packed_weight is not None for m in layers)
+
+
+def test_lm_head_upcast_false_keeps_the_model_dtype():
+    head = LMHead(50, 24)
+    torch.nn.init.normal_(head.weight)
+    head = head.to(torch.bfloat16)
+    hidden = torch.randn(3, 24, dtype=torch.bfloat16)
+    native = head(hidden, upcast=False)
+    assert native.dtype == torch.bfloat16 and torch.equal(native, F.linear(hidden, head.weight))
+    assert torch.equal(head(hidden), native.float())

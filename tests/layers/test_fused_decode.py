@@ -33,6 +33,7 @@ from tests.layers.test_triton_ops import (
     DTYPES,
     HAS_CUDA,
     INTERPRET,
+    assert_graph_replay_matches,
     assert_matches,
     cuda_test,
     kernel_test,
@@ -175,22 +176,7 @@ def test_fused_gemvs_capture_in_cuda_graph(m):
         for t in (x, residual, gate_up):
             t.copy_(randn(*t.shape, dtype=dtype, gen=gen))
 
-    fill()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
-    for _ in range(2):
-        fill()
-        graph.replay()
-        with triton_ops.fused_ops(False):
-            ref = step()
-        for out, r in zip(outs, ref):
-            assert_matches(out, r)
+    assert_graph_replay_matches(fill, step)
 
 
 # ---- the model, fused vs unfused -----------------------------------------------------------------

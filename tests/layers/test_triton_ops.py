@@ -65,6 +65,28 @@ def assert_matches(out: torch.Tensor, ref: torch.Tensor) -> None:
     assert rel < REL_TOL[out.dtype], f"relative error {rel:.3g} (tolerance {REL_TOL[out.dtype]:.0e}, {out.dtype})"
 
 
+def assert_graph_replay_matches(fill, step) -> None:
+    """Capture ``step()`` (the fused kernels) in a CUDA graph after a warm-up outside the capture,
+    then twice: ``fill()`` the static inputs anew, replay, and compare every output with the unfused
+    torch path run eagerly on the same inputs."""
+    fill()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compile + warm up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for _ in range(2):
+        fill()
+        graph.replay()
+        with triton_ops.fused_ops(False):
+            ref = step()
+        for out, r in zip(outs, ref):
+            assert_matches(out, r)
+
+
 def make_norm(size: int, dtype, gen, eps=1e-6) -> RMSNorm:
     norm = RMSNorm(size, eps).to(device=DEVICE, dtype=dtype)
     norm.weight.data.copy_(randn(size, scale=0.2, gen=gen) + 1)
@@ -227,22 +249,7 @@ def test_fused_ops_capture_in_cuda_graph():
             t.copy_(randn(*t.shape, dtype=dtype, gen=gen))
         positions.copy_(torch.randint(0, rope.max_position, (tokens,), generator=gen, device=DEVICE))
 
-    fill()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # compile + warm up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
-    for _ in range(2):
-        fill()
-        graph.replay()
-        with triton_ops.fused_ops(False):
-            ref = step()
-        for out, r in zip(outs, ref):
-            assert_matches(out, r)
+    assert_graph_replay_matches(fill, step)
 
 
 # ---- CPU: the torch paths (what CI runs) ------------------------------------------------------------

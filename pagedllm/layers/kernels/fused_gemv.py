@@ -33,26 +33,13 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.layers.kernels.skinny_gemm import launch_config
+from pagedllm.layers.kernels.rms_norm import _load_sum
+from pagedllm.layers.kernels.skinny_gemm import _store_rows, launch_config
 
 MAX_ROWS = 4
 # The sum-of-squares pass loads up to this many elements of a row at once (all loads in flight, as
 # rms_norm.py does): hidden sizes up to 4096 take one chunk, 16 values per thread at 8 warps.
 MAX_NORM_BLOCK = 4096
-
-
-@triton.jit
-def _sum_chunk(x_ptr, res_ptr, res_out_ptr, rk, k_mask, store_mask, HAS_RESIDUAL: tl.constexpr, STORE: tl.constexpr):
-    """One chunk of a row of ``x + residual`` as float32, the add rounded to the input dtype (stored to
-    ``res_out`` under ``store_mask`` when ``STORE``); without a residual, the chunk of x."""
-    x = tl.load(x_ptr + rk, mask=k_mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        r = tl.load(res_ptr + rk, mask=k_mask, other=0.0).to(tl.float32)
-        s = (x + r).to(x_ptr.dtype.element_ty)
-        if STORE:
-            tl.store(res_out_ptr + rk, s, mask=store_mask)
-        x = s.to(tl.float32)
-    return x
 
 
 @triton.jit
@@ -65,7 +52,7 @@ def _row_rstd(x_ptr, res_ptr, res_out_ptr, K, eps, store, HAS_RESIDUAL: tl.const
     for c in range(NUM_NORM_CHUNKS):
         rk = c * NORM_BLOCK + tl.arange(0, NORM_BLOCK)
         k_mask = rk < K
-        s = _sum_chunk(x_ptr, res_ptr, res_out_ptr, rk, k_mask, k_mask & store, HAS_RESIDUAL, True)
+        s = _load_sum(x_ptr, res_ptr, res_out_ptr, rk, k_mask, k_mask & store, HAS_RESIDUAL, True)
         acc += s * s
     return tl.math.rsqrt(tl.sum(acc, axis=0) / K + eps)
 
@@ -74,28 +61,8 @@ def _row_rstd(x_ptr, res_ptr, res_out_ptr, K, eps, store, HAS_RESIDUAL: tl.const
 def _normed_chunk(x_ptr, res_ptr, rk, k_mask, rstd, g, HAS_RESIDUAL: tl.constexpr):
     """One chunk of ``g * rmsnorm(x + residual)`` as the torch path rounds it, as float32."""
     io_dtype = x_ptr.dtype.element_ty
-    s = _sum_chunk(x_ptr, res_ptr, res_ptr, rk, k_mask, k_mask, HAS_RESIDUAL, False)
+    s = _load_sum(x_ptr, res_ptr, res_ptr, rk, k_mask, k_mask, HAS_RESIDUAL, False)
     return ((s * rstd).to(io_dtype).to(tl.float32) * g).to(io_dtype).to(tl.float32)
-
-
-@triton.jit
-def _store_rows(b_ptr, out_ptr, rn, n_mask, stride_om, acc0, acc1, acc2, acc3, M: tl.constexpr,
-                HAS_BIAS: tl.constexpr):
-    """Add the bias (float32) and store the M accumulated rows, rounded to the output dtype."""
-    if HAS_BIAS:
-        bias = tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
-        acc0 += bias
-        acc1 += bias
-        acc2 += bias
-        acc3 += bias
-    out_dtype = out_ptr.dtype.element_ty
-    tl.store(out_ptr + rn, acc0.to(out_dtype), mask=n_mask)
-    if M > 1:
-        tl.store(out_ptr + stride_om + rn, acc1.to(out_dtype), mask=n_mask)
-    if M > 2:
-        tl.store(out_ptr + 2 * stride_om + rn, acc2.to(out_dtype), mask=n_mask)
-    if M > 3:
-        tl.store(out_ptr + 3 * stride_om + rn, acc3.to(out_dtype), mask=n_mask)
 
 
 @triton.jit

@@ -19,15 +19,16 @@ MAX_BLOCK = 8192
 
 
 @triton.jit
-def _load_sum(x_ptr, res_ptr, res_out_ptr, cols, mask, HAS_RESIDUAL: tl.constexpr, STORE_SUM: tl.constexpr):
+def _load_sum(x_ptr, res_ptr, res_out_ptr, cols, mask, store_mask, HAS_RESIDUAL: tl.constexpr,
+              STORE_SUM: tl.constexpr):
     """Load one chunk of a row as float32; with a residual, ``(x + res)`` rounded to the input dtype
-    (stored to ``res_out`` when ``STORE_SUM``)."""
+    (stored to ``res_out`` under ``store_mask`` when ``STORE_SUM``). Also used by ``fused_gemv.py``."""
     x = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         s = (x + r).to(x_ptr.dtype.element_ty)
         if STORE_SUM:
-            tl.store(res_out_ptr + cols, s, mask=mask)
+            tl.store(res_out_ptr + cols, s, mask=store_mask)
         x = s.to(tl.float32)
     return x
 
@@ -59,7 +60,7 @@ def _rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     if NUM_CHUNKS == 1:  # the whole row stays in registers
         mask = cols < n_cols
-        x = _load_sum(x_ptr, res_ptr, res_out_ptr, cols, mask, HAS_RESIDUAL, True)
+        x = _load_sum(x_ptr, res_ptr, res_out_ptr, cols, mask, mask, HAS_RESIDUAL, True)
         rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         y = (x * rstd).to(io_dtype).to(tl.float32) * w
@@ -68,13 +69,13 @@ def _rms_norm_kernel(
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for c in range(NUM_CHUNKS):
             offs = c * BLOCK + cols
-            x = _load_sum(x_ptr, res_ptr, res_out_ptr, offs, offs < n_cols, HAS_RESIDUAL, True)
+            x = _load_sum(x_ptr, res_ptr, res_out_ptr, offs, offs < n_cols, offs < n_cols, HAS_RESIDUAL, True)
             acc += x * x
         rstd = tl.math.rsqrt(tl.sum(acc, axis=0) / n_cols + eps)
         for c in range(NUM_CHUNKS):
             offs = c * BLOCK + cols
             mask = offs < n_cols
-            x = _load_sum(x_ptr, res_ptr, res_out_ptr, offs, mask, HAS_RESIDUAL, False)
+            x = _load_sum(x_ptr, res_ptr, res_out_ptr, offs, mask, mask, HAS_RESIDUAL, False)
             w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             y = (x * rstd).to(io_dtype).to(tl.float32) * w
             tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)

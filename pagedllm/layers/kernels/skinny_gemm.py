@@ -22,6 +22,26 @@ MAX_ROWS = 4
 
 
 @triton.jit
+def _store_rows(b_ptr, out_ptr, rn, n_mask, stride_om, acc0, acc1, acc2, acc3, M: tl.constexpr,
+                HAS_BIAS: tl.constexpr):
+    """Add the bias (float32) and store the M accumulated rows, rounded to the output dtype."""
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+        acc0 += bias
+        acc1 += bias
+        acc2 += bias
+        acc3 += bias
+    out_dtype = out_ptr.dtype.element_ty
+    tl.store(out_ptr + rn, acc0.to(out_dtype), mask=n_mask)
+    if M > 1:
+        tl.store(out_ptr + stride_om + rn, acc1.to(out_dtype), mask=n_mask)
+    if M > 2:
+        tl.store(out_ptr + 2 * stride_om + rn, acc2.to(out_dtype), mask=n_mask)
+    if M > 3:
+        tl.store(out_ptr + 3 * stride_om + rn, acc3.to(out_dtype), mask=n_mask)
+
+
+@triton.jit
 def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_om,
                         M: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
@@ -47,20 +67,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_wn
         if M > 3:
             x3 = tl.load(x_ptr + 3 * stride_xm + rk, mask=k_mask, other=0.0).to(tl.float32)
             acc3 += tl.sum(w * x3[None, :], axis=1)
-    if HAS_BIAS:
-        bias = tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
-        acc0 += bias
-        acc1 += bias
-        acc2 += bias
-        acc3 += bias
-    out_dtype = out_ptr.dtype.element_ty
-    tl.store(out_ptr + rn, acc0.to(out_dtype), mask=n_mask)
-    if M > 1:
-        tl.store(out_ptr + stride_om + rn, acc1.to(out_dtype), mask=n_mask)
-    if M > 2:
-        tl.store(out_ptr + 2 * stride_om + rn, acc2.to(out_dtype), mask=n_mask)
-    if M > 3:
-        tl.store(out_ptr + 3 * stride_om + rn, acc3.to(out_dtype), mask=n_mask)
+    _store_rows(b_ptr, out_ptr, rn, n_mask, stride_om, acc0, acc1, acc2, acc3, M, HAS_BIAS)
 
 
 @functools.lru_cache(maxsize=64)
