@@ -120,8 +120,8 @@ class EngineArgs:
             raise ValueError(f"preemption_mode must be 'recompute' (swap is not supported yet), got {self.preemption_mode!r}")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
-        if self.attention_backend not in ("auto", "torch_ref", "triton"):
-            raise ValueError(f"attention_backend must be 'auto', 'torch_ref' or 'triton', got {self.attention_backend!r}")
+        if self.attention_backend not in ("auto", "cpu", "torch_ref", "triton"):
+            raise ValueError(f"attention_backend must be 'auto', 'cpu', 'torch_ref' or 'triton', got {self.attention_backend!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if not isinstance(self.seed, int):

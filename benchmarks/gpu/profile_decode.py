@@ -1,5 +1,6 @@
 """Profile steady-state decode steps of the nano-bench model on the GPU: per-phase CUDA times
-(graph replay, logits, sampling) and the top kernels. Run from the repo root on the device."""
+(graph replay, logits, sampling) and the top kernels. Run from the repo root on the device:
+``python benchmarks/gpu/profile_decode.py [BATCH [CONTEXT [MODEL_CONFIG_DIR]]]``."""
 
 import random
 import sys
@@ -11,7 +12,8 @@ from pagedllm import LLM, SamplingParams
 
 batch = int(sys.argv[1]) if len(sys.argv) > 1 else 256
 ctx = int(sys.argv[2]) if len(sys.argv) > 2 else 1000
-llm = LLM("benchmarks/configs/qwen3-0.6b", load_format="dummy", skip_tokenizer_init=True, max_model_len=4096)
+model = sys.argv[3] if len(sys.argv) > 3 else "benchmarks/configs/qwen3-0.6b"
+llm = LLM(model, load_format="dummy", skip_tokenizer_init=True, max_model_len=4096)
 engine = llm.llm_engine
 runner = engine.engine_core.runner
 rng = random.Random(0)

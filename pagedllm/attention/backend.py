@@ -96,9 +96,13 @@ def get_forward_context() -> ForwardContext:
 
 
 def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """Pick a backend: "auto" means Triton on CUDA, the torch reference elsewhere."""
+    """Pick a backend: "auto" means Triton on CUDA, the native-kernel CPU backend elsewhere."""
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch_ref"
+        name = "triton" if device.type == "cuda" else "cpu"
+    if name == "cpu":
+        from pagedllm.attention.cpu_backend import CpuBackend
+
+        return CpuBackend()
     if name == "torch_ref":
         from pagedllm.attention.torch_ref import TorchRefBackend
 
@@ -107,4 +111,4 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
         from pagedllm.attention.triton_backend import TritonBackend
 
         return TritonBackend()
-    raise ValueError(f"attention_backend must be 'auto', 'torch_ref' or 'triton', got {name!r}")
+    raise ValueError(f"attention_backend must be 'auto', 'cpu', 'torch_ref' or 'triton', got {name!r}")

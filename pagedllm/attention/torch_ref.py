@@ -124,13 +124,21 @@ def paged_attention_ref(
     """Attention over keys already stored in the paged cache (see backend.py for the semantics).
     ``decode_plan`` (from ``plan_decode_groups``) may be passed to reuse one step's grouping."""
     num_heads, head_dim = query.shape[1], query.shape[2]
-    qsl = meta.query_start_loc_cpu or meta.query_start_loc.tolist()
-    seq_lens = meta.seq_lens_cpu or meta.seq_lens.tolist()
     out = torch.empty_like(query)
     if decode_plan is None:
         decode_plan = _plan_for(meta, kv_cache.shape[2], query.device)
     for group in decode_plan.groups:
         _decode_group(query, kv_cache, group, scale, out)
+    prefill_attention_ref(query, kv_cache, meta, scale, out)
+    return out.view(-1, num_heads, head_dim)
+
+
+def prefill_attention_ref(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                          out: torch.Tensor) -> None:
+    """The requests with more than one query token (prefill, chunked prefill), one SDPA call each
+    over its gathered context with the causal-with-prefix mask; written into ``out`` at their rows."""
+    qsl = meta.query_start_loc_cpu or meta.query_start_loc.tolist()
+    seq_lens = meta.seq_lens_cpu or meta.seq_lens.tolist()
     for r in range(len(seq_lens)):
         q_start, q_end = qsl[r], qsl[r + 1]
         q_len = q_end - q_start
@@ -144,7 +152,6 @@ def paged_attention_ref(
         mask = k_pos <= q_pos
         o = _grouped_sdpa(query[q_start:q_end].unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), mask, scale)
         out[q_start:q_end] = o[0].to(out.dtype)
-    return out.view(-1, num_heads, head_dim)
 
 
 def _plan_for(meta: AttentionMetadata, block_size: int, device: torch.device) -> DecodePlan:

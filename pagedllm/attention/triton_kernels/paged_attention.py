@@ -44,7 +44,7 @@ _LOG2E = 1.4426950408889634
 # Split-KV sizing: aim for this many programs per SM; never more splits than this; never a split
 # shorter than this many keys (short contexts then leave trailing splits empty; they exit cheaply).
 # 64 keys (one tile) per split: at batch 1-4 and 512-4096 keys the split + reduce pair takes
-# 8.1-8.5 us instead of 9.4-9.9 us at 128 (H200, benchmarks/kernels/sweep_small_decode.py); from
+# 8.1-8.5 us instead of 9.4-9.9 us at 128 (H200, benchmarks/kernels/sweep_decode.py); from
 # batch 16 up the two are within 1%.
 _DECODE_PROGRAMS_PER_SM = 2
 _MAX_SPLITS = 64

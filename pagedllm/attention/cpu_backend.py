@@ -1,0 +1,66 @@
+"""The CPU backend: decode attention by the native kernel that reads K/V in place from the pages.
+
+Prefill and chunked prefill go through the reference (one SDPA call per request, where the GEMMs
+dominate and a gather is cheap next to them). Decode requests (query_len 1) go to
+``cpu_kernels.paged_decode_attention`` in one call per layer, which reads each cached key and value
+once instead of gathering them into a padded copy first. Where that kernel cannot run (no C
+compiler, or a cache dtype other than float32) the whole step falls back to the reference path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.attention import cpu_kernels
+from pagedllm.attention.backend import AttentionMetadata
+from pagedllm.attention.torch_ref import TorchRefBackend, prefill_attention_ref, store_kv_cache
+
+
+class DecodeRows:
+    """One step's decode requests as the kernel takes them, built at the first layer and reused by
+    the others: ``query_rows`` (query row of each), ``table_rows`` (its block-table row),
+    ``seq_lens`` (its context length), all int64 ``[num_decodes]``."""
+
+    def __init__(self, meta: AttentionMetadata) -> None:
+        qsl = meta.query_start_loc_cpu or meta.query_start_loc.tolist()
+        seq_lens = meta.seq_lens_cpu or meta.seq_lens.tolist()
+        reqs = [r for r in range(len(seq_lens)) if qsl[r + 1] - qsl[r] == 1]
+        self.num_decodes = len(reqs)
+        self.has_prefill = len(reqs) < len(seq_lens)
+        self.query_rows = torch.tensor([qsl[r] for r in reqs], dtype=torch.int64)
+        self.table_rows = torch.tensor(reqs, dtype=torch.int64)
+        self.seq_lens = torch.tensor([seq_lens[r] for r in reqs], dtype=torch.int64)
+
+
+class CpuBackend(TorchRefBackend):
+    """The default backend on the CPU (see the module doc); the reference stays available as
+    ``attention_backend="torch_ref"``."""
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._rows_meta: AttentionMetadata | None = None
+        self._rows: DecodeRows | None = None
+
+    @staticmethod
+    def kernel_applies(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        return (kv_cache.dtype == torch.float32 and query.dtype == torch.float32 and kv_cache.device.type == "cpu"
+                and cpu_kernels.load() is not None)
+
+    def forward(self, query, key, value, kv_cache, meta, scale, kv_stored=False):
+        if kv_stored or not self.kernel_applies(query, kv_cache):
+            return super().forward(query, key, value, kv_cache, meta, scale, kv_stored)
+        n = meta.num_actual_tokens
+        store_kv_cache(key[:n], value[:n], kv_cache, meta.slot_mapping[:n])
+        if self._rows_meta is not meta:
+            self._rows_meta, self._rows = meta, DecodeRows(meta)
+        rows = self._rows
+        query = query.contiguous()
+        out = torch.zeros_like(query)
+        if rows.num_decodes:
+            cpu_kernels.paged_decode_attention(query, kv_cache, out, meta.block_tables, rows.query_rows,
+                                               rows.table_rows, rows.seq_lens, scale)
+        if rows.has_prefill:
+            prefill_attention_ref(query[:n], kv_cache, meta, scale, out)
+        return out

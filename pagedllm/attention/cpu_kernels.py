@@ -1,0 +1,126 @@
+"""Native CPU kernels (C, compiled on first use with the system compiler, called through ctypes).
+
+``paged_decode_attention`` reads keys and values in place from the paged cache; the torch path has
+to gather them into a contiguous copy first, which moves every key three times instead of once.
+See ``csrc/paged_decode_attention.c`` for the kernel and its layout.
+
+Build: ``$CC`` (default ``cc``) with ``-O3 -march=native -fopenmp``, once per source, flags and CPU
+(the cache key), into ``$PAGEDLLM_CACHE_DIR`` (default ``~/.cache/pagedllm``); about a second. The
+OpenMP runtime it links is the ``libgomp.so.1`` torch has already loaded, so both share one thread
+pool. Where there is no compiler, or ``PAGEDLLM_CPU_KERNELS=0``, ``load()`` returns None and the
+callers keep the torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_decode_attention.c"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the CPU's model and feature flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(lines)))
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("PAGEDLLM_CACHE_DIR") or Path.home() / ".cache" / "pagedllm") / "cpu_kernels"
+
+
+def _build(compiler: str) -> Path:
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join([compiler, *FLAGS, _cpu_signature()]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"paged_decode_attention-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Compile to a private name, then rename: concurrent builders (test workers) never see half a file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True, text=True)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The compiled kernels, or None (with one warning saying why) where they cannot be built."""
+    if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") == "0":
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        logger.warning("no C compiler found: CPU decode attention uses the torch path (gather + SDPA)")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        logger.warning("building the CPU kernels failed, using the torch path: %s", detail.strip()[-2000:])
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.paged_decode_attention.restype = ctypes.c_int
+    lib.paged_decode_attention.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
+                                           ctypes.c_float, ctypes.c_int]
+    return lib
+
+
+def paged_decode_attention(
+    query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, block_tables: torch.Tensor,
+    query_rows: torch.Tensor, table_rows: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+) -> None:
+    """Single-token attention for the decode requests, written into ``out`` at their query rows.
+
+    ``query``/``out``: float32 ``[T, num_heads, head_dim]`` contiguous; ``kv_cache``: float32
+    ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` contiguous; ``block_tables``: int32
+    ``[num_reqs, max_blocks]`` with unit inner stride; ``query_rows``/``table_rows``/``seq_lens``:
+    int64, one entry per decode request (its query row, its block-table row, its context length).
+    Cost: reads each context key and value once; rows not listed are left untouched."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError("the CPU kernels are not available (see the warning logged by cpu_kernels.load)")
+    for name, t, dtype in (("query", query, torch.float32), ("out", out, torch.float32),
+                           ("kv_cache", kv_cache, torch.float32), ("block_tables", block_tables, torch.int32),
+                           ("query_rows", query_rows, torch.int64), ("table_rows", table_rows, torch.int64),
+                           ("seq_lens", seq_lens, torch.int64)):
+        if t.dtype != dtype or t.device.type != "cpu":
+            raise ValueError(f"{name} must be a CPU {dtype} tensor, got {t.dtype} on {t.device}")
+    if not (query.is_contiguous() and out.is_contiguous() and kv_cache.is_contiguous()):
+        raise ValueError("query, out and kv_cache must be contiguous")
+    if block_tables.stride(-1) != 1:
+        raise ValueError("block_tables must have a unit inner stride")
+    n = query_rows.shape[0]
+    if table_rows.shape[0] != n or seq_lens.shape[0] != n:
+        raise ValueError("query_rows, table_rows and seq_lens must have one entry per decode request")
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    num_heads = query.shape[1]
+    if num_heads % num_kv_heads or query.shape[2] != head_dim:
+        raise ValueError(f"query heads {tuple(query.shape[1:])} do not fit the cache's {num_kv_heads} KV heads x {head_dim}")
+    rc = lib.paged_decode_attention(
+        query.data_ptr(), kv_cache.data_ptr(), out.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+        query_rows.data_ptr(), table_rows.data_ptr(), seq_lens.data_ptr(), n,
+        num_blocks, block_size, num_heads, num_kv_heads, head_dim, float(scale), torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("paged_decode_attention could not allocate its scratch buffers")

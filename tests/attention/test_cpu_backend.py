@@ -1,0 +1,134 @@
+"""The native CPU decode kernel and the CPU backend, against the torch reference."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from pagedllm.attention import cpu_kernels
+from pagedllm.attention.backend import get_attention_backend
+from pagedllm.attention.cpu_backend import CpuBackend, DecodeRows
+from pagedllm.attention.torch_ref import TorchRefBackend
+from tests.attention.test_triton_backend import make_inputs, random_specs
+
+needs_kernel = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler to build the CPU kernels")
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["decode", "mixed"])
+@pytest.mark.parametrize("num_reqs", [1, 2, 37])
+@pytest.mark.parametrize("block_size,num_kv_heads,qpk,head_dim", [
+    (16, 3, 3, 64),    # SmolLM2's shape: GQA 3 query heads per KV head
+    (1, 2, 1, 128),    # one token per block, multi-head
+    (8, 4, 2, 32),     # a head size with no specialised code
+    (32, 1, 8, 64),    # one KV head (MQA)
+])
+def test_backend_matches_reference(kind, num_reqs, block_size, num_kv_heads, qpk, head_dim):
+    """Shuffled pages, lengths from 1 to several blocks, padding tokens, decodes mixed with full and
+    chunked prefills in one step; the reference uses the same stored cache."""
+    gen = torch.Generator().manual_seed(num_reqs * 1000 + head_dim + block_size)
+    specs = random_specs(gen, kind, num_reqs, max_seq=300)
+    q, k, v, cache, meta = make_inputs(specs, block_size=block_size, num_kv_heads=num_kv_heads, qpk=qpk,
+                                       head_dim=head_dim, dtype=torch.float32, device="cpu", gen=gen)
+    ref_cache = cache.clone()
+    out = CpuBackend().forward(q, k, v, cache, meta, head_dim ** -0.5)
+    ref = TorchRefBackend().forward(q, k, v, ref_cache, meta, head_dim ** -0.5)
+    assert torch.equal(cache, ref_cache)
+    n = meta.num_actual_tokens
+    torch.testing.assert_close(out[:n], ref[:n], rtol=2e-5, atol=2e-5)
+    assert not out[n:].any()
+
+
+@needs_kernel
+def test_kernel_writes_only_the_listed_rows():
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, cache, meta = make_inputs([(40, 1), (7, 1), (90, 1)], block_size=16, num_kv_heads=2, qpk=2,
+                                       head_dim=64, dtype=torch.float32, device="cpu", gen=gen, num_pad_tokens=0)
+    out = torch.full_like(q, 7.0)
+    cpu_kernels.paged_decode_attention(q, cache, out, meta.block_tables, torch.tensor([2, 0]), torch.tensor([2, 0]),
+                                       torch.tensor([90, 40]), 0.125)
+    assert bool((out[1] == 7.0).all()) and not bool((out[[0, 2]] == 7.0).any())
+
+
+@needs_kernel
+@pytest.mark.parametrize("field,change,message", [
+    ("query", lambda a: a.update(query=a["query"].double()), "query must be a CPU torch.float32"),
+    ("kv_cache", lambda a: a.update(kv_cache=a["kv_cache"].bfloat16()), "kv_cache must be a CPU torch.float32"),
+    ("seq_lens", lambda a: a.update(seq_lens=a["seq_lens"].int()), "seq_lens must be a CPU torch.int64"),
+    ("table_rows", lambda a: a.update(table_rows=a["table_rows"][:1]), "one entry per decode request"),
+    ("query", lambda a: a.update(query=a["query"][:, :3]), "must be contiguous"),
+    ("query", lambda a: a.update(query=a["query"][:, :3].contiguous(), out=a["out"][:, :3].contiguous()),
+     "do not fit the cache"),
+])
+def test_kernel_rejects_bad_inputs(field, change, message):
+    gen = torch.Generator().manual_seed(4)
+    q, k, v, cache, meta = make_inputs([(20, 1), (9, 1)], block_size=4, num_kv_heads=2, qpk=2, head_dim=16,
+                                       dtype=torch.float32, device="cpu", gen=gen, num_pad_tokens=0)
+    args = dict(query=q, kv_cache=cache, out=torch.zeros_like(q), block_tables=meta.block_tables,
+                query_rows=torch.tensor([0, 1]), table_rows=torch.tensor([0, 1]), seq_lens=torch.tensor([20, 9]),
+                scale=0.25)
+    change(args)
+    with pytest.raises(ValueError, match=message):
+        cpu_kernels.paged_decode_attention(**args)
+
+
+def test_decode_rows_lists_only_single_token_requests():
+    gen = torch.Generator().manual_seed(5)
+    *_, meta = make_inputs([(30, 30), (12, 1), (50, 8), (3, 1)], block_size=4, num_kv_heads=1, qpk=1, head_dim=8,
+                           dtype=torch.float32, device="cpu", gen=gen)
+    rows = DecodeRows(meta)
+    assert rows.query_rows.tolist() == [30, 39] and rows.table_rows.tolist() == [1, 3]
+    assert rows.seq_lens.tolist() == [12, 3] and rows.num_decodes == 2 and rows.has_prefill
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backend_falls_back_to_the_reference(monkeypatch, dtype):
+    """No kernel (disabled here), or a cache dtype the kernel does not take: the reference answers."""
+    if dtype == torch.float32:
+        monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    gen = torch.Generator().manual_seed(6)
+    q, k, v, cache, meta = make_inputs([(33, 1), (20, 20)], block_size=16, num_kv_heads=2, qpk=2, head_dim=64,
+                                       dtype=dtype, device="cpu", gen=gen)
+    ref_cache = cache.clone()
+    out = CpuBackend().forward(q, k, v, cache, meta, 0.125)
+    assert torch.equal(out, TorchRefBackend().forward(q, k, v, ref_cache, meta, 0.125))
+
+
+def test_auto_backend_on_cpu_is_the_cpu_backend():
+    assert get_attention_backend("auto", torch.device("cpu")).name == "cpu"
+    assert get_attention_backend("torch_ref", torch.device("cpu")).name == "torch_ref"
+
+
+def test_build_failure_warns_and_returns_none(monkeypatch, tmp_path, caplog):
+    """A compiler that fails (here: `false`) leaves the torch path, with the reason logged once."""
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    cpu_kernels.load.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="pagedllm.attention.cpu_kernels"):
+            assert cpu_kernels.load() is None
+        assert "building the CPU kernels failed" in caplog.text
+        assert not list((tmp_path / "cpu_kernels").iterdir())  # no half-written library left behind
+        monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", "0")
+        cpu_kernels.load.cache_clear()
+        assert cpu_kernels.load() is None
+    finally:
+        cpu_kernels.load.cache_clear()
+
+
+@needs_kernel
+def test_build_is_cached_per_source_and_cpu(monkeypatch, tmp_path):
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    cpu_kernels.load.cache_clear()
+    try:
+        assert cpu_kernels.load() is not None
+        built = list((tmp_path / "cpu_kernels").iterdir())
+        assert len(built) == 1 and built[0].suffix == ".so"
+        mtime = built[0].stat().st_mtime_ns
+        cpu_kernels.load.cache_clear()
+        assert cpu_kernels.load() is not None
+        assert built[0].stat().st_mtime_ns == mtime  # reused, not rebuilt
+    finally:
+        cpu_kernels.load.cache_clear()
