@@ -60,17 +60,30 @@ class CUDAGraphRunner:
             block_tables=self.inputs.block_tables[:bs], slot_mapping=dev["slot_mapping"][:bs],
         )
 
-    @torch.inference_mode()
-    def capture_all(self) -> float:
-        """Capture every size, largest first (so smaller graphs reuse the pool). Returns seconds."""
-        t0 = time.perf_counter()
+    def _safe_inputs(self) -> None:
+        """Token 0 at position 0, no KV writes, empty contexts: what warm-up and capture run on."""
         dev = self.inputs.dev
-        # Safe inputs: token 0 at position 0, no KV writes, empty contexts.
         dev["input_ids"].zero_()
         dev["positions"].zero_()
         dev["slot_mapping"].fill_(-1)
         dev["seq_lens"].zero_()
         dev["query_start_loc"].copy_(torch.arange(dev["query_start_loc"].shape[0], dtype=torch.int32))
+
+    @torch.inference_mode()
+    def run_all_sizes(self) -> None:
+        """One eager forward per captured size (no capture): the launches a capture will make."""
+        self._safe_inputs()
+        dev = self.inputs.dev
+        for bs in reversed(self.sizes):
+            with forward_context(self.metadata(bs), self.backend):
+                self.model(dev["input_ids"][:bs], dev["positions"][:bs])
+
+    @torch.inference_mode()
+    def capture_all(self) -> float:
+        """Capture every size, largest first (so smaller graphs reuse the pool). Returns seconds."""
+        t0 = time.perf_counter()
+        dev = self.inputs.dev
+        self._safe_inputs()
         for bs in reversed(self.sizes):
             meta = self.metadata(bs)
             ids, pos = dev["input_ids"][:bs], dev["positions"][:bs]

@@ -56,7 +56,10 @@ class DeviceInputs:
         self.row_block_table = torch.zeros((max_reqs, max_blocks_per_req), dtype=torch.int32, device=device)
         self.block_tables = torch.zeros((max_reqs, max_blocks_per_req), dtype=torch.int32, device=device)
         self._pending: list[tuple[int, int, list[int]]] = []  # (row, first column, block ids)
-        self._upd_hosts = [torch.zeros((3, max_reqs * max_blocks_per_req), dtype=torch.int64, pin_memory=pin)
+        # Flat (3 * capacity): a step's [3, n] triples are a contiguous prefix, so the copy reads the
+        # pinned buffer directly (a strided slice would be staged through pageable memory first,
+        # and a pageable copy waits for the GPU to drain).
+        self._upd_hosts = [torch.zeros(3 * max_reqs * max_blocks_per_req, dtype=torch.int64, pin_memory=pin)
                            for _ in range(num_sets)]
 
     def _select_set(self, index: int) -> None:
@@ -91,9 +94,9 @@ class DeviceInputs:
             ids.extend(blocks)
         self._pending.clear()
         n = len(ids)
-        if n > self._upd_hosts[self._set].shape[1]:  # a resume of many long requests at once: grow once
-            self._upd_hosts[self._set] = torch.zeros((3, n), dtype=torch.int64, pin_memory=self.device.type == "cuda")
-        upd = self._upd_hosts[self._set][:, :n]
+        if 3 * n > self._upd_hosts[self._set].shape[0]:  # a resume of many long requests at once: grow once
+            self._upd_hosts[self._set] = torch.zeros(3 * n, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        upd = self._upd_hosts[self._set][: 3 * n].view(3, n)
         upd.numpy()[:] = (rows, cols, ids)
         upd_dev = upd.to(self.device, non_blocking=True)
         self.row_block_table[upd_dev[0], upd_dev[1]] = upd_dev[2].to(torch.int32)

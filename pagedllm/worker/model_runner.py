@@ -27,6 +27,7 @@ from pagedllm.worker import kv_cache as kvc
 from pagedllm.worker.cuda_graph import CUDAGraphRunner
 from pagedllm.worker.device_inputs import DeviceInputs
 from pagedllm.worker.input_batch import InputBatch
+from pagedllm.worker.parallel_compile import compile_only
 
 
 def needs_token_history(params) -> bool:
@@ -139,9 +140,10 @@ class ModelRunner:
             slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=dev),
             query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=lens,
         )
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
+        self._compile_in_parallel(meta, ids)
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
-        ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
         with forward_context(meta, self.backend):
             hidden = self.model(ids, ids)
         logits = self.model.compute_logits(hidden[: sc.max_num_seqs])
@@ -162,12 +164,33 @@ class ModelRunner:
         self._warm_up_eager_kernels()
         logger.info("compiled the prefill / mixed-step kernels in %.1f s", time.perf_counter() - t0)
         if not self.config.enforce_eager:
+            self._graph_runner_for_warm_up().capture_all()
+
+    def _graph_runner_for_warm_up(self) -> CUDAGraphRunner:
+        if self.graph_runner is None:
             self.graph_runner = CUDAGraphRunner(self.model, self.backend, self.inputs,
                                                 self.config.scheduler_config.max_num_seqs, self.device)
-            self.graph_runner.capture_all()
+        return self.graph_runner
+
+    def _compile_in_parallel(self, profile_meta: AttentionMetadata, profile_ids: torch.Tensor) -> None:
+        """A dry pass over every forward start-up runs (the memory profile, the eager warm-up shapes,
+        one decode per CUDA-graph size) that compiles their Triton kernels in parallel; the real
+        passes then only launch. Needs the (dummy) KV caches bound; see worker/parallel_compile.py."""
+        t0 = time.perf_counter()
+        with compile_only() as active:
+            if not active:
+                return
+            with forward_context(profile_meta, self.backend):
+                self.model(profile_ids, profile_ids)
+            self._warm_up_eager_kernels(sample=False)
+            if not self.config.enforce_eager:
+                self._graph_runner_for_warm_up().run_all_sizes()
+            t1 = time.perf_counter()
+        logger.info("compiled the start-up kernels in parallel in %.1f s (dry pass %.1f s)",
+                    time.perf_counter() - t0, t1 - t0)
 
     @torch.inference_mode()
-    def _warm_up_eager_kernels(self) -> None:
+    def _warm_up_eager_kernels(self, sample: bool = True) -> None:
         """Run eager forwards of 1 and 2 decodes (the small-M GEMV, eager decode attention), then of one
         decode plus one prefill of 2, 4, .., 64 tokens (each length picks another attention tile
         height), logits, and both sampling kernels (greedy and the fused random draw). Slots are -1
@@ -181,7 +204,7 @@ class ModelRunner:
         if hidden is None:
             return
         logits = self.model.compute_logits(hidden[[0, hidden.shape[0] - 1]], upcast=False)  # as in a step
-        for temperature in (0.0, 1.0):
+        for temperature in (0.0, 1.0) if sample else ():
             params = [SamplingParams(temperature=temperature, max_tokens=1)] * 2
             history = TokenHistory(np.zeros((2, 1), dtype=np.int64), np.arange(2), np.ones(2, dtype=np.int64),
                                    np.ones(2, dtype=np.int64))

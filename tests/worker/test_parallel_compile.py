@@ -1,0 +1,48 @@
+"""compile_only(): Triton launches inside the scope compile (in parallel) without running."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from pagedllm.worker.parallel_compile import compile_only
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU-only install has no Triton
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _add(x_ptr, n, value, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=mask) + value, mask=mask)
+
+
+def test_scope_is_inactive_without_triton(monkeypatch):
+    monkeypatch.setitem(sys.modules, "triton.runtime", None)  # import triton.runtime now fails
+    with compile_only() as active:
+        assert active is False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_launches_inside_compile_but_do_not_run():
+    x = torch.zeros(100, device="cuda")
+    with compile_only() as active:
+        assert active
+        _add[(1,)](x, 100, 1.0, BLOCK=128)
+        _add[(1,)](x, 100, 1.0, BLOCK=256)  # a second variant, compiled alongside
+        torch.cuda.synchronize()
+        assert not x.any()  # nothing ran
+    cache = _add.device_caches[torch.cuda.current_device()][0]
+    assert len(cache) == 2  # both variants compiled and cached by the time the scope ends
+    _add[(1,)](x, 100, 1.0, BLOCK=128)
+    _add[(1,)](x, 100, 2.0, BLOCK=256)
+    assert len(cache) == 2  # no new compilation
+    assert bool((x == 3.0).all())
