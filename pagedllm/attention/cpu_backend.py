@@ -2,7 +2,7 @@
 
 Prefill and chunked prefill go through the reference (one SDPA call per request, where the GEMMs
 dominate and a gather is cheap next to them). Decode requests (query_len 1) go to
-``cpu_kernels.paged_decode_attention`` in one call per layer, which reads each cached key and value
+``native.kernels.paged_decode_attention`` in one call per layer, which reads each cached key and value
 once instead of gathering them into a padded copy first. Where that kernel cannot run (no C
 compiler, or a cache dtype other than float32) the whole step falls back to the reference path.
 """
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.attention import cpu_kernels
 from pagedllm.attention.backend import AttentionMetadata
 from pagedllm.attention.torch_ref import TorchRefBackend, prefill_attention_ref, store_kv_cache
+from pagedllm.native import kernels as cpu_kernels
 
 
 class DecodeRows:

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from pagedllm.layers import triton_ops
+from pagedllm.native import kernels as native
 
 
 class RMSNorm(nn.Module):
@@ -16,7 +17,8 @@ class RMSNorm(nn.Module):
     caller carries the new residual stream to the next layer.
 
     Cost: on CUDA one fused Triton launch (``triton_ops.rms_norm``: reads x and residual, writes the
-    normed row and the new residual, once each); elsewhere the torch ops below (the oracle).
+    normed row and the new residual, once each); on the CPU in float32 the same single pass in C
+    (``native.rms_norm``) for 2-D inputs; elsewhere the torch ops below (the oracle).
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -35,6 +37,8 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if triton_ops.use_fused(x) and (residual is None or residual.dtype == x.dtype):
             return triton_ops.rms_norm(x, self.weight, self.eps, residual)
+        if x.dim() == 2 and native.applies(x, self.weight, *(() if residual is None else (residual,))):
+            return native.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual

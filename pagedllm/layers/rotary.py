@@ -20,6 +20,7 @@ from torch import nn
 
 from pagedllm.layers import triton_ops
 from pagedllm.layers.norm import RMSNorm
+from pagedllm.native import kernels as native
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -91,6 +92,10 @@ class RotaryEmbedding(nn.Module):
             q = q_norm(q)
         if k_norm is not None:
             k = k_norm(k)
+        if q.dim() == 3 and k.dim() == 3 and native.applies(q, k, self.cos_cache, self.sin_cache):
+            # CPU float32: one pass per tensor in C instead of ~8 torch ops.
+            return (native.rotary_embedding(q, positions, self.cos_cache, self.sin_cache),
+                    native.rotary_embedding(k, positions, self.cos_cache, self.sin_cache))
         cos, sin = self.cos_sin(positions)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 

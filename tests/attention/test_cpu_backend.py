@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 
-from pagedllm.attention import cpu_kernels
 from pagedllm.attention.backend import get_attention_backend
 from pagedllm.attention.cpu_backend import CpuBackend, DecodeRows
 from pagedllm.attention.torch_ref import TorchRefBackend
+from pagedllm.native import kernels as cpu_kernels
 from tests.attention.test_triton_backend import make_inputs, random_specs
 
 needs_kernel = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler to build the CPU kernels")
@@ -99,36 +97,3 @@ def test_backend_falls_back_to_the_reference(monkeypatch, dtype):
 def test_auto_backend_on_cpu_is_the_cpu_backend():
     assert get_attention_backend("auto", torch.device("cpu")).name == "cpu"
     assert get_attention_backend("torch_ref", torch.device("cpu")).name == "torch_ref"
-
-
-def test_build_failure_warns_and_returns_none(monkeypatch, tmp_path, caplog):
-    """A compiler that fails (here: `false`) leaves the torch path, with the reason logged once."""
-    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("CC", "false")
-    cpu_kernels.load.cache_clear()
-    try:
-        with caplog.at_level(logging.WARNING, logger="pagedllm.attention.cpu_kernels"):
-            assert cpu_kernels.load() is None
-        assert "building the CPU kernels failed" in caplog.text
-        assert not list((tmp_path / "cpu_kernels").iterdir())  # no half-written library left behind
-        monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", "0")
-        cpu_kernels.load.cache_clear()
-        assert cpu_kernels.load() is None
-    finally:
-        cpu_kernels.load.cache_clear()
-
-
-@needs_kernel
-def test_build_is_cached_per_source_and_cpu(monkeypatch, tmp_path):
-    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
-    cpu_kernels.load.cache_clear()
-    try:
-        assert cpu_kernels.load() is not None
-        built = list((tmp_path / "cpu_kernels").iterdir())
-        assert len(built) == 1 and built[0].suffix == ".so"
-        mtime = built[0].stat().st_mtime_ns
-        cpu_kernels.load.cache_clear()
-        assert cpu_kernels.load() is not None
-        assert built[0].stat().st_mtime_ns == mtime  # reused, not rebuilt
-    finally:
-        cpu_kernels.load.cache_clear()

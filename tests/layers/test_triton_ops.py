@@ -255,6 +255,14 @@ def test_fused_ops_capture_in_cuda_graph():
 # ---- CPU: the torch paths (what CI runs) ------------------------------------------------------------
 
 
+@pytest.fixture
+def torch_path(monkeypatch):
+    """Without the native CPU kernels (tests/native compares those with these torch paths)."""
+    from pagedllm.native import kernels as native
+
+    monkeypatch.setattr(native, "load", lambda: None)
+
+
 def test_cpu_tensors_take_the_torch_path():
     x = torch.randn(3, 8)
     assert not triton_ops.use_fused(x)
@@ -285,7 +293,7 @@ def _hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_torch_path_is_hf(dtype):
+def test_rms_norm_torch_path_is_hf(dtype, torch_path):
     gen = torch.Generator().manual_seed(0)
     x, residual = (torch.randn(5, 64, generator=gen) * 3).to(dtype), torch.randn(5, 64, generator=gen).to(dtype)
     norm = RMSNorm(64, 1e-5).to(dtype)
@@ -297,7 +305,7 @@ def test_rms_norm_torch_path_is_hf(dtype):
 
 
 @pytest.mark.parametrize("with_norm", [False, True])
-def test_rotary_forward_torch_path_is_hf(with_norm):
+def test_rotary_forward_torch_path_is_hf(with_norm, torch_path):
     """``RotaryEmbedding.forward`` (q/k norm + NeoX RoPE on strided views) equals HF's Qwen3 ops in float32."""
     from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 
@@ -325,6 +333,6 @@ def test_rotary_forward_torch_path_is_hf(with_norm):
     assert torch.equal(ours_q, apply_rotary(q_norm(q) if with_norm else q, cos_t, sin_t))
 
 
-def test_silu_and_mul_torch_path():
+def test_silu_and_mul_torch_path(torch_path):
     x = torch.randn(4, 2 * 24)
     assert torch.equal(SiluAndMul()(x), F.silu(x[:, :24]) * x[:, 24:])

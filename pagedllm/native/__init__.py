@@ -1,0 +1,1 @@
+"""Native CPU kernels built on first use with the system C compiler (see kernels.py)."""
