@@ -139,10 +139,13 @@ def rotary_embedding(x: torch.Tensor, positions: torch.Tensor, cos_cache: torch.
                      sin_cache: torch.Tensor) -> torch.Tensor:
     """NeoX rotary embedding of ``x`` ``[T, heads, head_dim]`` (strided tokens and heads are fine) at
     int64 ``positions`` ``[T]``, with float32 ``[max_pos, rotary_dim // 2]`` caches; returns a new
-    contiguous tensor (dims past ``rotary_dim`` copied). Preconditions: ``applies``, positions in range."""
+    contiguous tensor (dims past ``rotary_dim`` copied). Preconditions: ``applies``; a position outside
+    the tables raises IndexError (as indexing the tables would)."""
     tokens, heads, head_dim = x.shape
     out = torch.empty((tokens, heads, head_dim), dtype=x.dtype)
     positions = positions.to(torch.int64).contiguous()
+    if tokens and not (0 <= int(positions.min()) and int(positions.max()) < cos_cache.shape[0]):
+        raise IndexError(f"positions must lie in [0, {cos_cache.shape[0]}) (the rotary table's length)")
     cos_cache, sin_cache = cos_cache.contiguous(), sin_cache.contiguous()
     load().rotary_embedding(x.data_ptr(), x.stride(0), x.stride(1), out.data_ptr(), positions.data_ptr(),
                             cos_cache.data_ptr(), sin_cache.data_ptr(), tokens, heads, head_dim,

@@ -80,6 +80,14 @@ def test_rotary_embedding_matches_reference(head_dim, rotary_dim):
     assert got.is_contiguous() and torch.equal(got[..., rotary_dim:], q[..., rotary_dim:])
 
 
+@needs_kernels
+def test_rotary_embedding_refuses_positions_outside_the_tables():
+    x, cos = torch.randn(2, 1, 8), torch.randn(16, 4)
+    for bad in ([0, 16], [-1, 3]):
+        with pytest.raises(IndexError, match="positions must lie in"):
+            native.rotary_embedding(x, torch.tensor(bad), cos, cos)
+
+
 def test_applies_only_to_cpu_float32_with_unit_stride():
     x = torch.randn(4, 8)
     assert native.applies(x) == (native.load() is not None)
