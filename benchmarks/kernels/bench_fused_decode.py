@@ -19,9 +19,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.kernels.bench_skinny_gemm import time_us  # noqa: E402
 
 MODELS = {  # name: (hidden, q + 2 kv output width, intermediate)
     "0.6b": (1024, 2048 + 2 * 1024, 3072),
@@ -38,19 +44,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-sweep", action="store_true", help="time the default launch parameters only")
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # tests: "cpu" under TRITON_INTERPRET
     return ap.parse_args(argv)
-
-
-def time_us(fn_per_copy, copies: int) -> float:
-    """Microseconds per call of ``fn_per_copy(i)``, i = 0..copies-1, replayed in a CUDA graph."""
-    from triton.testing import do_bench_cudagraph
-
-    def run():
-        for i in range(copies):
-            fn_per_copy(i)
-
-    run()
-    torch.cuda.synchronize()
-    return 1e3 * do_bench_cudagraph(run, rep=50, return_mode="median") / copies
 
 
 def sweep(fused_call, ref: torch.Tensor, n: int, k: int, copies: int, no_sweep: bool) -> tuple[float, dict, float]:

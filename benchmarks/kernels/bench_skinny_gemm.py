@@ -28,14 +28,16 @@ SHAPES = {  # name: (N, K)
 COPIES = 8
 
 
-def time_us(fn_per_copy) -> float:
+def time_us(fn_per_copy, copies: int = COPIES) -> float:
+    """Microseconds per call of ``fn_per_copy(i)``, i = 0..copies-1, replayed in a CUDA graph."""
+
     def run():
-        for i in range(COPIES):
+        for i in range(copies):
             fn_per_copy(i)
 
     run()
     torch.cuda.synchronize()
-    return 1e3 * do_bench_cudagraph(run, rep=50, return_mode="median") / COPIES
+    return 1e3 * do_bench_cudagraph(run, rep=50, return_mode="median") / copies
 
 
 def bench_shape(name: str, n: int, k: int, sms: int, dev: torch.device) -> list[dict]:

@@ -43,13 +43,8 @@ class CpuBackend(TorchRefBackend):
         self._rows_meta: AttentionMetadata | None = None
         self._rows: DecodeRows | None = None
 
-    @staticmethod
-    def kernel_applies(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-        return (kv_cache.dtype == torch.float32 and query.dtype == torch.float32 and kv_cache.device.type == "cpu"
-                and cpu_kernels.load() is not None)
-
     def forward(self, query, key, value, kv_cache, meta, scale, kv_stored=False):
-        if kv_stored or not self.kernel_applies(query, kv_cache):
+        if kv_stored or not cpu_kernels.applies(query, kv_cache):
             return super().forward(query, key, value, kv_cache, meta, scale, kv_stored)
         n = meta.num_actual_tokens
         store_kv_cache(key[:n], value[:n], kv_cache, meta.slot_mapping[:n])

@@ -1,4 +1,6 @@
-"""Reference attention in plain torch: the CPU path and the oracle for every GPU kernel.
+"""Reference attention in plain torch: the oracle for every backend (the Triton kernels and the
+native CPU decode kernel), the CPU backend's prefill path, and the whole CPU path where the native
+kernels cannot be built.
 
 Cost per layer: one scatter of the new K/V into the cache, then decode requests (query_len 1) in
 a few padded ``scaled_dot_product_attention`` calls, one per group of similar context lengths (the
