@@ -39,6 +39,9 @@ class AttentionMetadata:
     # Host copies (python lists) for backends that plan on the CPU (the reference backend).
     query_start_loc_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
+    # Optional int32 [num_reqs] permutation of the requests, longest seq_len first: the order in
+    # which a GPU decode kernel should start them (load balance at large batch). Changes no result.
+    decode_order: torch.Tensor | None = None
 
     @property
     def num_reqs(self) -> int:

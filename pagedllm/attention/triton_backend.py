@@ -80,7 +80,7 @@ class TritonBackend(AttentionBackend):
         if n == 0 or meta.num_reqs == 0:
             return out
         args = (out, query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc)
-        paged_attention.paged_decode(*args, scale)  # the query_len == 1 requests
+        paged_attention.paged_decode(*args, scale, order=meta.decode_order)  # the query_len == 1 requests
         if meta.max_query_len > 1:
             paged_attention.unified_attention(*args, meta.max_query_len, scale, skip_decodes=True)
         return out

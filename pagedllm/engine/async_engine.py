@@ -118,8 +118,10 @@ class AsyncLLMEngine:
         self._thread.start()
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> AsyncLLMEngine:
-        return cls(LLMEngine.from_engine_args(engine_args), **kwargs)
+    def from_engine_args(
+        cls, engine_args: EngineArgs, usage_context: str = "ENGINE_CONTEXT", **kwargs: Any
+    ) -> AsyncLLMEngine:
+        return cls(LLMEngine.from_engine_args(engine_args, usage_context), **kwargs)
 
     # -- read-only views (safe from any thread) ----------------------------------------------------
     @property

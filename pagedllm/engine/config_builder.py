@@ -10,9 +10,35 @@ from typing import Any
 from pagedllm.config import CacheConfig, EngineArgs, EngineConfig, ModelConfig, SchedulerConfig
 
 
-def create_engine_config(args: EngineArgs) -> EngineConfig:
+# Who builds the engine (vLLM's UsageContext): the offline ``LLM`` class, the OpenAI server, or
+# anything else that constructs an engine directly. Only the token budget default depends on it.
+USAGE_CONTEXTS = ("LLM_CLASS", "OPENAI_API_SERVER", "ENGINE_CONTEXT")
+_LARGE_GPU_BYTES = 70 * 2**30
+
+
+def default_max_num_batched_tokens(device: str, usage_context: str) -> int:
+    """The chunked-prefill token budget per step when none is given: 2048 on the CPU; 8192 on a
+    GPU, and 16384 for the offline ``LLM`` class on a GPU of >= 70 GiB other than an A100 (vLLM's
+    table for the LLM class on H100/H200-class GPUs). A larger budget halves the number of
+    prefill steps of an offline batch; a server keeps 8192 so that a prompt burst delays the
+    running streams' next tokens less."""
+    import torch
+
+    if not device.startswith("cuda"):
+        return 2048
+    if usage_context == "LLM_CLASS":
+        props = torch.cuda.get_device_properties(torch.device(device))
+        if props.total_memory >= _LARGE_GPU_BYTES and "a100" not in props.name.lower():
+            return 16384
+    return 8192
+
+
+def create_engine_config(args: EngineArgs, usage_context: str = "ENGINE_CONTEXT") -> EngineConfig:
     """Resolve the model, pick device and dtype, and fill the defaults that depend on them."""
     import torch
+
+    if usage_context not in USAGE_CONTEXTS:
+        raise ValueError(f"usage_context must be one of {USAGE_CONTEXTS}, got {usage_context!r}")
 
     from pagedllm.loader import load_hf_config, resolve_model
 
@@ -30,7 +56,7 @@ def create_engine_config(args: EngineArgs) -> EngineConfig:
     if args.max_num_batched_tokens is not None:
         max_batched = args.max_num_batched_tokens
     elif args.enable_chunked_prefill:
-        max_batched = 8192 if on_gpu else 2048
+        max_batched = default_max_num_batched_tokens(device, usage_context)
     else:
         max_batched = max(max_model_len, 2048)
     if not args.enable_chunked_prefill and max_batched < max_model_len:

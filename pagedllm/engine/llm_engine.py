@@ -42,9 +42,11 @@ class LLMEngine:
         self.eos_token_id = self._eos_token_id()
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
+    def from_engine_args(cls, engine_args: EngineArgs, usage_context: str = "ENGINE_CONTEXT") -> LLMEngine:
+        """``usage_context`` (vLLM's): "LLM_CLASS", "OPENAI_API_SERVER" or "ENGINE_CONTEXT"; it
+        only picks the default ``max_num_batched_tokens`` (``config_builder``)."""
         t0 = time.perf_counter()
-        config = create_engine_config(engine_args)
+        config = create_engine_config(engine_args, usage_context)
         logger.info("engine config (model %s) resolved in %.1f s", config.model_config.served_model_name,
                     time.perf_counter() - t0)
         return cls(config)

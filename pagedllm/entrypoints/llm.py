@@ -20,7 +20,7 @@ class LLM:
     """``LLM()`` loads the embedded default model; ``LLM("folder" | "file.gguf" | "org/name", **engine_args)``."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs), usage_context="LLM_CLASS")
         self._counter = itertools.count()
 
     def get_tokenizer(self):

@@ -9,7 +9,8 @@ distribution; the torch path handles them).
 Each row's noise depends only on its seed, so a seeded request draws the same token whatever
 else is in the batch. Cost: one read of [B, V] logits in their own dtype (upcast in registers), by
 ``B * ceil(V / 4096)`` programs (a row is split so that small batches still fill the GPU), then a
-tiny per-row reduce of the chunk winners: two launches.
+tiny per-row reduce of the chunk winners: two launches. The noise, not the read, bounds the first:
+one Philox call serves four columns (``rand4x``) and two logs per column remain.
 """
 
 from __future__ import annotations
@@ -25,27 +26,52 @@ if HAS_TRITON:
     import triton.language as tl
 
     @triton.jit
+    def _scores(row_ptr, cols, vocab, inv_t, u, NOISE: tl.constexpr):
+        x = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+        if NOISE:
+            x = x * inv_t - tl.log(-tl.log(tl.maximum(u, 1e-20)))
+        return x
+
+    @triton.jit
+    def _chunk_best(row_ptr, first_col, vocab, inv_t, seed, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                    NOISE: tl.constexpr):
+        """Per lane, the best score and its column over columns [first_col, first_col + CHUNK).
+
+        A block of ``BLOCK`` columns is four quarters; one Philox call (``rand4x``) gives a column
+        of each quarter its uniform: column ``start + j * QUARTER + i`` draws word ``j`` of counter
+        ``start // 4 + i``, its own (counter, word) pair, for a quarter of the Philox work of one
+        call per column. A lane visits its columns in increasing order and keeps the first of
+        equal scores."""
+        QUARTER: tl.constexpr = BLOCK // 4
+        lane = tl.arange(0, QUARTER)
+        best_val = tl.full((QUARTER,), float("-inf"), tl.float32)
+        best_idx = tl.zeros((QUARTER,), tl.int32)
+        for start in range(first_col, first_col + CHUNK, BLOCK):
+            u0, u1, u2, u3 = best_val, best_val, best_val, best_val  # unused without noise
+            if NOISE:
+                u0, u1, u2, u3 = tl.rand4x(seed, start // 4 + lane)
+            for j in tl.static_range(4):
+                cols = start + j * QUARTER + lane
+                u = u0 if j == 0 else (u1 if j == 1 else (u2 if j == 2 else u3))
+                x = _scores(row_ptr, cols, vocab, inv_t, u, NOISE)
+                better = x > best_val
+                best_val = tl.where(better, x, best_val)
+                best_idx = tl.where(better, cols, best_idx)
+        return best_val, best_idx
+
+    @triton.jit
     def _gumbel_chunk_kernel(logits_ptr, stride_row, temp_ptr, greedy_ptr, seed_ptr, best_val_ptr, best_idx_ptr,
                              vocab, num_chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
         """Program (row, c): the best (score, index) of columns [c * CHUNK, (c + 1) * CHUNK)."""
         row = tl.program_id(0)
         chunk = tl.program_id(1)
         inv_t = 1.0 / tl.load(temp_ptr + row)
-        greedy = tl.load(greedy_ptr + row) != 0
         seed = tl.load(seed_ptr + row)
-        best_val = tl.full((BLOCK,), float("-inf"), tl.float32)
-        best_idx = tl.zeros((BLOCK,), tl.int32)
-        for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            mask = cols < vocab
-            x = tl.load(logits_ptr + row * stride_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
-            if not greedy:
-                u = tl.rand(seed, cols)
-                u = tl.maximum(u, 1e-20)
-                x = x * inv_t - tl.log(-tl.log(u))
-            better = x > best_val
-            best_val = tl.where(better, x, best_val)
-            best_idx = tl.where(better, cols, best_idx)
+        row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+        if tl.load(greedy_ptr + row) != 0:
+            best_val, best_idx = _chunk_best(row_ptr, chunk * CHUNK, vocab, inv_t, seed, CHUNK, BLOCK, False)
+        else:
+            best_val, best_idx = _chunk_best(row_ptr, chunk * CHUNK, vocab, inv_t, seed, CHUNK, BLOCK, True)
         top = tl.max(best_val, axis=0)
         # Lowest index among the maxima (argmax's tie rule).
         cand = tl.where(best_val == top, best_idx, vocab)

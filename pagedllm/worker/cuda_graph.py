@@ -18,6 +18,7 @@ import time
 import torch
 
 from pagedllm.attention.backend import AttentionMetadata, forward_context
+from pagedllm.worker.device_inputs import LONGEST_FIRST_FROM
 
 logger = logging.getLogger("pagedllm")
 
@@ -58,6 +59,7 @@ class CUDAGraphRunner:
             num_actual_tokens=bs, max_query_len=1, max_seq_len=0,
             query_start_loc=dev["query_start_loc"][: bs + 1], seq_lens=dev["seq_lens"][:bs],
             block_tables=self.inputs.block_tables[:bs], slot_mapping=dev["slot_mapping"][:bs],
+            decode_order=dev["decode_order"][:bs] if bs >= LONGEST_FIRST_FROM else None,
         )
 
     def _safe_inputs(self) -> None:
@@ -68,6 +70,7 @@ class CUDAGraphRunner:
         dev["slot_mapping"].fill_(-1)
         dev["seq_lens"].zero_()
         dev["query_start_loc"].copy_(torch.arange(dev["query_start_loc"].shape[0], dtype=torch.int32))
+        dev["decode_order"].copy_(torch.arange(dev["decode_order"].shape[0], dtype=torch.int32))
 
     @torch.inference_mode()
     def run_all_sizes(self) -> None:

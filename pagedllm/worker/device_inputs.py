@@ -18,7 +18,19 @@ Cost per step: a handful of small H2D copies, O(tokens + requests + new blocks) 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+# From this many requests in a step, the attention kernels are given the longest-first launch order
+# (AttentionMetadata.decode_order): with thousands of decode programs of ragged length it removes
+# the tail in which a few long requests run on otherwise idle SMs. Below it the batch is one wave
+# (or split-KV already evens the work) and the host-side sort and copy would only add latency.
+LONGEST_FIRST_FROM = 32
+
+
+def stage_longest_first(order: np.ndarray, seq_lens: np.ndarray) -> None:
+    """``order[:n] = `` indices of ``seq_lens`` (length n) by decreasing length (stable)."""
+    order[: len(seq_lens)] = np.argsort(-seq_lens, kind="stable")
 
 _FLAT_FIELDS = {
     # name: (dtype, size key)
@@ -27,6 +39,8 @@ _FLAT_FIELDS = {
     "slot_mapping": (torch.int64, "tokens"),
     "query_start_loc": (torch.int32, "reqs+1"),
     "seq_lens": (torch.int32, "reqs"),
+    # Requests longest first (AttentionMetadata.decode_order), staged from LONGEST_FIRST_FROM requests.
+    "decode_order": (torch.int32, "reqs"),
     "rows": (torch.int64, "reqs"),
     "logits_indices": (torch.int64, "reqs"),
     # Async scheduling: token index in this step <- index into the previous step's sampled ids.

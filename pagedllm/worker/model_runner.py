@@ -25,7 +25,7 @@ from pagedllm.sample.sampler import Sampler, SamplerOutput, build_sampling_metad
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker import kv_cache as kvc
 from pagedllm.worker.cuda_graph import CUDAGraphRunner
-from pagedllm.worker.device_inputs import DeviceInputs
+from pagedllm.worker.device_inputs import LONGEST_FIRST_FROM, DeviceInputs, stage_longest_first
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.parallel_compile import compile_only
 
@@ -403,6 +403,10 @@ class ModelRunner:
         to_dev = self.inputs.to_device
         self.inputs.flush_block_updates()
         rows_dev = to_dev("rows", n_req)
+        decode_order = None
+        if n_req >= LONGEST_FIRST_FROM and self.device.type == "cuda":
+            stage_longest_first(self.inputs.np["decode_order"], self.inputs.np["seq_lens"][:n_req])
+            decode_order = to_dev("decode_order", n_req)
         meta = AttentionMetadata(
             num_actual_tokens=n_tok if graph_size is not None else total,
             max_query_len=max_query_len,
@@ -413,6 +417,7 @@ class ModelRunner:
             slot_mapping=to_dev("slot_mapping", n_tok),
             query_start_loc_cpu=self.inputs.np["query_start_loc"][: n_req + 1].tolist(),
             seq_lens_cpu=self.inputs.np["seq_lens"][:n_req].tolist(),
+            decode_order=decode_order,
         )
         input_ids = to_dev("input_ids", n_tok)
         if self._num_pending_copies:

@@ -194,7 +194,8 @@ def _interpreter_main() -> None:
         )
         check_against_ref(query, key, value, kv_cache, meta, 0.125, dtype)  # 1 split (no SMs to count)
         ref = TorchRefBackend().forward(query, key, value, kv_cache, meta, 0.125)  # stores into kv_cache
-        for splits in (2, 8):
+        longest_first = torch.tensor([0, 2, 1], dtype=torch.int32)  # any permutation: same result
+        for splits, order in ((1, longest_first), (2, None), (8, None), (2, longest_first)):
             out = torch.full_like(query, float("nan"))
             paged_attention.paged_decode(
                 out,
@@ -205,10 +206,11 @@ def _interpreter_main() -> None:
                 meta.query_start_loc,
                 0.125,
                 num_splits=splits,
+                order=order,
             )
             n = meta.num_actual_tokens
             err = rel_err(out[:n], ref[:n])
-            print("decode splits", splits, err)
+            print("decode splits", splits, "order", order, err)
             assert err < TOL[dtype]
 
 
@@ -290,19 +292,41 @@ def test_decode_split_counts(num_splits):
         gen=gen,
     )
     ref = TorchRefBackend().forward(query, key, value, kv_cache, meta, 0.088)
-    out = torch.full_like(query, float("nan"))
-    paged_attention.paged_decode(
-        out,
-        query,
-        kv_cache,
-        meta.block_tables,
-        meta.seq_lens,
-        meta.query_start_loc,
-        0.088,
-        num_splits=num_splits,
-    )
     n = meta.num_actual_tokens
-    assert rel_err(out[:n], ref[:n]) < 1e-2
+    for _ in range(3):  # launches in a row (each reuses the same partial buffers' sizes)
+        out = torch.full_like(query, float("nan"))
+        paged_attention.paged_decode(
+            out,
+            query,
+            kv_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            0.088,
+            num_splits=num_splits,
+        )
+        assert rel_err(out[:n], ref[:n]) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("order_kind", ["longest_first", "random"])
+def test_decode_launch_order(order_kind):
+    """A launch order (``meta.decode_order``, as the runner stages it from 32 requests) changes
+    no result: a ragged batch of 40 decodes plus a prefill, through the backend."""
+    gen = torch.Generator().manual_seed(11)
+    lens = torch.randint(1, 3000, (40,), generator=gen).tolist()
+    specs = [(n, 1) for n in lens] + [(300, 40)]
+    query, key, value, kv_cache, meta = make_inputs(
+        specs, block_size=16, num_kv_heads=8, qpk=2, head_dim=128, dtype=torch.bfloat16, device="cuda", gen=gen
+    )
+    seq_lens = torch.tensor([s for s, _ in specs])
+    if order_kind == "longest_first":
+        order = torch.argsort(-seq_lens, stable=True)
+    else:
+        order = torch.randperm(len(specs), generator=gen)
+    meta.decode_order = order.to(torch.int32).cuda()
+    check_against_ref(query, key, value, kv_cache, meta, 0.088, torch.bfloat16)
 
 
 @pytest.mark.gpu

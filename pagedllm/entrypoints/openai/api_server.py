@@ -207,7 +207,7 @@ def run_server(ns: argparse.Namespace) -> int:
     chat_template = load_chat_template(ns.chat_template)
     t0 = time.perf_counter()
     interval = ns.stats_log_interval if ns.stats_log_interval and ns.stats_log_interval > 0 else None
-    engine = AsyncLLMEngine.from_engine_args(engine_args_from(ns), log_stats=interval is not None,
+    engine = AsyncLLMEngine.from_engine_args(engine_args_from(ns), "OPENAI_API_SERVER", log_stats=interval is not None,
                                              log_interval_s=interval or 10.0)
     app = build_app(engine, chat_template=chat_template, api_key=ns.api_key,
                     max_waiting_requests=ns.max_waiting_requests)
