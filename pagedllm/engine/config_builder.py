@@ -9,7 +9,6 @@ from typing import Any
 
 from pagedllm.config import CacheConfig, EngineArgs, EngineConfig, ModelConfig, SchedulerConfig
 
-
 # Who builds the engine (vLLM's UsageContext): the offline ``LLM`` class, the OpenAI server, or
 # anything else that constructs an engine directly. Only the token budget default depends on it.
 USAGE_CONTEXTS = ("LLM_CLASS", "OPENAI_API_SERVER", "ENGINE_CONTEXT")
