@@ -97,6 +97,15 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 TOL = {torch.bfloat16: 1e-2, torch.float16: 5e-3, torch.float32: 1e-4}
 
 
+def split_decode(out, query, kv_cache, meta, scale, **kw):
+    """``paged_attention.paged_decode`` straight on the metadata's tensors (no backend), into ``out``."""
+    from pagedllm.attention.triton_kernels import paged_attention
+
+    paged_attention.paged_decode(
+        out, query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, **kw
+    )
+
+
 def check_against_ref(query, key, value, kv_cache, meta, scale, dtype):
     """Run both backends on copies of the cache; outputs and caches must agree."""
     from pagedllm.attention.triton_backend import TritonBackend
@@ -164,7 +173,6 @@ def _patch_interpreter_scalar_index() -> None:
 def _interpreter_main() -> None:
     """Small batches through the kernels in Triton's interpreter (run in a subprocess)."""
     _patch_interpreter_scalar_index()
-    from pagedllm.attention.triton_kernels import paged_attention
 
     gen = torch.Generator().manual_seed(0)
     cases = [(16, 2, 64, torch.float16), (32, 1, 80, torch.float32), (16, 4, 64, torch.float32)]
@@ -197,17 +205,7 @@ def _interpreter_main() -> None:
         longest_first = torch.tensor([0, 2, 1], dtype=torch.int32)  # any permutation: same result
         for splits, order in ((1, longest_first), (2, None), (8, None), (2, longest_first)):
             out = torch.full_like(query, float("nan"))
-            paged_attention.paged_decode(
-                out,
-                query,
-                kv_cache,
-                meta.block_tables,
-                meta.seq_lens,
-                meta.query_start_loc,
-                0.125,
-                num_splits=splits,
-                order=order,
-            )
+            split_decode(out, query, kv_cache, meta, 0.125, num_splits=splits, order=order)
             n = meta.num_actual_tokens
             err = rel_err(out[:n], ref[:n])
             print("decode splits", splits, "order", order, err)
@@ -277,7 +275,6 @@ def test_matches_reference(case, kind, num_reqs, max_seq):
 @pytest.mark.parametrize("num_splits", [1, 2, 8, 64])
 def test_decode_split_counts(num_splits):
     """Every split count agrees with the reference, including empty splits (short contexts)."""
-    from pagedllm.attention.triton_kernels import paged_attention
 
     gen = torch.Generator().manual_seed(num_splits)
     specs = [(1, 1), (17, 1), (130, 1), (1000, 1), (4097, 1), (8192, 1)]
@@ -295,16 +292,7 @@ def test_decode_split_counts(num_splits):
     n = meta.num_actual_tokens
     for _ in range(3):  # launches in a row (each reuses the same partial buffers' sizes)
         out = torch.full_like(query, float("nan"))
-        paged_attention.paged_decode(
-            out,
-            query,
-            kv_cache,
-            meta.block_tables,
-            meta.seq_lens,
-            meta.query_start_loc,
-            0.088,
-            num_splits=num_splits,
-        )
+        split_decode(out, query, kv_cache, meta, 0.088, num_splits=num_splits)
         assert rel_err(out[:n], ref[:n]) < 1e-2
 
 

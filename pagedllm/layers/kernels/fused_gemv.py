@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.layers.kernels.rms_norm import _load_sum
-from pagedllm.layers.kernels.skinny_gemm import _store_rows, launch_config
+from pagedllm.layers.kernels.skinny_gemm import _column_block, _store_rows, _weight_chunk, launch_config
 
 MAX_ROWS = 4
 # The sum-of-squares pass loads up to this many elements of a row at once (all loads in flight, as
@@ -88,17 +88,13 @@ def _rms_norm_gemv_kernel(x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, out_ptr, res_out_
         rstd3 = _row_rstd(x_ptr + 3 * stride_xm, res_ptr + 3 * stride_rm, res_out_ptr + 3 * stride_rom, K, eps,
                           store, HAS_RESIDUAL, NORM_BLOCK, NUM_NORM_CHUNKS)
     # Pass 2: the GEMV, normalising each chunk of the rows on the fly.
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = rn < N
-    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    rn, n_mask, w_rows = _column_block(w_ptr, N, stride_wn, BLOCK_N)
     acc0 = tl.zeros((BLOCK_N,), tl.float32)
     acc1 = tl.zeros((BLOCK_N,), tl.float32)
     acc2 = tl.zeros((BLOCK_N,), tl.float32)
     acc3 = tl.zeros((BLOCK_N,), tl.float32)
     for c in range(NUM_K_CHUNKS):
-        rk = c * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_mask = rk < K
-        w = tl.load(w_rows + rk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        rk, k_mask, w = _weight_chunk(w_rows, n_mask, c * BLOCK_K, K, BLOCK_K)
         g = tl.load(g_ptr + rk, mask=k_mask, other=0.0).to(tl.float32)
         x0 = _normed_chunk(x_ptr, res_ptr, rk, k_mask, rstd0, g, HAS_RESIDUAL)
         acc0 += tl.sum(w * x0[None, :], axis=1)
@@ -129,18 +125,13 @@ def _silu_mul_chunk(x_ptr, rk, k_mask, K):
 def _silu_mul_gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_om,
                           M: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           NUM_K_CHUNKS: tl.constexpr):
-    pid = tl.program_id(0)
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = rn < N
-    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    rn, n_mask, w_rows = _column_block(w_ptr, N, stride_wn, BLOCK_N)
     acc0 = tl.zeros((BLOCK_N,), tl.float32)
     acc1 = tl.zeros((BLOCK_N,), tl.float32)
     acc2 = tl.zeros((BLOCK_N,), tl.float32)
     acc3 = tl.zeros((BLOCK_N,), tl.float32)
     for c in range(NUM_K_CHUNKS):
-        rk = c * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_mask = rk < K
-        w = tl.load(w_rows + rk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        rk, k_mask, w = _weight_chunk(w_rows, n_mask, c * BLOCK_K, K, BLOCK_K)
         x0 = _silu_mul_chunk(x_ptr, rk, k_mask, K)
         acc0 += tl.sum(w * x0[None, :], axis=1)
         if M > 1:

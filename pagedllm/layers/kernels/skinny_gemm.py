@@ -22,6 +22,24 @@ MAX_ROWS = 4
 
 
 @triton.jit
+def _column_block(w_ptr, N, stride_wn, BLOCK_N: tl.constexpr):
+    """This program's ``BLOCK_N`` output columns: ``(rn, n_mask, pointers to their weight rows)``."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rn < N
+    return rn, n_mask, w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+
+
+@triton.jit
+def _weight_chunk(w_rows, n_mask, k_start, K, BLOCK_K: tl.constexpr):
+    """Columns ``[k_start, k_start + BLOCK_K)`` of the block's weight rows as float32:
+    ``(rk, k_mask, w [BLOCK_N, BLOCK_K])``."""
+    rk = k_start + tl.arange(0, BLOCK_K)
+    k_mask = rk < K
+    w = tl.load(w_rows + rk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+    return rk, k_mask, w
+
+
+@triton.jit
 def _store_rows(b_ptr, out_ptr, rn, n_mask, stride_om, acc0, acc1, acc2, acc3, M: tl.constexpr,
                 HAS_BIAS: tl.constexpr):
     """Add the bias (float32) and store the M accumulated rows, rounded to the output dtype."""
@@ -44,18 +62,13 @@ def _store_rows(b_ptr, out_ptr, rn, n_mask, stride_om, acc0, acc1, acc2, acc3, M
 @triton.jit
 def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_om,
                         M: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid = tl.program_id(0)
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = rn < N
-    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    rn, n_mask, w_rows = _column_block(w_ptr, N, stride_wn, BLOCK_N)
     acc0 = tl.zeros((BLOCK_N,), tl.float32)
     acc1 = tl.zeros((BLOCK_N,), tl.float32)
     acc2 = tl.zeros((BLOCK_N,), tl.float32)
     acc3 = tl.zeros((BLOCK_N,), tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        k_mask = rk < K
-        w = tl.load(w_rows + rk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        rk, k_mask, w = _weight_chunk(w_rows, n_mask, k0, K, BLOCK_K)
         x0 = tl.load(x_ptr + rk, mask=k_mask, other=0.0).to(tl.float32)
         acc0 += tl.sum(w * x0[None, :], axis=1)
         if M > 1:
