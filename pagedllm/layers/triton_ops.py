@@ -91,10 +91,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 # Where the Triton GEMV (default launch parameters) beats cuBLAS, measured on an H200 with
 # benchmarks/kernels/bench_skinny_gemm.py (weights read from HBM, in CUDA graphs): at one row for
 # weights up to 32 Mi elements (e.g. Qwen3-0.6B's o_proj 12.4 -> 3.1 us and down_proj 7.5 -> 6.0 us,
-# Llama-8B's qkv_proj 16.1 -> 15.0 us and o_proj 13.4 -> 11.7 us; 8B's down and gate_up are cuBLAS's),
-# and at two rows for narrow outputs (N <= 1024, K >= 2N: 0.6B's o_proj 11.3 -> 4.7 us), where
-# cuBLAS has too few column tiles to fill the GPU. At 3-4 rows cuBLAS wins or ties.
-SKINNY_MAX_WEIGHT_ELEMENTS = 32 * 2**20
+# Llama-8B's qkv_proj 16.1 -> 15.0 us and o_proj 13.4 -> 11.7 us), and at two rows for narrow outputs
+# (N <= 1024, K >= 2N: 0.6B's o_proj 11.3 -> 4.7 us), where cuBLAS has too few column tiles to fill
+# the GPU. Larger weights, up to 128 Mi elements, take it at one row with their own launch parameters
+# (skinny_gemm.LARGE_WEIGHT_ELEMENTS): Llama-8B's gate_up ties cuBLAS (54.4 vs 54.7 us) and down
+# beats it (28.9 vs 31.5 us), and both then fuse the norm / activation before them (layers/fused.py).
+# At 3-4 rows cuBLAS wins or ties.
+SKINNY_MAX_WEIGHT_ELEMENTS = 128 * 2**20
 SKINNY_NARROW_N = 1024
 
 

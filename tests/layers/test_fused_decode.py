@@ -51,9 +51,10 @@ GEMV_SHAPES = [
     (1, 256, 1024, None, None),
     (2, 128, 1536, None, None),
 ]
-if not INTERPRET:  # model-sized where it is fast: Qwen3-0.6B qkv and down, Llama-8B qkv, hidden 8192
+if not INTERPRET:  # model-sized where it is fast: Qwen3-0.6B qkv and down, Llama-8B qkv, hidden 8192, and
+    # Llama-8B's gate_up and down sizes (the large-weight launch parameters: K <= 4096 and K > 4096)
     GEMV_SHAPES += [(1, 4096, 1024, None, None), (2, 1024, 3072, None, None), (1, 6144, 4096, None, None),
-                    (1, 1024, 8192, None, None)]
+                    (1, 1024, 8192, None, None), (1, 28672, 4096, None, None), (1, 4096, 14336, None, None)]
 
 
 def make_linear(n: int, k: int, dtype, gen, bias: bool) -> Linear:

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.pdl import launch_kwargs, wait_for_inputs
+
 MAX_ROWS = 4
 
 
@@ -60,26 +62,35 @@ def _store_rows(b_ptr, out_ptr, rn, n_mask, stride_om, acc0, acc1, acc2, acc3, M
 
 
 @triton.jit
+def _accumulate_rows(x_ptr, stride_xm, rk, k_mask, w, acc0, acc1, acc2, acc3, M: tl.constexpr):
+    """``acc_i += w @ x_i[rk]`` for the M rows of x (chunk ``rk`` of each row, loaded here)."""
+    x0 = tl.load(x_ptr + rk, mask=k_mask, other=0.0).to(tl.float32)
+    acc0 += tl.sum(w * x0[None, :], axis=1)
+    if M > 1:
+        x1 = tl.load(x_ptr + stride_xm + rk, mask=k_mask, other=0.0).to(tl.float32)
+        acc1 += tl.sum(w * x1[None, :], axis=1)
+    if M > 2:
+        x2 = tl.load(x_ptr + 2 * stride_xm + rk, mask=k_mask, other=0.0).to(tl.float32)
+        acc2 += tl.sum(w * x2[None, :], axis=1)
+    if M > 3:
+        x3 = tl.load(x_ptr + 3 * stride_xm + rk, mask=k_mask, other=0.0).to(tl.float32)
+        acc3 += tl.sum(w * x3[None, :], axis=1)
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
 def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_om,
-                        M: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        M: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        USE_PDL: tl.constexpr):
     rn, n_mask, w_rows = _column_block(w_ptr, N, stride_wn, BLOCK_N)
-    acc0 = tl.zeros((BLOCK_N,), tl.float32)
-    acc1 = tl.zeros((BLOCK_N,), tl.float32)
-    acc2 = tl.zeros((BLOCK_N,), tl.float32)
-    acc3 = tl.zeros((BLOCK_N,), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    # The first weight chunk is loaded before waiting for the kernel that writes x (pdl.py).
+    rk, k_mask, w = _weight_chunk(w_rows, n_mask, 0, K, BLOCK_K)
+    wait_for_inputs(USE_PDL)
+    zero = tl.zeros((BLOCK_N,), tl.float32)
+    acc0, acc1, acc2, acc3 = _accumulate_rows(x_ptr, stride_xm, rk, k_mask, w, zero, zero, zero, zero, M)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         rk, k_mask, w = _weight_chunk(w_rows, n_mask, k0, K, BLOCK_K)
-        x0 = tl.load(x_ptr + rk, mask=k_mask, other=0.0).to(tl.float32)
-        acc0 += tl.sum(w * x0[None, :], axis=1)
-        if M > 1:
-            x1 = tl.load(x_ptr + stride_xm + rk, mask=k_mask, other=0.0).to(tl.float32)
-            acc1 += tl.sum(w * x1[None, :], axis=1)
-        if M > 2:
-            x2 = tl.load(x_ptr + 2 * stride_xm + rk, mask=k_mask, other=0.0).to(tl.float32)
-            acc2 += tl.sum(w * x2[None, :], axis=1)
-        if M > 3:
-            x3 = tl.load(x_ptr + 3 * stride_xm + rk, mask=k_mask, other=0.0).to(tl.float32)
-            acc3 += tl.sum(w * x3[None, :], axis=1)
+        acc0, acc1, acc2, acc3 = _accumulate_rows(x_ptr, stride_xm, rk, k_mask, w, acc0, acc1, acc2, acc3, M)
     _store_rows(b_ptr, out_ptr, rn, n_mask, stride_om, acc0, acc1, acc2, acc3, M, HAS_BIAS)
 
 
@@ -96,11 +107,23 @@ def pick_block_n(n: int, num_sms: int) -> int:
     return block
 
 
+# Weights above this many elements (Llama-8B's gate_up and down projections) stream best in wider
+# blocks than ``pick_block_n`` gives (H200 sweep, benchmarks/results/h200-skinny-gemm-*.json:
+# gate_up 66.9 -> 54.4 us, down 35.5 -> 28.9 us at M=1).
+LARGE_WEIGHT_ELEMENTS = 32 * 2**20
+
+
 def launch_config(device: torch.device, n: int, k: int, block_n: int | None = None, block_k: int | None = None,
                   num_warps: int | None = None) -> tuple[int, int, int]:
     """``(block_n, block_k, num_warps)``, each the given value or the default for an ``[n, k]`` weight.
     Defaults from the H200 sweep: long rows stream in 1024-element chunks with 8 warps; ``block_n``
-    from ``pick_block_n``. (The fused decode GEMVs of ``fused_gemv.py`` use the same defaults.)"""
+    from ``pick_block_n``; weights over ``LARGE_WEIGHT_ELEMENTS``: 16 columns in 512-element chunks
+    with 4 warps for rows up to 4096, else 8 columns in 1024-element chunks with 8 warps. (The fused
+    decode GEMVs of ``fused_gemv.py`` use the same defaults.)"""
+    if n * k > LARGE_WEIGHT_ELEMENTS:
+        short_rows = k <= 4096
+        large = (16, 512, 4) if short_rows else (8, 1024, 8)
+        return block_n or large[0], block_k or large[1], num_warps or large[2]
     if block_k is None:
         block_k = 1024 if k >= 2048 else 512
     if num_warps is None:
@@ -127,5 +150,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     grid = (triton.cdiv(n, block_n),)
     _skinny_gemm_kernel[grid](x, weight, bias if bias is not None else weight, out, n, k, x.stride(0),
                               weight.stride(0), out.stride(0), M=m, HAS_BIAS=bias is not None,
-                              BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
+                              BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+                              **launch_kwargs(x.device))
     return out
