@@ -47,8 +47,6 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.pdl import launch_kwargs, wait_for_inputs
-
 _LOG2E = 1.4426950408889634
 # Split-KV sizing: aim for this many programs per SM; never more splits than this; never a split
 # shorter than this many keys (short contexts then leave trailing splits empty; they exit cheaply).
@@ -258,9 +256,7 @@ def _decode_split_kernel(
     MIN_SPLIT_LEN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     HAS_ORDER: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
-    wait_for_inputs(USE_PDL)
     kv_head = tl.program_id(0)  # fastest-varying: the heads of one request start together
     req = tl.program_id(1)
     split = tl.program_id(2)
@@ -327,9 +323,7 @@ def _decode_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     MAX_SPLITS: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
-    wait_for_inputs(USE_PDL)
     req = tl.program_id(0)
     head = tl.program_id(1)
     q_row = tl.load(query_start_loc_ptr + req)
@@ -539,7 +533,6 @@ def paged_decode(
         HAS_ORDER=order is not None,
         num_warps=num_warps,
         num_stages=num_stages,
-        **launch_kwargs(query.device),
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_reqs, num_heads)](
@@ -556,5 +549,4 @@ def paged_decode(
             HEAD_DIM_PAD=head_dim_pad,
             MAX_SPLITS=_MAX_SPLITS,
             num_warps=4,
-            **launch_kwargs(query.device),
         )

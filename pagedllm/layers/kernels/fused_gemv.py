@@ -35,7 +35,6 @@ import triton.language as tl
 
 from pagedllm.layers.kernels.rms_norm import _load_sum
 from pagedllm.layers.kernels.skinny_gemm import _column_block, _store_rows, _weight_chunk, launch_config
-from pagedllm.pdl import launch_kwargs, wait_for_inputs
 
 MAX_ROWS = 4
 # The sum-of-squares pass loads up to this many elements of a row at once (all loads in flight, as
@@ -67,35 +66,13 @@ def _normed_chunk(x_ptr, res_ptr, rk, k_mask, rstd, g, HAS_RESIDUAL: tl.constexp
 
 
 @triton.jit
-def _accumulate_normed(x_ptr, res_ptr, stride_xm, stride_rm, rk, k_mask, w, g, rstd0, rstd1, rstd2, rstd3,
-                       acc0, acc1, acc2, acc3, M: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    """``acc_i += w @ normed_i[rk]`` for the M rows (chunk ``rk`` of each normed row, computed here)."""
-    x0 = _normed_chunk(x_ptr, res_ptr, rk, k_mask, rstd0, g, HAS_RESIDUAL)
-    acc0 += tl.sum(w * x0[None, :], axis=1)
-    if M > 1:
-        x1 = _normed_chunk(x_ptr + stride_xm, res_ptr + stride_rm, rk, k_mask, rstd1, g, HAS_RESIDUAL)
-        acc1 += tl.sum(w * x1[None, :], axis=1)
-    if M > 2:
-        x2 = _normed_chunk(x_ptr + 2 * stride_xm, res_ptr + 2 * stride_rm, rk, k_mask, rstd2, g, HAS_RESIDUAL)
-        acc2 += tl.sum(w * x2[None, :], axis=1)
-    if M > 3:
-        x3 = _normed_chunk(x_ptr + 3 * stride_xm, res_ptr + 3 * stride_rm, rk, k_mask, rstd3, g, HAS_RESIDUAL)
-        acc3 += tl.sum(w * x3[None, :], axis=1)
-    return acc0, acc1, acc2, acc3
-
-
-@triton.jit
 def _rms_norm_gemv_kernel(x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, N, K, eps,
                           stride_xm, stride_rm, stride_wn, stride_om, stride_rom,
                           M: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K_CHUNKS: tl.constexpr,
-                          NORM_BLOCK: tl.constexpr, NUM_NORM_CHUNKS: tl.constexpr, USE_PDL: tl.constexpr):
+                          NORM_BLOCK: tl.constexpr, NUM_NORM_CHUNKS: tl.constexpr):
     pid = tl.program_id(0)
     store = pid == 0  # program 0 writes the new residual
-    # The first weight chunk is loaded before waiting for the kernel that writes x (pdl.py).
-    rn, n_mask, w_rows = _column_block(w_ptr, N, stride_wn, BLOCK_N)
-    rk, k_mask, w = _weight_chunk(w_rows, n_mask, 0, K, BLOCK_K)
-    wait_for_inputs(USE_PDL)
     # Pass 1: each row's rstd (every program, from L2: K is at most a few thousand).
     rstd0 = _row_rstd(x_ptr, res_ptr, res_out_ptr, K, eps, store, HAS_RESIDUAL, NORM_BLOCK, NUM_NORM_CHUNKS)
     rstd1 = rstd0
@@ -111,15 +88,25 @@ def _rms_norm_gemv_kernel(x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, out_ptr, res_out_
         rstd3 = _row_rstd(x_ptr + 3 * stride_xm, res_ptr + 3 * stride_rm, res_out_ptr + 3 * stride_rom, K, eps,
                           store, HAS_RESIDUAL, NORM_BLOCK, NUM_NORM_CHUNKS)
     # Pass 2: the GEMV, normalising each chunk of the rows on the fly.
-    zero = tl.zeros((BLOCK_N,), tl.float32)
-    g = tl.load(g_ptr + rk, mask=k_mask, other=0.0).to(tl.float32)
-    acc0, acc1, acc2, acc3 = _accumulate_normed(x_ptr, res_ptr, stride_xm, stride_rm, rk, k_mask, w, g, rstd0,
-                                                rstd1, rstd2, rstd3, zero, zero, zero, zero, M, HAS_RESIDUAL)
-    for c in range(1, NUM_K_CHUNKS):
+    rn, n_mask, w_rows = _column_block(w_ptr, N, stride_wn, BLOCK_N)
+    acc0 = tl.zeros((BLOCK_N,), tl.float32)
+    acc1 = tl.zeros((BLOCK_N,), tl.float32)
+    acc2 = tl.zeros((BLOCK_N,), tl.float32)
+    acc3 = tl.zeros((BLOCK_N,), tl.float32)
+    for c in range(NUM_K_CHUNKS):
         rk, k_mask, w = _weight_chunk(w_rows, n_mask, c * BLOCK_K, K, BLOCK_K)
         g = tl.load(g_ptr + rk, mask=k_mask, other=0.0).to(tl.float32)
-        acc0, acc1, acc2, acc3 = _accumulate_normed(x_ptr, res_ptr, stride_xm, stride_rm, rk, k_mask, w, g, rstd0,
-                                                    rstd1, rstd2, rstd3, acc0, acc1, acc2, acc3, M, HAS_RESIDUAL)
+        x0 = _normed_chunk(x_ptr, res_ptr, rk, k_mask, rstd0, g, HAS_RESIDUAL)
+        acc0 += tl.sum(w * x0[None, :], axis=1)
+        if M > 1:
+            x1 = _normed_chunk(x_ptr + stride_xm, res_ptr + stride_rm, rk, k_mask, rstd1, g, HAS_RESIDUAL)
+            acc1 += tl.sum(w * x1[None, :], axis=1)
+        if M > 2:
+            x2 = _normed_chunk(x_ptr + 2 * stride_xm, res_ptr + 2 * stride_rm, rk, k_mask, rstd2, g, HAS_RESIDUAL)
+            acc2 += tl.sum(w * x2[None, :], axis=1)
+        if M > 3:
+            x3 = _normed_chunk(x_ptr + 3 * stride_xm, res_ptr + 3 * stride_rm, rk, k_mask, rstd3, g, HAS_RESIDUAL)
+            acc3 += tl.sum(w * x3[None, :], axis=1)
     _store_rows(b_ptr, out_ptr, rn, n_mask, stride_om, acc0, acc1, acc2, acc3, M, HAS_BIAS)
 
 
@@ -135,35 +122,27 @@ def _silu_mul_chunk(x_ptr, rk, k_mask, K):
 
 
 @triton.jit
-def _accumulate_silu(x_ptr, stride_xm, rk, k_mask, K, w, acc0, acc1, acc2, acc3, M: tl.constexpr):
-    """``acc_i += w @ (silu(gate_i) * up_i)[rk]`` for the M rows (chunk ``rk``, computed here)."""
-    x0 = _silu_mul_chunk(x_ptr, rk, k_mask, K)
-    acc0 += tl.sum(w * x0[None, :], axis=1)
-    if M > 1:
-        x1 = _silu_mul_chunk(x_ptr + stride_xm, rk, k_mask, K)
-        acc1 += tl.sum(w * x1[None, :], axis=1)
-    if M > 2:
-        x2 = _silu_mul_chunk(x_ptr + 2 * stride_xm, rk, k_mask, K)
-        acc2 += tl.sum(w * x2[None, :], axis=1)
-    if M > 3:
-        x3 = _silu_mul_chunk(x_ptr + 3 * stride_xm, rk, k_mask, K)
-        acc3 += tl.sum(w * x3[None, :], axis=1)
-    return acc0, acc1, acc2, acc3
-
-
-@triton.jit
 def _silu_mul_gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_om,
                           M: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          NUM_K_CHUNKS: tl.constexpr, USE_PDL: tl.constexpr):
+                          NUM_K_CHUNKS: tl.constexpr):
     rn, n_mask, w_rows = _column_block(w_ptr, N, stride_wn, BLOCK_N)
-    # The first weight chunk is loaded before waiting for the kernel that writes x (pdl.py).
-    rk, k_mask, w = _weight_chunk(w_rows, n_mask, 0, K, BLOCK_K)
-    wait_for_inputs(USE_PDL)
-    zero = tl.zeros((BLOCK_N,), tl.float32)
-    acc0, acc1, acc2, acc3 = _accumulate_silu(x_ptr, stride_xm, rk, k_mask, K, w, zero, zero, zero, zero, M)
-    for c in range(1, NUM_K_CHUNKS):
+    acc0 = tl.zeros((BLOCK_N,), tl.float32)
+    acc1 = tl.zeros((BLOCK_N,), tl.float32)
+    acc2 = tl.zeros((BLOCK_N,), tl.float32)
+    acc3 = tl.zeros((BLOCK_N,), tl.float32)
+    for c in range(NUM_K_CHUNKS):
         rk, k_mask, w = _weight_chunk(w_rows, n_mask, c * BLOCK_K, K, BLOCK_K)
-        acc0, acc1, acc2, acc3 = _accumulate_silu(x_ptr, stride_xm, rk, k_mask, K, w, acc0, acc1, acc2, acc3, M)
+        x0 = _silu_mul_chunk(x_ptr, rk, k_mask, K)
+        acc0 += tl.sum(w * x0[None, :], axis=1)
+        if M > 1:
+            x1 = _silu_mul_chunk(x_ptr + stride_xm, rk, k_mask, K)
+            acc1 += tl.sum(w * x1[None, :], axis=1)
+        if M > 2:
+            x2 = _silu_mul_chunk(x_ptr + 2 * stride_xm, rk, k_mask, K)
+            acc2 += tl.sum(w * x2[None, :], axis=1)
+        if M > 3:
+            x3 = _silu_mul_chunk(x_ptr + 3 * stride_xm, rk, k_mask, K)
+            acc3 += tl.sum(w * x3[None, :], axis=1)
     _store_rows(b_ptr, out_ptr, rn, n_mask, stride_om, acc0, acc1, acc2, acc3, M, HAS_BIAS)
 
 
@@ -208,7 +187,7 @@ def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
         M=m, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
         BLOCK_N=block_n, BLOCK_K=block_k, NUM_K_CHUNKS=triton.cdiv(k, block_k),
         NORM_BLOCK=norm_block, NUM_NORM_CHUNKS=triton.cdiv(k, norm_block),
-        num_warps=num_warps, num_stages=num_stages, **launch_kwargs(x.device),
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out, (residual_out if residual is not None else x)
 
@@ -229,6 +208,6 @@ def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     _silu_mul_gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out, n, k, x.stride(0), weight.stride(0), out.stride(0),
         M=m, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, NUM_K_CHUNKS=triton.cdiv(k, block_k),
-        num_warps=num_warps, num_stages=num_stages, **launch_kwargs(x.device),
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out

@@ -15,8 +15,6 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.pdl import launch_kwargs, wait_for_inputs
-
 MAX_BLOCK = 8192
 
 
@@ -51,9 +49,7 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
     NUM_CHUNKS: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
-    wait_for_inputs(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     x_ptr += row * stride_x
     out_ptr += row * stride_out
@@ -130,6 +126,5 @@ def rms_norm(
             BLOCK=block,
             NUM_CHUNKS=triton.cdiv(hidden, block),
             num_warps=min(max(block // 256, 1), 16),
-            **launch_kwargs(x.device),
         )  # fmt: skip
     return out if residual is None else (out, residual_out)

@@ -19,8 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.pdl import launch_kwargs, wait_for_inputs
-
 
 @triton.jit
 def _norm_rope_heads(
@@ -103,9 +101,7 @@ def _qk_norm_rope_kernel(
     HAS_NORM: tl.constexpr,
     STORE_KV: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
-    wait_for_inputs(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
     io_dtype = q_ptr.dtype.element_ty
@@ -211,7 +207,6 @@ def qk_norm_rope(
         STORE_KV=kv_store is not None,
         BLOCK_SIZE=kv_store[1].shape[2] if kv_store is not None else 1,
         num_warps=4 if block_h * half_pad >= 512 else 2,
-        **launch_kwargs(q.device),
     )  # fmt: skip
     return q_out, k_out
 

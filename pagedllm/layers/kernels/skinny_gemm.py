@@ -18,8 +18,6 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.pdl import launch_kwargs, wait_for_inputs
-
 MAX_ROWS = 4
 
 
@@ -62,35 +60,26 @@ def _store_rows(b_ptr, out_ptr, rn, n_mask, stride_om, acc0, acc1, acc2, acc3, M
 
 
 @triton.jit
-def _accumulate_rows(x_ptr, stride_xm, rk, k_mask, w, acc0, acc1, acc2, acc3, M: tl.constexpr):
-    """``acc_i += w @ x_i[rk]`` for the M rows of x (chunk ``rk`` of each row, loaded here)."""
-    x0 = tl.load(x_ptr + rk, mask=k_mask, other=0.0).to(tl.float32)
-    acc0 += tl.sum(w * x0[None, :], axis=1)
-    if M > 1:
-        x1 = tl.load(x_ptr + stride_xm + rk, mask=k_mask, other=0.0).to(tl.float32)
-        acc1 += tl.sum(w * x1[None, :], axis=1)
-    if M > 2:
-        x2 = tl.load(x_ptr + 2 * stride_xm + rk, mask=k_mask, other=0.0).to(tl.float32)
-        acc2 += tl.sum(w * x2[None, :], axis=1)
-    if M > 3:
-        x3 = tl.load(x_ptr + 3 * stride_xm + rk, mask=k_mask, other=0.0).to(tl.float32)
-        acc3 += tl.sum(w * x3[None, :], axis=1)
-    return acc0, acc1, acc2, acc3
-
-
-@triton.jit
 def _skinny_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_om,
-                        M: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        USE_PDL: tl.constexpr):
+                        M: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rn, n_mask, w_rows = _column_block(w_ptr, N, stride_wn, BLOCK_N)
-    # The first weight chunk is loaded before waiting for the kernel that writes x (pdl.py).
-    rk, k_mask, w = _weight_chunk(w_rows, n_mask, 0, K, BLOCK_K)
-    wait_for_inputs(USE_PDL)
-    zero = tl.zeros((BLOCK_N,), tl.float32)
-    acc0, acc1, acc2, acc3 = _accumulate_rows(x_ptr, stride_xm, rk, k_mask, w, zero, zero, zero, zero, M)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
+    acc0 = tl.zeros((BLOCK_N,), tl.float32)
+    acc1 = tl.zeros((BLOCK_N,), tl.float32)
+    acc2 = tl.zeros((BLOCK_N,), tl.float32)
+    acc3 = tl.zeros((BLOCK_N,), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
         rk, k_mask, w = _weight_chunk(w_rows, n_mask, k0, K, BLOCK_K)
-        acc0, acc1, acc2, acc3 = _accumulate_rows(x_ptr, stride_xm, rk, k_mask, w, acc0, acc1, acc2, acc3, M)
+        x0 = tl.load(x_ptr + rk, mask=k_mask, other=0.0).to(tl.float32)
+        acc0 += tl.sum(w * x0[None, :], axis=1)
+        if M > 1:
+            x1 = tl.load(x_ptr + stride_xm + rk, mask=k_mask, other=0.0).to(tl.float32)
+            acc1 += tl.sum(w * x1[None, :], axis=1)
+        if M > 2:
+            x2 = tl.load(x_ptr + 2 * stride_xm + rk, mask=k_mask, other=0.0).to(tl.float32)
+            acc2 += tl.sum(w * x2[None, :], axis=1)
+        if M > 3:
+            x3 = tl.load(x_ptr + 3 * stride_xm + rk, mask=k_mask, other=0.0).to(tl.float32)
+            acc3 += tl.sum(w * x3[None, :], axis=1)
     _store_rows(b_ptr, out_ptr, rn, n_mask, stride_om, acc0, acc1, acc2, acc3, M, HAS_BIAS)
 
 
@@ -150,6 +139,5 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     grid = (triton.cdiv(n, block_n),)
     _skinny_gemm_kernel[grid](x, weight, bias if bias is not None else weight, out, n, k, x.stride(0),
                               weight.stride(0), out.stride(0), M=m, HAS_BIAS=bias is not None,
-                              BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
-                              **launch_kwargs(x.device))
+                              BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
     return out
