@@ -105,6 +105,12 @@ class AsyncLLMEngine:
         self.engine = engine
         model_config = engine.get_model_config()
         self.metrics = EngineMetrics(model_config.served_model_name, log_interval_s if log_stats else None)
+        # Token counts straight from each step (not from the RequestOutputs, which a non-streaming
+        # FINAL_ONLY request gets only once, when it finishes).
+        processor = getattr(engine, "output_processor", None)
+        self._take_step_tokens = getattr(processor, "take_step_tokens", None)
+        if self._take_step_tokens is not None:
+            processor.record_step_tokens()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # loop thread only
         self._idle_poll_s = idle_poll_s
@@ -332,12 +338,14 @@ class AsyncLLMEngine:
             logger.exception("engine step failed; failing the requests in flight")
             self._fail_live(e)
             return
-        self._deliver(outputs)
         scheduler = getattr(self.engine.engine_core, "scheduler", None)
         stats = scheduler.stats() if scheduler is not None and hasattr(scheduler, "stats") else None
         if stats is not None:
             self._num_waiting, self._num_running = stats.num_waiting, stats.num_running
-        self.metrics.on_step(outputs, stats, scheduler, step_start)
+        step_tokens = self._take_step_tokens() if self._take_step_tokens is not None else None
+        # Recorded before delivery: a client that has its response finds it counted in /metrics.
+        self.metrics.on_step(outputs, stats, scheduler, step_start, step_tokens)
+        self._deliver(outputs)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}

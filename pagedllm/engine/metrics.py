@@ -117,15 +117,24 @@ class EngineMetrics:
         self._requests[request_id] = times
         self._awaiting_schedule[request_id] = times
 
-    def on_step(self, outputs: list[RequestOutput], stats: Any, scheduler: Any, step_start: float) -> None:
-        """Record one step: ``stats`` is the scheduler's SchedulerStats (or None)."""
+    def on_step(self, outputs: list[RequestOutput], stats: Any, scheduler: Any, step_start: float,
+                step_tokens: dict[str, tuple[int, int]] | None = None) -> None:
+        """Record one step: ``stats`` is the scheduler's SchedulerStats (or None); ``step_tokens``
+        ``{request id: (new tokens, prompt length)}`` for every request that generated tokens in the
+        step (``OutputProcessor.take_step_tokens``). Without it tokens are counted from ``outputs``,
+        which a FINAL_ONLY request has only when it finishes."""
         now = time.time()
         if self._awaiting_schedule:
             aborted = {o.request_id for o in outputs if o.finished and o.outputs
                        and o.outputs[0].finish_reason == "abort"}
             self._record_queue_times(scheduler, step_start, aborted)
+        if step_tokens is not None:
+            for rid, (new, prompt_len) in step_tokens.items():
+                times = self._requests.get(rid)
+                if times is not None and new:
+                    self._record_tokens(times, new, prompt_len, now)
         for out in outputs:
-            self._record_output(out, now)
+            self._record_output(out, now, count_tokens=step_tokens is None)
         if stats is not None:
             self._record_scheduler(stats)
 
@@ -153,28 +162,15 @@ class EngineMetrics:
             self.queue_time.observe(max(0.0, scheduled - times.arrival_time))
             del self._awaiting_schedule[rid]
 
-    def _record_output(self, out: RequestOutput, now: float) -> None:
+    def _record_output(self, out: RequestOutput, now: float, count_tokens: bool = True) -> None:
         times = self._requests.get(out.request_id)
         if times is None:
             return
-        n = sum(len(c.token_ids) for c in out.outputs)
-        if times.output_kind == RequestOutputKind.DELTA:
-            new = n
-        else:
-            new = max(0, n - times.num_generation_tokens)
-        if new:
-            if times.first_token_time is None:
-                times.first_token_time = now
-                times.num_prompt_tokens = len(out.prompt_token_ids)
-                self.ttft.observe(now - times.arrival_time)
-                self.prompt_tokens.inc(times.num_prompt_tokens)
-                self._interval.prompt_tokens += times.num_prompt_tokens
-            elif times.last_token_time is not None:
-                self.itl.observe(now - times.last_token_time)
-            times.last_token_time = now
-            times.num_generation_tokens += new
-            self.generation_tokens.inc(new)
-            self._interval.generation_tokens += new
+        if count_tokens:
+            n = sum(len(c.token_ids) for c in out.outputs)
+            new = n if times.output_kind == RequestOutputKind.DELTA else max(0, n - times.num_generation_tokens)
+            if new:
+                self._record_tokens(times, new, len(out.prompt_token_ids), now)
         if out.finished:
             del self._requests[out.request_id]
             reason = out.outputs[0].finish_reason if out.outputs else "abort"
@@ -183,6 +179,22 @@ class EngineMetrics:
             if times.first_token_time is not None:
                 self.request_prompt_tokens.observe(times.num_prompt_tokens)
                 self.request_generation_tokens.observe(times.num_generation_tokens)
+
+    def _record_tokens(self, times: _RequestTimes, new: int, prompt_len: int, now: float) -> None:
+        """``new`` tokens of one request arrived at ``now``: TTFT (and the prompt tokens) on the first,
+        else an inter-token latency sample."""
+        if times.first_token_time is None:
+            times.first_token_time = now
+            times.num_prompt_tokens = prompt_len
+            self.ttft.observe(now - times.arrival_time)
+            self.prompt_tokens.inc(prompt_len)
+            self._interval.prompt_tokens += prompt_len
+        elif times.last_token_time is not None:
+            self.itl.observe(now - times.last_token_time)
+        times.last_token_time = now
+        times.num_generation_tokens += new
+        self.generation_tokens.inc(new)
+        self._interval.generation_tokens += new
 
     def _record_scheduler(self, stats: Any) -> None:
         self._last_stats = stats

@@ -144,6 +144,23 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.states: dict[str, RequestState] = {}
         self.parents: dict[str, ParentRequest] = {}
+        # Tokens generated per user request since the last ``take_step_tokens`` (every output kind,
+        # FINAL_ONLY included): what the serving metrics count. None until ``record_step_tokens``, so
+        # LLM.generate does not pay for it.
+        self._step_tokens: dict[str, list[int]] | None = None
+
+    def record_step_tokens(self) -> None:
+        """From now on, count each step's new tokens per user request (see ``take_step_tokens``)."""
+        if self._step_tokens is None:
+            self._step_tokens = {}
+
+    def take_step_tokens(self) -> dict[str, tuple[int, int]]:
+        """``{user request id: (tokens generated since the last call, prompt length)}``, then reset
+        (empty when not recording)."""
+        if not self._step_tokens:
+            return {}
+        taken, self._step_tokens = self._step_tokens, {}
+        return {rid: (n, prompt_len) for rid, (n, prompt_len) in taken.items()}
 
     def add_request(self, state: RequestState, parent: ParentRequest | None = None) -> None:
         self.states[state.request_id] = state
@@ -169,10 +186,14 @@ class OutputProcessor:
         touched: dict[str, None] = {}
         stopped: list[str] = []
         states = self.states
+        counts = self._step_tokens
         for out in outputs:
             state = states.get(out.req_id)
             if state is None or state.finish_reason is not None:
                 continue
+            if counts is not None and out.new_token_ids:
+                count = counts.setdefault(state.parent_id or state.request_id, [0, len(state.prompt_token_ids)])
+                count[0] += len(out.new_token_ids)
             if state.update(out):
                 stopped.append(out.req_id)
             elif state.finish_reason is None and state.output_kind == _FINAL_ONLY:

@@ -30,10 +30,13 @@ def tok():
     return default_tokenizer()
 
 
-def run(kind: RequestOutputKind, n: int, tokenizer=None, steps: int = 5, tokens=None):
+def run(kind: RequestOutputKind, n: int, tokenizer=None, steps: int = 5, tokens=None, step_tokens=None):
     """Sequences of one user request get one token per step (``tokens[step]`` for sequence 0, else
-    100 + 10 * step + i); sequence i finishes at step steps - 1 - i."""
+    100 + 10 * step + i); sequence i finishes at step steps - 1 - i. With ``step_tokens`` (a list),
+    the processor records token counts and each step's ``take_step_tokens()`` is appended to it."""
     processor = OutputProcessor(tokenizer)
+    if step_tokens is not None:
+        processor.record_step_tokens()
     params = SamplingParams(max_tokens=steps, n=n, output_kind=kind, detokenize=tokenizer is not None)
     child_ids = ["r"] if n == 1 else [f"{i}_r" for i in range(n)]
     parent = ParentRequest("r", params, child_ids, n) if n > 1 else None
@@ -47,8 +50,21 @@ def run(kind: RequestOutputKind, n: int, tokenizer=None, steps: int = 5, tokens=
         ros, stopped = processor.process_outputs(outs)
         assert stopped == []
         per_step.append(ros)
+        if step_tokens is not None:
+            step_tokens.append(processor.take_step_tokens())
     assert not processor.has_request("r")
     return per_step
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.FINAL_ONLY, RequestOutputKind.DELTA])
+@pytest.mark.parametrize("n", [1, 3])
+def test_step_tokens_count_every_step_per_user_request(kind, n):
+    """The serving metrics' per-step counts: every sequence's new tokens, summed per user request,
+    whatever the output kind (a FINAL_ONLY request emits no output until it finishes)."""
+    counts = []
+    run(kind, n, step_tokens=counts)
+    assert counts == [{"r": (sum(1 for i in range(n) if step <= 4 - i), 3)} for step in range(5)]
+    assert OutputProcessor(None).take_step_tokens() == {}  # not recording: nothing, at no cost
 
 
 @pytest.mark.parametrize("n", [1, 3])

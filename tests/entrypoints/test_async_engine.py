@@ -38,7 +38,13 @@ class FakeEngine:
         self.tokenizer = None
         self.engine_core = SimpleNamespace(scheduler=SimpleNamespace(stats=self._stats, get_request=lambda r: None),
                                            shutdown=lambda: None)
-        self.output_processor = SimpleNamespace(child_ids=lambda rid: [rid] if rid in self.live else [])
+        self.step_tokens: dict[str, tuple[int, int]] = {}  # as OutputProcessor.take_step_tokens
+        self.output_processor = SimpleNamespace(child_ids=lambda rid: [rid] if rid in self.live else [],
+                                                record_step_tokens=lambda: None, take_step_tokens=self._take_tokens)
+
+    def _take_tokens(self) -> dict[str, tuple[int, int]]:
+        taken, self.step_tokens = self.step_tokens, {}
+        return taken
 
     def _touch(self) -> None:
         self.threads.add(threading.current_thread().name)
@@ -85,6 +91,7 @@ class FakeEngine:
         outs, self.pending_abort = self.pending_abort, []
         for rid, st in list(self.live.items()):
             st["tokens"].append(self.steps)
+            self.step_tokens[rid] = (self.step_tokens.get(rid, (0, 2))[0] + 1, 2)
             done = len(st["tokens"]) >= st["params"].max_tokens
             if done:
                 del self.live[rid]
@@ -296,3 +303,34 @@ def test_metrics_count_tokens_and_finishes(fake):
     assert samples[("pagedllm:request_success_total", (("finished_reason", "length"), ("model_name", "fake")))] == 3
     assert samples[("pagedllm:time_to_first_token_seconds_count", (("model_name", "fake"),))] == 3
     assert samples[("pagedllm:num_requests_running", (("model_name", "fake"),))] == 0
+
+
+def test_metrics_count_final_only_tokens_as_they_are_generated(fake):
+    """A non-streaming (FINAL_ONLY) request gets one RequestOutput, at the end; the metrics still see
+    its tokens step by step: generation tokens before it finishes, TTFT at its first token and one
+    inter-token latency sample per later token."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    engine, aengine = fake
+
+    def sample(name: str) -> float:
+        for fam in text_string_to_metric_families(aengine.metrics.render().decode()):
+            for s in fam.samples:
+                if s.name == name:
+                    return s.value
+        raise KeyError(name)
+
+    async def main():
+        task = asyncio.ensure_future(_collect(aengine, "p", _params(40, RequestOutputKind.FINAL_ONLY), "fin"))
+        while engine.steps < 10:
+            await asyncio.sleep(0.01)
+        mid = sample("pagedllm:generation_tokens_total")
+        await task
+        return mid
+
+    mid = asyncio.run(main())
+    assert 0 < mid < 40  # counted while the request was still running
+    assert sample("pagedllm:generation_tokens_total") == 40
+    assert sample("pagedllm:time_to_first_token_seconds_count") == 1
+    assert sample("pagedllm:inter_token_latency_seconds_count") == 39
+    assert sample("pagedllm:time_to_first_token_seconds_sum") < sample("pagedllm:e2e_request_latency_seconds_sum")
