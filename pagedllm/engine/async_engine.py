@@ -107,10 +107,7 @@ class AsyncLLMEngine:
         self.metrics = EngineMetrics(model_config.served_model_name, log_interval_s if log_stats else None)
         # Token counts straight from each step (not from the RequestOutputs, which a non-streaming
         # FINAL_ONLY request gets only once, when it finishes).
-        processor = getattr(engine, "output_processor", None)
-        self._take_step_tokens = getattr(processor, "take_step_tokens", None)
-        if self._take_step_tokens is not None:
-            processor.record_step_tokens()
+        engine.output_processor.record_step_tokens()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # loop thread only
         self._idle_poll_s = idle_poll_s
@@ -319,7 +316,7 @@ class AsyncLLMEngine:
             self._num_waiting += 1  # until the next step's stats say otherwise
             _call_soon(stream.loop, stream.accept)
             seq_ids = self.engine.output_processor.child_ids(rid) or [rid]
-            self.metrics.on_request_added(rid, arrival, stream.output_kind, seq_ids)
+            self.metrics.on_request_added(rid, arrival, seq_ids)
         finally:
             with self._count_lock:
                 self._pending_adds -= 1
@@ -342,9 +339,8 @@ class AsyncLLMEngine:
         stats = scheduler.stats() if scheduler is not None and hasattr(scheduler, "stats") else None
         if stats is not None:
             self._num_waiting, self._num_running = stats.num_waiting, stats.num_running
-        step_tokens = self._take_step_tokens() if self._take_step_tokens is not None else None
         # Recorded before delivery: a client that has its response finds it counted in /metrics.
-        self.metrics.on_step(outputs, stats, scheduler, step_start, step_tokens)
+        self.metrics.on_step(outputs, stats, scheduler, step_start, self.engine.output_processor.take_step_tokens())
         self._deliver(outputs)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:

@@ -24,7 +24,6 @@ except ImportError:  # pragma: no cover - older prometheus_client
     pass
 
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import RequestOutputKind
 
 logger = logging.getLogger("pagedllm")
 
@@ -40,7 +39,6 @@ _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 2
 @dataclass
 class _RequestTimes:
     arrival_time: float
-    output_kind: RequestOutputKind
     seq_ids: list[str]
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
@@ -111,30 +109,28 @@ class EngineMetrics:
         self._last_stats: Any = None
 
     # -- fed by the engine loop ----------------------------------------------------------------
-    def on_request_added(self, request_id: str, arrival_time: float, output_kind: RequestOutputKind,
-                         seq_ids: list[str]) -> None:
-        times = _RequestTimes(arrival_time, output_kind, seq_ids)
+    def on_request_added(self, request_id: str, arrival_time: float, seq_ids: list[str]) -> None:
+        times = _RequestTimes(arrival_time, seq_ids)
         self._requests[request_id] = times
         self._awaiting_schedule[request_id] = times
 
     def on_step(self, outputs: list[RequestOutput], stats: Any, scheduler: Any, step_start: float,
-                step_tokens: dict[str, tuple[int, int]] | None = None) -> None:
-        """Record one step: ``stats`` is the scheduler's SchedulerStats (or None); ``step_tokens``
-        ``{request id: (new tokens, prompt length)}`` for every request that generated tokens in the
-        step (``OutputProcessor.take_step_tokens``). Without it tokens are counted from ``outputs``,
-        which a FINAL_ONLY request has only when it finishes."""
+                step_tokens: dict[str, tuple[int, int]]) -> None:
+        """Record one step: ``outputs`` the RequestOutputs delivered (finishes), ``stats`` the
+        scheduler's SchedulerStats (or None), ``step_tokens`` ``{request id: (new tokens, prompt
+        length)}`` for every request that generated tokens in the step, whatever its output kind
+        (``OutputProcessor.take_step_tokens``)."""
         now = time.time()
         if self._awaiting_schedule:
             aborted = {o.request_id for o in outputs if o.finished and o.outputs
                        and o.outputs[0].finish_reason == "abort"}
             self._record_queue_times(scheduler, step_start, aborted)
-        if step_tokens is not None:
-            for rid, (new, prompt_len) in step_tokens.items():
-                times = self._requests.get(rid)
-                if times is not None and new:
-                    self._record_tokens(times, new, prompt_len, now)
+        for rid, (new, prompt_len) in step_tokens.items():
+            times = self._requests.get(rid)
+            if times is not None and new:
+                self._record_tokens(times, new, prompt_len, now)
         for out in outputs:
-            self._record_output(out, now, count_tokens=step_tokens is None)
+            self._record_finish(out, now)
         if stats is not None:
             self._record_scheduler(stats)
 
@@ -162,15 +158,10 @@ class EngineMetrics:
             self.queue_time.observe(max(0.0, scheduled - times.arrival_time))
             del self._awaiting_schedule[rid]
 
-    def _record_output(self, out: RequestOutput, now: float, count_tokens: bool = True) -> None:
+    def _record_finish(self, out: RequestOutput, now: float) -> None:
         times = self._requests.get(out.request_id)
         if times is None:
             return
-        if count_tokens:
-            n = sum(len(c.token_ids) for c in out.outputs)
-            new = n if times.output_kind == RequestOutputKind.DELTA else max(0, n - times.num_generation_tokens)
-            if new:
-                self._record_tokens(times, new, len(out.prompt_token_ids), now)
         if out.finished:
             del self._requests[out.request_id]
             reason = out.outputs[0].finish_reason if out.outputs else "abort"
