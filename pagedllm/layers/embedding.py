@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers import cpu_gemm
+from pagedllm.layers import cpu_gemm, gemm_library
 from pagedllm.layers.linear import default_weight_loader
 
 
@@ -51,5 +51,5 @@ class LMHead(nn.Module):
         if self.cpu_packed_weight is not None and hidden.device.type == "cpu" and hidden.dtype == self.weight.dtype:
             logits = cpu_gemm.packed_linear(hidden, self.cpu_packed_weight, None)
         else:
-            logits = F.linear(hidden, self.weight)
+            logits = gemm_library.linear(hidden, self.weight)
         return logits.float() if upcast else logits

@@ -12,10 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers import cpu_gemm, triton_ops
+from pagedllm.layers import cpu_gemm, gemm_library, triton_ops
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
@@ -49,13 +48,14 @@ class Linear(nn.Module):
         return self.cpu_packed_weight is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """cuBLAS (``F.linear``), or on CUDA at 1-4 rows the Triton GEMV where it is faster
+        """cuBLAS or cuBLASLt (``gemm_library``: whichever start-up timed faster for this shape and
+        row count), or on CUDA at 1-2 rows the Triton GEMV where it is faster
         (``triton_ops.use_skinny_gemm``); on the CPU the prepacked oneDNN GEMM once packed."""
         if self.cpu_packed_weight is not None and x.device.type == "cpu" and x.dtype == self.weight.dtype:
             return cpu_gemm.packed_linear(x, self.cpu_packed_weight, self.bias)
         if triton_ops.use_skinny_gemm(x, self.weight):
             return triton_ops.skinny_linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return gemm_library.linear(x, self.weight, self.bias)
 
 
 class MergedLinear(Linear):

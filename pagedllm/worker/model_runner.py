@@ -9,6 +9,7 @@ compute logits only at positions that produce a token, sample, and copy the toke
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -18,7 +19,10 @@ import torch
 from pagedllm.attention.backend import AttentionMetadata, forward_context, get_attention_backend
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from pagedllm.layers import gemm_library, triton_ops
 from pagedllm.layers.cpu_gemm import pack_linear_weights
+from pagedllm.layers.embedding import LMHead
+from pagedllm.layers.linear import Linear
 from pagedllm.sample.history import TokenHistory
 from pagedllm.sample.logprobs import prompt_logprobs
 from pagedllm.sample.sampler import Sampler, SamplerOutput, build_sampling_metadata
@@ -164,7 +168,20 @@ class ModelRunner:
         self._warm_up_eager_kernels()
         logger.info("compiled the prefill / mixed-step kernels in %.1f s", time.perf_counter() - t0)
         if not self.config.enforce_eager:
-            self._graph_runner_for_warm_up().capture_all()
+            graphs = self._graph_runner_for_warm_up()
+            self._tune_gemm_library(graphs.sizes)
+            graphs.capture_all()
+
+    def _tune_gemm_library(self, batch_sizes: list[int]) -> None:
+        """Pick cuBLAS or cuBLASLt per weight shape and CUDA-graph batch size (``gemm_library``),
+        before the graphs capture the choice. ``PAGEDLLM_GEMM_TUNING=0`` keeps cuBLAS everywhere."""
+        if os.environ.get("PAGEDLLM_GEMM_TUNING", "1").lower() in ("0", "false", "no", "off"):
+            return
+        weights = [m.weight for m in self.model.modules() if isinstance(m, (Linear, LMHead))]
+        with torch.inference_mode():
+            summary = gemm_library.tune(weights, batch_sizes, skip=triton_ops.use_skinny_gemm)
+        logger.info("GEMM library: cuBLASLt for %d of %d (weight shape, batch size) pairs, timed in %.1f s",
+                    summary["cublaslt"], summary["measured"], summary["seconds"])
 
     def _graph_runner_for_warm_up(self) -> CUDAGraphRunner:
         if self.graph_runner is None:

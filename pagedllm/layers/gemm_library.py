@@ -1,0 +1,122 @@
+"""Per-shape choice between cuBLAS and cuBLASLt for the decode GEMMs on CUDA.
+
+torch sends a half-precision ``F.linear`` to cuBLAS unless ``preferred_blas_library`` says
+cuBLASLt, and the two pick different kernels. At 8-256 rows neither wins everywhere: on an H200,
+Llama-8B's down projection (4096 x 14336) at 64 rows takes 31-32 us on cuBLASLt and 35-36 us on
+cuBLAS (which splits K and adds a reduce kernel), while at 128 rows cuBLAS is the faster one. So the
+model runner times both on the model's own weights, for each weight shape and each CUDA-graph
+batch size, before the graphs are captured (``tune``), and ``linear`` then calls the faster one.
+
+Invariant: ``linear(x, w, b)`` is ``F.linear(x, w, b)`` up to the GEMM kernel's summation order.
+The table holds only ``(N, K, rows)`` keys where cuBLASLt was measured faster by more than
+``MARGIN``; every other call (other shapes, other row counts, prefill, the CPU) is plain F.linear
+under the process's default library.
+Cost: one dict lookup per call; a hit sets the global preferred library around the call, which
+matters only on the host and only for eager calls (in a CUDA graph the choice is captured).
+``tune`` costs about one GPU pass over the weights per (shape, rows) pair and library, plus a short
+idle kernel per pair so that the timed launches are queued before the GPU reaches them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger("pagedllm")
+
+MARGIN = 0.03  # cuBLASLt is chosen when its time is below (1 - MARGIN) x cuBLAS's
+_REPS = 2  # timed passes per library, interleaved; the minimum counts
+_QUEUE_CYCLES = 4_000_000  # ~2 ms idle kernel (at ~2 GHz) while the timed launches are queued
+
+_cublaslt: set[tuple[int, int, int]] = set()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` on the library ``tune`` measured faster for this weight shape and row count."""
+    if _cublaslt and x.dim() == 2 and (weight.shape[0], weight.shape[1], x.shape[0]) in _cublaslt and x.is_cuda:
+        with blas_library("cublaslt"):
+            return F.linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+@contextlib.contextmanager
+def blas_library(name: str) -> Iterator[None]:
+    previous = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(name)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(previous)
+
+
+def cublaslt_choices() -> frozenset[tuple[int, int, int]]:
+    """The ``(N, K, rows)`` calls that go to cuBLASLt."""
+    return frozenset(_cublaslt)
+
+
+def set_cublaslt_choices(keys: Iterable[tuple[int, int, int]]) -> None:
+    """Replace the table (tests, or choices measured elsewhere)."""
+    _cublaslt.clear()
+    _cublaslt.update((int(n), int(k), int(m)) for n, k, m in keys)
+
+
+def tune(weights: Iterable[torch.Tensor], rows: Iterable[int], skip=None) -> dict:
+    """Time cuBLAS against cuBLASLt for every weight shape among ``weights`` (CUDA, 2-D) at every
+    row count in ``rows`` and record where cuBLASLt wins. All weights of one shape are run in turn
+    (a model's layers: distinct memory, so each GEMM streams its weight from HBM as in a step).
+    ``skip(x, weight)``, if given, leaves out calls that never reach cuBLAS (e.g. the Triton GEMV).
+    Returns a summary for the log. No-op where the default library is already cuBLASLt."""
+    t0 = time.perf_counter()
+    groups: dict[tuple[int, int, torch.dtype], list[torch.Tensor]] = {}
+    for w in weights:
+        if w.is_cuda and w.dim() == 2:
+            groups.setdefault((w.shape[0], w.shape[1], w.dtype), []).append(w)
+    measured = chosen = 0
+    if not groups or str(torch.backends.cuda.preferred_blas_library()).lower().endswith("cublaslt"):
+        return {"measured": 0, "cublaslt": 0, "seconds": 0.0}
+    for (n, k, dtype), ws in groups.items():
+        device = ws[0].device
+        for m in sorted(set(rows)):
+            x = torch.randn(m, k, device=device, dtype=dtype)
+            if skip is not None and skip(x, ws[0]):
+                continue
+            t_default, t_lt = _time_pair(x, ws)
+            measured += 1
+            key = (n, k, m)
+            if t_lt < (1.0 - MARGIN) * t_default:
+                _cublaslt.add(key)
+                chosen += 1
+            else:
+                _cublaslt.discard(key)
+    return {"measured": measured, "cublaslt": chosen, "seconds": time.perf_counter() - t0}
+
+
+def _time_pair(x: torch.Tensor, ws: list[torch.Tensor]) -> tuple[float, float]:
+    """Milliseconds of one pass of ``F.linear(x, w)`` over ``ws`` on the default library and on
+    cuBLASLt (minimum of ``_REPS`` interleaved passes each), measured with CUDA events."""
+    for name in ("default", "cublaslt"):  # first calls pick and cache the kernels, outside the timing
+        _pass(x, ws[:1], name)
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(4 * _REPS + 1)]
+    torch.cuda._sleep(_QUEUE_CYCLES)
+    events[0].record()
+    i = 0
+    for _ in range(_REPS):
+        for name in ("default", "cublaslt"):
+            _pass(x, ws, name)
+            i += 1
+            events[i].record()
+    torch.cuda.synchronize(x.device)
+    times = [events[j].elapsed_time(events[j + 1]) for j in range(i)]
+    return min(times[0::2]), min(times[1::2])
+
+
+def _pass(x: torch.Tensor, ws: list[torch.Tensor], name: str) -> None:
+    ctx = blas_library("cublaslt") if name == "cublaslt" else contextlib.nullcontext()
+    with ctx:
+        for w in ws:
+            F.linear(x, w)
