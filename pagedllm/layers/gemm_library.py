@@ -9,7 +9,7 @@ batch size, before the graphs are captured (``tune``), and ``linear`` then calls
 
 Invariant: ``linear(x, w, b)`` is ``F.linear(x, w, b)`` up to the GEMM kernel's summation order.
 The table holds only ``(N, K, rows)`` keys where cuBLASLt was measured faster by more than
-``MARGIN``; every other call (other shapes, other row counts, prefill, the CPU) is plain F.linear
+``MARGIN`` (or that ``set_cublaslt_choices`` put there); every other call (other shapes, other row counts, prefill, the CPU) is plain F.linear
 under the process's default library.
 Cost: one dict lookup per call; a hit sets the global preferred library around the call, which
 matters only on the host and only for eager calls (in a CUDA graph the choice is captured).
@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -65,7 +65,11 @@ def set_cublaslt_choices(keys: Iterable[tuple[int, int, int]]) -> None:
     _cublaslt.update((int(n), int(k), int(m)) for n, k, m in keys)
 
 
-def tune(weights: Iterable[torch.Tensor], rows: Iterable[int], skip=None) -> dict:
+def tune(
+    weights: Iterable[torch.Tensor],
+    rows: Iterable[int],
+    skip: Callable[[torch.Tensor, torch.Tensor], bool] | None = None,
+) -> dict:
     """Time cuBLAS against cuBLASLt for every weight shape among ``weights`` (CUDA, 2-D) at every
     row count in ``rows`` and record where cuBLASLt wins. All weights of one shape are run in turn
     (a model's layers: distinct memory, so each GEMM streams its weight from HBM as in a step).
