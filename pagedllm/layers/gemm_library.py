@@ -9,8 +9,8 @@ batch size, before the graphs are captured (``tune``), and ``linear`` then calls
 
 Invariant: ``linear(x, w, b)`` is ``F.linear(x, w, b)`` up to the GEMM kernel's summation order.
 The table holds only ``(N, K, rows)`` keys where cuBLASLt was measured faster by more than
-``MARGIN`` (or that ``set_cublaslt_choices`` put there); every other call (other shapes, other row counts, prefill, the CPU) is plain F.linear
-under the process's default library.
+``MARGIN`` (or that ``set_cublaslt_choices`` put there); every other call (other shapes, other
+row counts, prefill, the CPU) is plain F.linear under the process's default library.
 Cost: one dict lookup per call; a hit sets the global preferred library around the call, which
 matters only on the host and only for eager calls (in a CUDA graph the choice is captured).
 ``tune`` costs about one GPU pass over the weights per (shape, rows) pair and library, plus a short
@@ -20,14 +20,11 @@ idle kernel per pair so that the timed launches are queued before the GPU reache
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
-
-logger = logging.getLogger("pagedllm")
 
 MARGIN = 0.03  # cuBLASLt is chosen when its time is below (1 - MARGIN) x cuBLAS's
 _REPS = 2  # timed passes per library, interleaved; the minimum counts
@@ -105,7 +102,7 @@ def _time_pair(x: torch.Tensor, ws: list[torch.Tensor]) -> tuple[float, float]:
     cuBLASLt (minimum of ``_REPS`` interleaved passes each), measured with CUDA events."""
     for name in ("default", "cublaslt"):  # first calls pick and cache the kernels, outside the timing
         _pass(x, ws[:1], name)
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(4 * _REPS + 1)]
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(2 * _REPS + 1)]
     torch.cuda._sleep(_QUEUE_CYCLES)
     events[0].record()
     i = 0
