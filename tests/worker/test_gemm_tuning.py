@@ -1,0 +1,47 @@
+"""The model runner's start-up GEMM library choice (ModelRunner._tune_gemm_library): which weights
+and batch sizes it hands to layers/gemm_library.tune, and the PAGEDLLM_GEMM_TUNING switch. CPU only:
+the timing itself is covered by the GPU tests in tests/layers/test_gemm_library.py."""
+
+from types import SimpleNamespace
+
+from torch import nn
+
+from pagedllm.layers import gemm_library, triton_ops
+from pagedllm.layers.embedding import LMHead
+from pagedllm.layers.linear import Linear, MergedLinear
+from pagedllm.worker.model_runner import ModelRunner
+
+
+class TinyModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(8)  # not a linear layer: never timed
+        self.proj = Linear(8, 16)
+        self.gate_up = MergedLinear(8, [12, 12])
+        self.lm_head = LMHead(32, 8)
+
+
+def run(monkeypatch, env: str | None):
+    calls = []
+    monkeypatch.setattr(gemm_library, "tune", lambda weights, rows, skip=None: calls.append(
+        (list(weights), list(rows), skip)) or {"measured": 0, "cublaslt": 0, "seconds": 0.0})
+    if env is None:
+        monkeypatch.delenv("PAGEDLLM_GEMM_TUNING", raising=False)
+    else:
+        monkeypatch.setenv("PAGEDLLM_GEMM_TUNING", env)
+    model = TinyModel()
+    ModelRunner._tune_gemm_library(SimpleNamespace(model=model), [1, 2, 8, 16])
+    return model, calls
+
+
+def test_every_linear_and_the_lm_head_are_timed_at_the_graph_sizes(monkeypatch):
+    model, calls = run(monkeypatch, None)
+    assert len(calls) == 1
+    weights, rows, skip = calls[0]
+    assert {id(w) for w in weights} == {id(model.proj.weight), id(model.gate_up.weight), id(model.lm_head.weight)}
+    assert rows == [1, 2, 8, 16] and skip is triton_ops.use_skinny_gemm
+
+
+def test_the_switch_turns_the_timing_off(monkeypatch):
+    assert run(monkeypatch, "0")[1] == []
+    assert len(run(monkeypatch, "1")[1]) == 1
