@@ -179,7 +179,7 @@ def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
         res, res_out = residual, residual_out
     else:
         res = res_out = x  # unused by the kernel
-    block_n, block_k, num_warps = launch_config(x.device, n, k, block_n, block_k, num_warps)
+    block_n, block_k, num_warps = launch_config(x.device, n, k, block_n, block_k, num_warps, norm_prologue=True)
     norm_block = min(triton.next_power_of_2(k), max_norm_block)
     _rms_norm_gemv_kernel[(triton.cdiv(n, block_n),)](
         x, res, norm_weight, weight, bias if bias is not None else weight, out, res_out, n, k, eps,
