@@ -111,8 +111,8 @@ def launch_config(device: torch.device, n: int, k: int, block_n: int | None = No
     """``(block_n, block_k, num_warps)``, each the given value or the default for an ``[n, k]`` weight
     (``norm_prologue``: for ``fused_gemv.rms_norm_linear``). Defaults from the H200 sweeps: long rows
     stream in 1024-element chunks with 8 warps; ``block_n`` from ``pick_block_n``; weights from
-    ``MEDIUM_WEIGHT_ELEMENTS``: 8 columns (in 512-element chunks with 4 warps behind the norm
-    prologue); over ``LARGE_WEIGHT_ELEMENTS``: 16 columns in 512-element chunks with 4 warps for rows
+    ``MEDIUM_WEIGHT_ELEMENTS``: 8 columns, in 512-element chunks with 4 warps behind the norm
+    prologue, else in 1024-element chunks with 8 warps; over ``LARGE_WEIGHT_ELEMENTS``: 16 columns in 512-element chunks with 4 warps for rows
     up to 4096, else 8 columns in 1024-element chunks with 8 warps. (The fused decode GEMVs of
     ``fused_gemv.py`` use the same defaults.)"""
     if n * k > LARGE_WEIGHT_ELEMENTS:
