@@ -31,8 +31,9 @@ tile is loaded once per group. The rows of the ``[BLOCK_M, head_dim]`` query til
   is CUDA-graph capturable for a fixed (padded) batch size. Cost: K/V read once; partials are
   ``num_reqs * num_heads * num_splits * head_dim`` fp32 words written and read once. (Merging in
   the split kernel instead, by the last split of each (request, KV head) to arrive at an atomic
-  counter, measured 1.4-2.1x slower at batch 1-16 than this second launch: the merge then runs on
-  a few SMs at the kernel's tail.)
+  counter, measured no faster at batch 1 -- 1.4-2.1x slower in a first version, 2.9-3.3 us slower
+  for Llama-8B's 4 query heads per KV head in a second -- and at most 1.8 us faster at batch 2-16
+  for Qwen3-0.6B's heads; benchmarks/results/h200-decode-experiments-2026-11-21.json.)
   Load balance at large batch (one split, thousands of programs of ragged length): the GPU starts
   programs roughly in launch order, so an optional ``order`` (request indices, longest ``seq_len``
   first) makes the launch order longest-first and the last wave holds the shortest requests
