@@ -10,7 +10,14 @@ Each row's noise depends only on its seed, so a seeded request draws the same to
 else is in the batch. Cost: one read of [B, V] logits in their own dtype (upcast in registers), by
 ``B * ceil(V / 4096)`` programs (a row is split so that small batches still fill the GPU), then a
 tiny per-row reduce of the chunk winners: two launches. The noise, not the read, bounds the first:
-one Philox call serves four columns (``rand4x``) and two logs per column remain.
+one Philox call serves four columns (``randint4x``) and each column takes two hardware ``lg2``
+approximations (``_gumbel_log2``), not two accurate ``logf`` calls (about 25 instructions each).
+
+Scores are compared in base-2 units, ``logits * log2(e) / T - log2(E)`` with ``E = -ln U`` an
+Exp(1) draw: that is ``log2(e)`` times the natural-log score minus a constant, so the argmax is
+the same. ``E`` keeps its relative precision where it matters: the winning draws have small ``E``
+(``U`` near 1), where ``E`` comes from a series in ``1 - U`` built from the integer draw, not from
+the logarithm of a float that has rounded ``U`` to 24 bits.
 """
 
 from __future__ import annotations
@@ -24,36 +31,54 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 if HAS_TRITON:
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
+
+    _LOG2E = tl.constexpr(1.4426950408889634)
+    _LN2 = tl.constexpr(0.6931471805599453)
 
     @triton.jit
-    def _scores(row_ptr, cols, vocab, inv_t, u, NOISE: tl.constexpr):
+    def _gumbel_log2(r):
+        """``log2(E)`` for the Exp(1) draw ``E = -ln(1 - a)``, ``a = (r + 1/2) / 2^32`` uniform in (0, 1),
+        from the uint32 word ``r``. Below ``a = 1/16``, ``-ln(1 - a)`` is its series to ``a^7`` (relative
+        error < a^7/8); above, it is ``-ln2 * lg2(b)`` with ``b = 1 - a`` formed from ``~r`` as
+        precisely as ``a`` (``lg2.approx``: absolute error ~2^-22.6, so ``E >= 0.064`` is within ~2e-6
+        relative). The returned ``log2(E)`` is within ~3e-6 absolute."""
+        r = r.to(tl.uint32, bitcast=True)
+        a = (r.to(tl.float32) + 0.5) * 2.3283064365386963e-10
+        b = ((~r).to(tl.float32) + 0.5) * 2.3283064365386963e-10
+        series = a * (1.0 + a * (0.5 + a * (1.0 / 3 + a * (0.25 + a * (0.2 + a * (1.0 / 6 + a * (1.0 / 7)))))))
+        e = tl.where(a < 0.0625, series, -_LN2 * libdevice.fast_log2f(b))
+        return libdevice.fast_log2f(e)
+
+    @triton.jit
+    def _scores(row_ptr, cols, vocab, inv_t_log2e, r, NOISE: tl.constexpr):
         x = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
         if NOISE:
-            x = x * inv_t - tl.log(-tl.log(tl.maximum(u, 1e-20)))
+            x = x * inv_t_log2e - _gumbel_log2(r)
         return x
 
     @triton.jit
-    def _chunk_best(row_ptr, first_col, vocab, inv_t, seed, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    def _chunk_best(row_ptr, first_col, vocab, inv_t_log2e, seed, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
                     NOISE: tl.constexpr):
         """Per lane, the best score and its column over columns [first_col, first_col + CHUNK).
 
-        A block of ``BLOCK`` columns is four quarters; one Philox call (``rand4x``) gives a column
-        of each quarter its uniform: column ``start + j * QUARTER + i`` draws word ``j`` of counter
-        ``start // 4 + i``, its own (counter, word) pair, for a quarter of the Philox work of one
-        call per column. A lane visits its columns in increasing order and keeps the first of
-        equal scores."""
+        A block of ``BLOCK`` columns is four quarters; one Philox call (``randint4x``) gives a
+        column of each quarter its word: column ``start + j * QUARTER + i`` draws word ``j`` of
+        counter ``start // 4 + i``, its own (counter, word) pair, for a quarter of the Philox work
+        of one call per column. A lane visits its columns in increasing order and keeps the first
+        of equal scores. ``inv_t_log2e`` is ``log2(e) / T`` (scores in base-2 units)."""
         QUARTER: tl.constexpr = BLOCK // 4
         lane = tl.arange(0, QUARTER)
         best_val = tl.full((QUARTER,), float("-inf"), tl.float32)
         best_idx = tl.zeros((QUARTER,), tl.int32)
         for start in range(first_col, first_col + CHUNK, BLOCK):
-            u0, u1, u2, u3 = best_val, best_val, best_val, best_val  # unused without noise
+            r0, r1, r2, r3 = best_idx, best_idx, best_idx, best_idx  # unused without noise
             if NOISE:
-                u0, u1, u2, u3 = tl.rand4x(seed, start // 4 + lane)
+                r0, r1, r2, r3 = tl.randint4x(seed, start // 4 + lane)
             for j in tl.static_range(4):
                 cols = start + j * QUARTER + lane
-                u = u0 if j == 0 else (u1 if j == 1 else (u2 if j == 2 else u3))
-                x = _scores(row_ptr, cols, vocab, inv_t, u, NOISE)
+                r = r0 if j == 0 else (r1 if j == 1 else (r2 if j == 2 else r3))
+                x = _scores(row_ptr, cols, vocab, inv_t_log2e, r, NOISE)
                 better = x > best_val
                 best_val = tl.where(better, x, best_val)
                 best_idx = tl.where(better, cols, best_idx)
@@ -65,13 +90,13 @@ if HAS_TRITON:
         """Program (row, c): the best (score, index) of columns [c * CHUNK, (c + 1) * CHUNK)."""
         row = tl.program_id(0)
         chunk = tl.program_id(1)
-        inv_t = 1.0 / tl.load(temp_ptr + row)
+        inv_t_log2e = _LOG2E / tl.load(temp_ptr + row)
         seed = tl.load(seed_ptr + row)
         row_ptr = logits_ptr + row.to(tl.int64) * stride_row
         if tl.load(greedy_ptr + row) != 0:
-            best_val, best_idx = _chunk_best(row_ptr, chunk * CHUNK, vocab, inv_t, seed, CHUNK, BLOCK, False)
+            best_val, best_idx = _chunk_best(row_ptr, chunk * CHUNK, vocab, inv_t_log2e, seed, CHUNK, BLOCK, False)
         else:
-            best_val, best_idx = _chunk_best(row_ptr, chunk * CHUNK, vocab, inv_t, seed, CHUNK, BLOCK, True)
+            best_val, best_idx = _chunk_best(row_ptr, chunk * CHUNK, vocab, inv_t_log2e, seed, CHUNK, BLOCK, True)
         top = tl.max(best_val, axis=0)
         # Lowest index among the maxima (argmax's tie rule).
         cand = tl.where(best_val == top, best_idx, vocab)

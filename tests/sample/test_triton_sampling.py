@@ -50,3 +50,17 @@ def test_winner_in_any_chunk_of_a_large_vocab():
     out = triton_sampling.gumbel_argmax(logits, torch.ones(n, device="cuda"), torch.ones(n, dtype=torch.bool, device="cuda"),
                                         torch.arange(n, device="cuda"))
     assert out.tolist() == [0, 4095, 4096, 100_000, vocab - 1]
+
+
+def test_rare_tokens_are_drawn_at_their_rate():
+    """The winning Gumbel draws of unlikely tokens sit in the noise's tail (small Exp(1) values);
+    a tail computed too coarsely would shift these frequencies."""
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.045, 0.004, 0.001], device="cuda")
+    rows, temp = 400_000, 0.5
+    logits = (probs.log() * temp).expand(rows, -1).contiguous()  # softmax(logits / T) == probs
+    seeds = torch.arange(rows, dtype=torch.int64, device="cuda") * 104_729 + 11
+    out = triton_sampling.gumbel_argmax(logits, torch.full((rows,), temp, device="cuda"),
+                                        torch.zeros(rows, dtype=torch.bool, device="cuda"), seeds)
+    freq = torch.bincount(out, minlength=len(probs)).float() / rows
+    sigma = (probs * (1 - probs) / rows).sqrt()
+    assert ((freq - probs).abs() < 5 * sigma).all(), (freq, probs)
