@@ -82,16 +82,23 @@ def copy_bandwidth_gbps() -> float:
 
 
 class Batch:
-    """``sets`` independent batches with the same lengths over one cache (disjoint, shuffled blocks)."""
+    """``sets`` independent batches with the same lengths over one cache (disjoint, shuffled blocks).
 
-    def __init__(self, seq_lens, query_lens, sets=1, seed=0, **shape):
+    ``layout``: ``"nhd"`` stores each block as ``[block_size, num_kv_heads, head_dim]`` (the engine's
+    layout); ``"hnd"`` as ``[num_kv_heads, block_size, head_dim]``, handed to the kernels as a
+    permuted view of the same logical shape (they take strides)."""
+
+    def __init__(self, seq_lens, query_lens, sets=1, seed=0, layout="nhd", **shape):
         self.shape = dict(QWEN3_06B, **shape)
         hq, hkv, d, bs = (self.shape[k] for k in ("num_heads", "num_kv_heads", "head_dim", "block_size"))
         gen = torch.Generator(device=DEVICE).manual_seed(seed)
         self.seq_lens, self.query_lens = list(seq_lens), list(query_lens)
         nblk = [math.ceil(s / bs) for s in self.seq_lens]
         total = sum(nblk) * sets
-        self.kv_cache = torch.randn(2, total, bs, hkv, d, device=DEVICE, dtype=DTYPE, generator=gen)
+        if layout == "hnd":
+            self.kv_cache = torch.randn(2, total, hkv, bs, d, device=DEVICE, dtype=DTYPE, generator=gen).transpose(2, 3)
+        else:
+            self.kv_cache = torch.randn(2, total, bs, hkv, d, device=DEVICE, dtype=DTYPE, generator=gen)
         perm = torch.randperm(total, device=DEVICE, generator=gen).to(torch.int32)
         qsl = [0] + list(itertools.accumulate(self.query_lens))
         n = qsl[-1]

@@ -46,6 +46,8 @@ def main() -> None:
                     help="context lengths uniform in [LO, HI] (seeded) instead of --contexts")
     ap.add_argument("--orders", nargs="+", default=["none"], choices=["none", "longest"],
                     help="launch order of the requests: as given, or longest seq_len first")
+    ap.add_argument("--layouts", nargs="+", default=["nhd"], choices=["nhd", "hnd"],
+                    help="KV block layout: [block, heads, dim] (the engine's) or [heads, block, dim]")
     ns = ap.parse_args()
     import torch  # noqa: PLC0415
 
@@ -54,14 +56,14 @@ def main() -> None:
     rows = []
     grid = list(itertools.product(ns.min_splits, ns.tiles, ns.warps, ns.stages, ns.splits, ns.orders))
     contexts = ["ragged"] if ns.ragged else ns.contexts
-    for name, batch, ctx in itertools.product(ns.models, ns.batches, contexts):
+    for name, batch, ctx, layout in itertools.product(ns.models, ns.batches, contexts, ns.layouts):
         if ns.ragged:
             rng = random.Random(0)
             lens = [rng.randint(*ns.ragged) for _ in range(batch)]
             ctx = f"{ns.ragged[0]}-{ns.ragged[1]}"
         else:
             lens = [ctx] * batch
-        b = Batch(lens, [1] * batch, sets=8, block_size=16, **SHAPES[name])
+        b = Batch(lens, [1] * batch, sets=8, block_size=16, layout=layout, **SHAPES[name])
         longest_first = torch.tensor(sorted(range(batch), key=lambda r: -lens[r]), dtype=torch.int32, device="cuda")
         kv_bytes = b.kv_bytes()
 
@@ -79,13 +81,14 @@ def main() -> None:
                 print(f"{name} b{batch} ctx{ctx} {kw}: {e!r:.120}")
                 continue
             kw["order"] = order
-            rows.append(dict(model=name, batch=batch, ctx=ctx, us=us, gbps=gbps(us), **kw))
-            print(f"  {name} b{batch} ctx{ctx} {kw}: {us:8.2f} us {gbps(us):6.0f} GB/s")
+            rows.append(dict(model=name, batch=batch, ctx=ctx, layout=layout, us=us, gbps=gbps(us), **kw))
+            print(f"  {name} b{batch} ctx{ctx} {layout} {kw}: {us:8.2f} us {gbps(us):6.0f} GB/s")
             if best is None or us < best[0]:
                 best = (us, kw)
         default_us = time_us(b.fn("decode"), graph=True)
-        rows.append(dict(model=name, batch=batch, ctx=ctx, us=default_us, gbps=gbps(default_us), default=True))
-        print(f"{name:13s} b{batch:<3d} ctx{ctx!s:<5s} default {default_us:8.2f} us {gbps(default_us):6.0f} GB/s | "
+        rows.append(dict(model=name, batch=batch, ctx=ctx, layout=layout, us=default_us, gbps=gbps(default_us),
+                         default=True))
+        print(f"{name:13s} b{batch:<3d} ctx{ctx!s:<5s} {layout} default {default_us:8.2f} us {gbps(default_us):6.0f} GB/s | "
               f"best {best[0]:8.2f} us {gbps(best[0]):6.0f} GB/s {best[1]}")
         del b
         torch.cuda.empty_cache()

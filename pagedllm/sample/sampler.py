@@ -26,7 +26,7 @@ from pagedllm.sample.logits_processors import build_logits_processors
 from pagedllm.sample.logprobs import gather_logprobs
 from pagedllm.sample.torch_sampling import exponential_race, processed_probs
 from pagedllm.sample.transfer import host_to_device, numpy_to_device
-from pagedllm.sample.triton_sampling import fused_available, gumbel_argmax
+from pagedllm.sample.triton_sampling import fused_available, greedy_argmax, gumbel_argmax
 from pagedllm.sampling_params import SamplingParams
 
 _SEED_MIX = 0x9E3779B97F4A7C15
@@ -37,8 +37,10 @@ _GREEDY_EPS = 1e-5
 class SamplingMetadata:
     """Per-row sampling inputs for one step (rows = requests that sample this step)."""
 
-    temperature: torch.Tensor  # float32 [B]; 1.0 on greedy rows (they ignore it)
-    greedy: torch.Tensor  # bool [B]
+    # float32 [B], 1.0 on greedy rows (they ignore it), and bool [B]; both None when every row is
+    # greedy (nothing reads them then: no host->device copies for an all-greedy step).
+    temperature: torch.Tensor | None
+    greedy: torch.Tensor | None
     all_greedy: bool
     top_k: torch.Tensor | None  # int64 [B], 0 = off; None when no row uses it
     top_p: torch.Tensor | None  # float32 [B]; None when no row uses it
@@ -70,10 +72,11 @@ def build_sampling_metadata(
         if p.seed is not None and not g
     ]
     k = [p.logprobs for p in params if p.logprobs is not None]
+    all_greedy = all(greedy)
     return SamplingMetadata(
-        temperature=host_to_device(temps, torch.float32, device),
-        greedy=host_to_device(greedy, torch.bool, device),
-        all_greedy=all(greedy),
+        temperature=None if all_greedy else host_to_device(temps, torch.float32, device),
+        greedy=None if all_greedy else host_to_device(greedy, torch.bool, device),
+        all_greedy=all_greedy,
         all_random=not any(greedy),
         top_k=host_to_device(top_k, torch.int64, device) if max(top_k, default=0) > 0 else None,
         top_p=host_to_device([p.top_p for p in params], torch.float32, device) if use_top_p else None,
@@ -128,7 +131,7 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         if meta.all_greedy:
-            return logits.argmax(dim=-1)
+            return greedy_argmax(logits) if fused_available(logits) else logits.argmax(dim=-1)
         if meta.top_k is None and meta.top_p is None and meta.min_p is None and fused_available(logits):
             return gumbel_argmax(logits, meta.temperature, meta.greedy, self._row_seeds(meta, logits))
         probs = processed_probs(logits, meta.temperature, meta.top_k, meta.top_p, meta.min_p, meta.max_top_k)

@@ -2,12 +2,13 @@
 
 A pure decode step (every request computes one token) of ``n`` requests replays the graph of
 the smallest captured size >= n. Captured graphs read the runner's persistent device input
-buffers (DeviceInputs), so a replay needs no argument copies beyond the step's own H2D copies;
+buffers (DeviceInputs), so a replay needs no argument copies beyond the step's one input copy;
 padded rows carry slot -1 (KV store skipped) and seq_len 0 (attention writes zeros), and their
 outputs are discarded. All graphs share one memory pool; capture time is part of start-up.
 
-Invariant: ``self.graphs[bs]`` was captured with ``AttentionMetadata`` built over views
-``[:bs]`` of the same device tensors that ``DeviceInputs`` writes every step.
+Invariant: ``self.graphs[bs]`` was captured with ``AttentionMetadata`` built over
+``DeviceInputs.device_views(bs, bs)``: the device views that a decode step padded to ``bs`` fills
+with its one input copy.
 """
 
 from __future__ import annotations
@@ -54,42 +55,42 @@ class CUDAGraphRunner:
         return None
 
     def metadata(self, bs: int) -> AttentionMetadata:
-        dev = self.inputs.dev
+        dev = self.inputs.device_views(bs, bs)
         return AttentionMetadata(
             num_actual_tokens=bs, max_query_len=1, max_seq_len=0,
-            query_start_loc=dev["query_start_loc"][: bs + 1], seq_lens=dev["seq_lens"][:bs],
-            block_tables=self.inputs.block_tables[:bs], slot_mapping=dev["slot_mapping"][:bs],
-            decode_order=dev["decode_order"][:bs] if bs >= LONGEST_FIRST_FROM else None,
+            query_start_loc=dev["query_start_loc"], seq_lens=dev["seq_lens"],
+            block_tables=self.inputs.block_tables[:bs], slot_mapping=dev["slot_mapping"],
+            decode_order=dev["decode_order"] if bs >= LONGEST_FIRST_FROM else None,
         )
 
-    def _safe_inputs(self) -> None:
-        """Token 0 at position 0, no KV writes, empty contexts: what warm-up and capture run on."""
-        dev = self.inputs.dev
+    def _safe_inputs(self, bs: int) -> dict[str, torch.Tensor]:
+        """Token 0 at position 0, no KV writes, empty contexts: what warm-up and capture of size
+        ``bs`` run on (written into that size's device views, which the graph will read)."""
+        dev = self.inputs.device_views(bs, bs)
         dev["input_ids"].zero_()
         dev["positions"].zero_()
         dev["slot_mapping"].fill_(-1)
         dev["seq_lens"].zero_()
-        dev["query_start_loc"].copy_(torch.arange(dev["query_start_loc"].shape[0], dtype=torch.int32))
-        dev["decode_order"].copy_(torch.arange(dev["decode_order"].shape[0], dtype=torch.int32))
+        dev["query_start_loc"].copy_(torch.arange(bs + 1, dtype=torch.int32))
+        dev["decode_order"].copy_(torch.arange(bs, dtype=torch.int32))
+        return dev
 
     @torch.inference_mode()
     def run_all_sizes(self) -> None:
         """One eager forward per captured size (no capture): the launches a capture will make."""
-        self._safe_inputs()
-        dev = self.inputs.dev
         for bs in reversed(self.sizes):
+            dev = self._safe_inputs(bs)
             with forward_context(self.metadata(bs), self.backend):
-                self.model(dev["input_ids"][:bs], dev["positions"][:bs])
+                self.model(dev["input_ids"], dev["positions"])
 
     @torch.inference_mode()
     def capture_all(self) -> float:
         """Capture every size, largest first (so smaller graphs reuse the pool). Returns seconds."""
         t0 = time.perf_counter()
-        dev = self.inputs.dev
-        self._safe_inputs()
         for bs in reversed(self.sizes):
+            dev = self._safe_inputs(bs)
             meta = self.metadata(bs)
-            ids, pos = dev["input_ids"][:bs], dev["positions"][:bs]
+            ids, pos = dev["input_ids"], dev["positions"]
             with forward_context(meta, self.backend):
                 self.model(ids, pos)  # warm-up: Triton compiles and autotunes outside the capture
                 torch.cuda.synchronize(self.device)

@@ -1,22 +1,33 @@
-"""DeviceInputs: persistent host staging buffers and their device twins for one step's inputs.
+"""DeviceInputs: persistent host staging buffers and their device twin for one step's inputs.
 
-Nothing is allocated per step: the runner writes a step's flat inputs into the (pinned, on CUDA)
-host arrays and copies the used prefix of each to the device without blocking. The block table
-lives on the device, indexed by InputBatch row, and is updated incrementally: a step sends only
-the (row, column, block id) triples of blocks added since the last step, then gathers the
-scheduled rows on the device. CUDA graphs capture views of these same device tensors.
+Nothing is allocated per step. A step's flat inputs (token ids, positions, slots, query starts,
+sequence lengths, ...) are packed into one pinned host buffer at offsets that depend only on the
+step's (padded) token and request counts (``step_layout``), and reach the device in ONE
+non-blocking copy into one device buffer, whose views the step then uses. A CUDA graph for batch
+size ``bs`` captures the views of ``step_layout(bs, bs)``, so a replay finds its inputs where a
+step of that size copies them. (One copy instead of one per field: each small H2D copy costs about
+1 us of copy engine time plus a ~1.5 us gap on the GPU's timeline, which at decode batch 1 is
+a few percent of the step.)
+
+The block table lives on the device, indexed by InputBatch row, and is updated incrementally: a
+step sends only the (row, column, block id) triples of blocks added since the last step, then
+gathers the scheduled rows on the device.
 
 The host side is double-buffered (``begin_step`` flips sets): with async scheduling the CPU
-prepares step N+1 while step N's copies may still be queued behind step N-1 on the GPU, so it
-writes the set that step N-1 used, whose copies are known complete (the engine has waited for
-step N-1's results before preparing step N+1).
+prepares step N+1 while step N's copy may still be queued behind step N-1 on the GPU, so it
+writes the set that step N-1 used, whose copy is known complete (the engine has waited for
+step N-1's results before preparing step N+1). The device buffer is single: a step's copy is
+queued behind the previous step's kernels on the same stream.
 
 Invariant: for every live InputBatch row, ``block_table[row, :n]`` on the device equals the
 host InputBatch's ``block_table[row, :n]`` once ``flush_block_updates`` has run for the step.
-Cost per step: a handful of small H2D copies, O(tokens + requests + new blocks) bytes.
+Cost per step: one H2D copy of O(tokens + requests) bytes, plus one of the new blocks' triples
+when a request gained blocks.
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import torch
@@ -31,6 +42,7 @@ LONGEST_FIRST_FROM = 32
 def stage_longest_first(order: np.ndarray, seq_lens: np.ndarray) -> None:
     """``order[:n] = `` indices of ``seq_lens`` (length n) by decreasing length (stable)."""
     order[: len(seq_lens)] = np.argsort(-seq_lens, kind="stable")
+
 
 _FLAT_FIELDS = {
     # name: (dtype, size key)
@@ -47,25 +59,38 @@ _FLAT_FIELDS = {
     "pending_dst": (torch.int64, "reqs"),
     "pending_src": (torch.int64, "reqs"),
 }
+# Every field starts at a multiple of this many bytes (Triton specialises kernels on 16-byte
+# pointer alignment; a field at another offset would compile another variant mid-serving).
+_ALIGN = 256
+_NUMPY = {torch.int64: np.int64, torch.int32: np.int32}
+
+
+@functools.lru_cache(maxsize=512)
+def step_layout(num_tokens: int, num_reqs: int) -> tuple[dict[str, tuple[int, int, torch.dtype]], int]:
+    """``({field: (byte offset, length, dtype)}, total bytes)`` of a step of this many tokens and
+    requests: the fields packed in ``_FLAT_FIELDS`` order, each ``_ALIGN``-aligned."""
+    lengths = {"tokens": num_tokens, "reqs": num_reqs, "reqs+1": num_reqs + 1}
+    fields, offset = {}, 0
+    for name, (dtype, key) in _FLAT_FIELDS.items():
+        fields[name] = (offset, lengths[key], dtype)
+        offset += -(-lengths[key] * dtype.itemsize // _ALIGN) * _ALIGN
+    return fields, offset
 
 
 class DeviceInputs:
     def __init__(self, max_tokens: int, max_reqs: int, max_blocks_per_req: int, device: torch.device) -> None:
         self.device = device
-        pin = device.type == "cuda"
-        sizes = {"tokens": max_tokens, "reqs": max_reqs, "reqs+1": max_reqs + 1}
-        num_sets = 2 if pin else 1
-        self._host_sets = [
-            {name: torch.zeros(sizes[key], dtype=dtype, pin_memory=pin) for name, (dtype, key) in _FLAT_FIELDS.items()}
-            for _ in range(num_sets)
-        ]
-        self._np_sets = [{name: t.numpy() for name, t in hs.items()} for hs in self._host_sets]
+        self.max_tokens, self.max_reqs = max_tokens, max_reqs
+        self._on_cuda = device.type == "cuda"
+        capacity = step_layout(max_tokens, max_reqs)[1]
+        num_sets = 2 if self._on_cuda else 1
+        self._host_bufs = [torch.zeros(capacity, dtype=torch.uint8, pin_memory=self._on_cuda) for _ in range(num_sets)]
+        self._host_np = [buf.numpy() for buf in self._host_bufs]
+        self._dev_buf = torch.zeros(capacity, dtype=torch.uint8, device=device) if self._on_cuda else None
+        self._decode_views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self._set = 0
-        self.dev: dict[str, torch.Tensor] = {
-            name: (host if not pin else torch.zeros_like(host, device=device))
-            for name, host in self._host_sets[0].items()
-        }
-        self._select_set(0)
+        self._step_bytes = 0
+        self.np: dict[str, np.ndarray] = {}  # this step's staging views (set by begin_step)
         # Block table by InputBatch row (persistent), and the per-step gathered copy (batch order).
         self.row_block_table = torch.zeros((max_reqs, max_blocks_per_req), dtype=torch.int32, device=device)
         self.block_tables = torch.zeros((max_reqs, max_blocks_per_req), dtype=torch.int32, device=device)
@@ -73,25 +98,44 @@ class DeviceInputs:
         # Flat (3 * capacity): a step's [3, n] triples are a contiguous prefix, so the copy reads the
         # pinned buffer directly (a strided slice would be staged through pageable memory first,
         # and a pageable copy waits for the GPU to drain).
-        self._upd_hosts = [torch.zeros(3 * max_reqs * max_blocks_per_req, dtype=torch.int64, pin_memory=pin)
+        self._upd_hosts = [torch.zeros(3 * max_reqs * max_blocks_per_req, dtype=torch.int64, pin_memory=self._on_cuda)
                            for _ in range(num_sets)]
 
-    def _select_set(self, index: int) -> None:
-        self._set = index
-        self.host = self._host_sets[index]
-        self.np = self._np_sets[index]
+    def begin_step(self, num_tokens: int, num_reqs: int) -> dict[str, np.ndarray]:
+        """Switch to the other host staging set (see the module docstring) and return its views for
+        a step of ``num_tokens`` tokens and ``num_reqs`` requests (after padding), also kept as
+        ``self.np``. Each view has exactly the field's length; its contents are stale until written."""
+        if num_tokens > self.max_tokens or num_reqs > self.max_reqs:
+            raise ValueError(f"step of {num_tokens} tokens / {num_reqs} requests exceeds the input buffers "
+                             f"({self.max_tokens} / {self.max_reqs})")
+        self._set = (self._set + 1) % len(self._host_bufs)
+        fields, self._step_bytes = step_layout(num_tokens, num_reqs)
+        buf = self._host_np[self._set]
+        self._step_shape = (num_tokens, num_reqs)
+        self.np = {name: buf[off : off + n * dtype.itemsize].view(_NUMPY[dtype]) for name, (off, n, dtype) in fields.items()}
+        return self.np
 
-    def begin_step(self) -> None:
-        """Switch to the other host staging set (see the module docstring)."""
-        self._select_set((self._set + 1) % len(self._host_sets))
+    def copy_to_device(self) -> dict[str, torch.Tensor]:
+        """Send the staged step to the device in one non-blocking copy; return the device views (on
+        the CPU: the staging views themselves, as tensors)."""
+        if not self._on_cuda:
+            return {name: torch.from_numpy(a) for name, a in self.np.items()}
+        n = self._step_bytes
+        self._dev_buf[:n].copy_(self._host_bufs[self._set][:n], non_blocking=True)
+        return self.device_views(*self._step_shape)
 
-    def to_device(self, name: str, n: int) -> torch.Tensor:
-        """Copy the first ``n`` staged entries of ``name`` to the device; return the device view."""
-        if self.device.type != "cuda":
-            return self.host[name][:n]
-        dev = self.dev[name][:n]
-        dev.copy_(self.host[name][:n], non_blocking=True)
-        return dev
+    def device_views(self, num_tokens: int, num_reqs: int) -> dict[str, torch.Tensor]:
+        """The device views of a step of this shape (what its copy fills; a graph captures these).
+        Cached for decode shapes (tokens == requests: a graph replay's shape recurs every step)."""
+        key = (num_tokens, num_reqs)
+        views = self._decode_views.get(key)
+        if views is None:
+            fields, _ = step_layout(num_tokens, num_reqs)
+            views = {name: self._dev_buf[off : off + n * dtype.itemsize].view(dtype)
+                     for name, (off, n, dtype) in fields.items()}
+            if num_tokens == num_reqs:
+                self._decode_views[key] = views
+        return views
 
     def queue_block_update(self, row: int, first_col: int, block_ids: list[int]) -> None:
         if block_ids:
@@ -109,7 +153,7 @@ class DeviceInputs:
         self._pending.clear()
         n = len(ids)
         if 3 * n > self._upd_hosts[self._set].shape[0]:  # a resume of many long requests at once: grow once
-            self._upd_hosts[self._set] = torch.zeros(3 * n, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+            self._upd_hosts[self._set] = torch.zeros(3 * n, dtype=torch.int64, pin_memory=self._on_cuda)
         upd = self._upd_hosts[self._set][: 3 * n].view(3, n)
         upd.numpy()[:] = (rows, cols, ids)
         upd_dev = upd.to(self.device, non_blocking=True)
@@ -120,3 +164,4 @@ class DeviceInputs:
         out = self.block_tables[:num_rows]
         torch.index_select(self.row_block_table, 0, rows_dev[:num_rows], out=out)
         return out
+

@@ -344,19 +344,20 @@ class ModelRunner:
     def _prepare_inputs(self, so: SchedulerOutput) -> PreparedInputs:
         """Gather the scheduled rows into flat inputs (vectorised numpy into the staging buffers),
         pad a pure-decode batch to a captured graph size, and copy everything to the device."""
-        self.inputs.begin_step()
-        batch, stage = self.input_batch, self.inputs.np
+        batch = self.input_batch
         req_ids = list(so.num_scheduled_tokens.keys())
         num_reqs = len(req_ids)
         rows = np.fromiter((batch.req_id_to_row[r] for r in req_ids), dtype=np.int64, count=num_reqs)
         num_sched = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=num_reqs)
+        total = int(num_sched.sum())
+        max_query_len = int(num_sched.max())
+        graph_size = self._graph_size(num_reqs, max_query_len)
+        stage = self.inputs.begin_step(*((graph_size, graph_size) if graph_size is not None else (total, num_reqs)))
         start = batch.num_computed_tokens[rows]
         seq_lens = start + num_sched
         qsl = stage["query_start_loc"]
         qsl[0] = 0
         np.cumsum(num_sched, out=qsl[1 : num_reqs + 1])
-        total = int(qsl[num_reqs])
-        max_query_len = int(num_sched.max())
         # Flat per-token indices: which row, which position.
         tok_row = np.repeat(rows, num_sched)
         positions = np.arange(total, dtype=np.int64) - np.repeat(qsl[:num_reqs] - start, num_sched)
@@ -373,7 +374,6 @@ class ModelRunner:
         stage["logits_indices"][: len(sample_idx)] = qsl[1:][sample_idx] - 1
         # After this step these tokens are computed (the scheduler sends the authoritative value).
         batch.num_computed_tokens[rows] = seq_lens
-        graph_size = self._graph_size(num_reqs, max_query_len)
         n_tok, n_req = total, num_reqs
         if graph_size is not None:
             n_tok = n_req = graph_size
@@ -417,41 +417,40 @@ class ModelRunner:
         stage["query_start_loc"][num_reqs + 1 : size + 1] = np.arange(num_tokens + 1, num_tokens + 1 + size - num_reqs)
 
     def _to_device_inputs(self, req_ids, sample_idx, n_tok, n_req, total, max_query_len, seq_lens, graph_size):
-        to_dev = self.inputs.to_device
+        stage = self.inputs.np
+        use_order = n_req >= LONGEST_FIRST_FROM and self.device.type == "cuda"
+        if use_order:
+            stage_longest_first(stage["decode_order"], stage["seq_lens"][:n_req])
         self.inputs.flush_block_updates()
-        rows_dev = to_dev("rows", n_req)
-        decode_order = None
-        if n_req >= LONGEST_FIRST_FROM and self.device.type == "cuda":
-            stage_longest_first(self.inputs.np["decode_order"], self.inputs.np["seq_lens"][:n_req])
-            decode_order = to_dev("decode_order", n_req)
+        dev = self.inputs.copy_to_device()  # every staged field, in one copy
         meta = AttentionMetadata(
             num_actual_tokens=n_tok if graph_size is not None else total,
             max_query_len=max_query_len,
             max_seq_len=int(seq_lens.max()),
-            query_start_loc=to_dev("query_start_loc", n_req + 1),
-            seq_lens=to_dev("seq_lens", n_req),
-            block_tables=self.inputs.gather_block_tables(rows_dev, n_req),
-            slot_mapping=to_dev("slot_mapping", n_tok),
-            query_start_loc_cpu=self.inputs.np["query_start_loc"][: n_req + 1].tolist(),
-            seq_lens_cpu=self.inputs.np["seq_lens"][:n_req].tolist(),
-            decode_order=decode_order,
+            query_start_loc=dev["query_start_loc"],
+            seq_lens=dev["seq_lens"],
+            block_tables=self.inputs.gather_block_tables(dev["rows"], n_req),
+            slot_mapping=dev["slot_mapping"],
+            query_start_loc_cpu=stage["query_start_loc"].tolist(),
+            seq_lens_cpu=stage["seq_lens"].tolist(),
+            decode_order=dev["decode_order"] if use_order else None,
         )
-        input_ids = to_dev("input_ids", n_tok)
+        input_ids = dev["input_ids"]
         if self._num_pending_copies:
             n = self._num_pending_copies
             if self._pending_in_order:
                 input_ids[:n].copy_(self._last_sampled[:n])
             else:
-                input_ids.index_copy_(0, to_dev("pending_dst", n), self._last_sampled[to_dev("pending_src", n)])
+                input_ids.index_copy_(0, dev["pending_dst"][:n], self._last_sampled[dev["pending_src"][:n]])
         num_logits = len(sample_idx)
-        leading = self.inputs.np["logits_indices"][:num_logits]
+        leading = stage["logits_indices"][:num_logits]
         return PreparedInputs(
             input_ids=input_ids,
-            positions=to_dev("positions", n_tok),
+            positions=dev["positions"],
             attn_metadata=meta,
             # Pure decode samples tokens 0..n-1 in order: a slice of the hidden states, no gather.
             logits_indices=(slice(0, num_logits) if np.array_equal(leading, np.arange(num_logits))
-                            else to_dev("logits_indices", num_logits)),
+                            else dev["logits_indices"][:num_logits]),
             req_ids=req_ids,
             sample_req_idx=sample_idx.tolist(),
             graph_size=graph_size,

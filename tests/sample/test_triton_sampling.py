@@ -64,3 +64,10 @@ def test_rare_tokens_are_drawn_at_their_rate():
     freq = torch.bincount(out, minlength=len(probs)).float() / rows
     sigma = (probs * (1 - probs) / rows).sqrt()
     assert ((freq - probs).abs() < 5 * sigma).all(), (freq, probs)
+
+
+def test_all_greedy_argmax_matches_torch():
+    logits = torch.randn(19, 151_936, device="cuda", dtype=torch.bfloat16)
+    logits[3, 100] = logits[3, 140_000] = 30.0  # a tie across chunks: the lower index wins
+    assert torch.equal(triton_sampling.greedy_argmax(logits), logits.float().argmax(-1))
+    assert triton_sampling.greedy_argmax(logits[:0]).shape == (0,)
