@@ -3,7 +3,7 @@ chunk (GPU only).
 
 The nano-bench prefills 256 prompts of 100-1024 tokens in chunks of 16,384 tokens; one chunk is
 ~23 whole prompts. This times ``paged_attention.unified_attention`` on such a chunk (Qwen3-0.6B
-heads, block size 16, L2 flushed between calls) for every combination of query-tile height
+heads unless ``--heads``, block size 16, L2 flushed between calls) for every combination of query-tile height
 (``block_m`` rows = query tokens x query heads per KV head), key tile, warps and pipelining
 stages, and prints causal TFLOP/s.
 
@@ -31,6 +31,8 @@ def main() -> None:
     ap.add_argument("--tiles", type=int, nargs="+", default=[32, 64, 128])
     ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4])
+    ap.add_argument("--heads", type=int, nargs=2, default=[16, 8], metavar=("Q", "KV"),
+                    help="query and KV heads (head_dim 128): Qwen3-0.6B 16 8, Llama-3.1-8B 32 8")
     ns = ap.parse_args()
     from benchmarks.kernels.bench_attention import Batch, time_us  # noqa: PLC0415
 
@@ -38,9 +40,9 @@ def main() -> None:
     lens: list[int] = []
     while sum(lens) < ns.tokens:
         lens.append(min(rng.randint(*ns.prompt_range), ns.tokens - sum(lens)))
-    batch = Batch(lens, lens, sets=1, block_size=16, num_heads=16, num_kv_heads=8, head_dim=128)
+    batch = Batch(lens, lens, sets=1, block_size=16, num_heads=ns.heads[0], num_kv_heads=ns.heads[1], head_dim=128)
     flops = batch.attn_flops()
-    print(f"{len(lens)} prompts, {sum(lens)} tokens, {flops / 1e9:.1f} GFLOP of causal attention")
+    print(f"heads {ns.heads}: {len(lens)} prompts of {ns.prompt_range}, {sum(lens)} tokens, {flops / 1e9:.1f} GFLOP of causal attention")
     rows = []
     default_us = time_us(batch.fn("unified"), graph=False)
     print(f"default: {default_us:8.1f} us {flops / default_us / 1e6:6.1f} TFLOP/s")

@@ -411,20 +411,25 @@ def unified_attention(
     max_query_len: int,
     scale: float,
     block_m: int | None = None,
-    tile_n: int = 64,
+    tile_n: int = 32,
     num_warps: int = 4,
-    num_stages: int = 3,
+    num_stages: int = 2,
     skip_decodes: bool = False,
 ) -> None:
     """Attention for any ragged batch (decode, prefill, chunked prefill) in one launch; writes
     ``out[:query_start_loc[-1]]``, or with ``skip_decodes`` only the rows of requests with
     ``query_len > 1`` (pair it with ``paged_decode`` for the rest). ``max_query_len`` (a host int)
-    only picks the tile height."""
+    only picks the tile height.
+
+    Defaults (``benchmarks/kernels/sweep_prefill.py``, H200, 16,384-token chunks of prompts of
+    16-256, 100-1024 and 2048-4096 tokens, Qwen3-0.6B and Llama-3.1-8B heads): 64-row query tiles,
+    32-key tiles, 2 stages are the best of 12 configurations or within 4% of it in all six cases,
+    and 4-30% faster than 128-row tiles of 64 keys in 3 stages (short prompts gain the most)."""
     num_heads, head_dim, num_kv_heads, qpk, k_cache, v_cache = _common(query, kv_cache)
     num_reqs = seq_lens.shape[0]
     qpk_pad = triton.next_power_of_2(qpk)
-    if block_m is None:  # enough rows for the longest query, between 16 and 128
-        block_m = min(128, max(16, triton.next_power_of_2(max_query_len * qpk_pad)))
+    if block_m is None:  # enough rows for the longest query, between 16 and 64
+        block_m = min(64, max(16, triton.next_power_of_2(max_query_len * qpk_pad)))
     block_m = max(block_m, qpk_pad)
     block_q = block_m // qpk_pad
     head_dim_pad = triton.next_power_of_2(head_dim)
