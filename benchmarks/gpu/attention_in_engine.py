@@ -6,7 +6,6 @@ large per-layer cache, blocks handed out by the block pool) as in the kernel swe
 repo root on the device: ``python benchmarks/gpu/attention_in_engine.py [BATCH [CONTEXT]]``.
 """
 
-import random
 import sys
 from pathlib import Path
 
@@ -14,21 +13,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
+from benchmarks.gpu.decode_setup import decoding_engine  # noqa: E402
 from benchmarks.kernels.bench_attention import Batch, time_us  # noqa: E402
-from pagedllm import LLM, SamplingParams  # noqa: E402
 from pagedllm.attention.triton_kernels import paged_attention  # noqa: E402
 
 batch = int(sys.argv[1]) if len(sys.argv) > 1 else 128
 ctx = int(sys.argv[2]) if len(sys.argv) > 2 else 1000
-llm = LLM("benchmarks/configs/qwen3-0.6b", load_format="dummy", skip_tokenizer_init=True, max_model_len=4096)
-engine = llm.llm_engine
+_, engine = decoding_engine(batch, ctx)
 runner = engine.engine_core.runner
-rng = random.Random(0)
-for i in range(batch):
-    engine.add_request(f"r{i}", {"prompt_token_ids": [rng.randint(0, 10000) for _ in range(ctx)]},
-                       SamplingParams(temperature=0.6, max_tokens=400, ignore_eos=True, detokenize=False))
-for _ in range(batch * ctx // engine.config.scheduler_config.max_num_batched_tokens + 8):
-    engine.step()
 torch.cuda.synchronize()
 gr = runner.graph_runner
 bs = gr.padded_size(batch)

@@ -2,26 +2,22 @@
 (graph replay, logits, sampling) and the top kernels. Run from the repo root on the device:
 ``python benchmarks/gpu/profile_decode.py [BATCH [CONTEXT [MODEL_CONFIG_DIR]]]``."""
 
-import random
 import sys
 import time
+from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from pagedllm import LLM, SamplingParams
+import torch  # noqa: E402
+
+from benchmarks.gpu.decode_setup import decoding_engine  # noqa: E402
+from pagedllm import SamplingParams  # noqa: E402
 
 batch = int(sys.argv[1]) if len(sys.argv) > 1 else 256
 ctx = int(sys.argv[2]) if len(sys.argv) > 2 else 1000
 model = sys.argv[3] if len(sys.argv) > 3 else "benchmarks/configs/qwen3-0.6b"
-llm = LLM(model, load_format="dummy", skip_tokenizer_init=True, max_model_len=4096)
-engine = llm.llm_engine
+llm, engine = decoding_engine(batch, ctx, max_tokens=200, model=model)
 runner = engine.engine_core.runner
-rng = random.Random(0)
-for i in range(batch):
-    engine.add_request(f"r{i}", {"prompt_token_ids": [rng.randint(0, 10000) for _ in range(ctx)]},
-                       SamplingParams(temperature=0.6, max_tokens=200, ignore_eos=True, detokenize=False))
-for _ in range(batch * ctx // engine.config.scheduler_config.max_num_batched_tokens + 6):
-    engine.step()  # prefill everything, then a few decode steps
 
 
 def cuda_ms(fn, n=20):

@@ -5,25 +5,20 @@ repo root on the device: ``python benchmarks/gpu/timeline_decode.py [BATCH [CONT
 
 import json
 import os
-import random
 import sys
 import tempfile
+from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from pagedllm import LLM, SamplingParams
+import torch  # noqa: E402
+
+from benchmarks.gpu.decode_setup import decoding_engine  # noqa: E402
 
 batch = int(sys.argv[1]) if len(sys.argv) > 1 else 1
 ctx = int(sys.argv[2]) if len(sys.argv) > 2 else 512
 temperature = float(sys.argv[3]) if len(sys.argv) > 3 else 0.0
-llm = LLM("benchmarks/configs/qwen3-0.6b", load_format="dummy", skip_tokenizer_init=True, max_model_len=4096)
-engine = llm.llm_engine
-rng = random.Random(0)
-for i in range(batch):
-    engine.add_request(f"r{i}", {"prompt_token_ids": [rng.randint(0, 10000) for _ in range(ctx)]},
-                       SamplingParams(temperature=temperature, max_tokens=300, ignore_eos=True, detokenize=False))
-for _ in range(30):
-    engine.step()
+_, engine = decoding_engine(batch, ctx, temperature=temperature, max_tokens=300, decode_steps=24)
 torch.cuda.synchronize()
 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
     for _ in range(6):
