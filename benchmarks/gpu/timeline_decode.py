@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -18,8 +19,13 @@ from benchmarks.gpu.decode_setup import decoding_engine  # noqa: E402
 batch = int(sys.argv[1]) if len(sys.argv) > 1 else 1
 ctx = int(sys.argv[2]) if len(sys.argv) > 2 else 512
 temperature = float(sys.argv[3]) if len(sys.argv) > 3 else 0.0
-_, engine = decoding_engine(batch, ctx, temperature=temperature, max_tokens=300, decode_steps=24)
+_, engine = decoding_engine(batch, ctx, temperature=temperature, max_tokens=400, decode_steps=24)
 torch.cuda.synchronize()
+t0 = time.perf_counter()
+for _ in range(50):
+    engine.step()
+torch.cuda.synchronize()
+print(f"batch {batch}, temperature {temperature}: {(time.perf_counter() - t0) / 50 * 1e3:.3f} ms per step unprofiled")
 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
     for _ in range(6):
         engine.step()
