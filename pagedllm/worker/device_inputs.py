@@ -87,9 +87,10 @@ class DeviceInputs:
         self._host_bufs = [torch.zeros(capacity, dtype=torch.uint8, pin_memory=self._on_cuda) for _ in range(num_sets)]
         self._host_np = [buf.numpy() for buf in self._host_bufs]
         self._dev_buf = torch.zeros(capacity, dtype=torch.uint8, device=device) if self._on_cuda else None
-        self._decode_views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self._view_cache: dict[tuple, dict] = {}  # see _views
         self._set = 0
         self._step_bytes = 0
+        self._step_shape = (0, 0)
         self.np: dict[str, np.ndarray] = {}  # this step's staging views (set by begin_step)
         # Block table by InputBatch row (persistent), and the per-step gathered copy (batch order).
         self.row_block_table = torch.zeros((max_reqs, max_blocks_per_req), dtype=torch.int32, device=device)
@@ -109,10 +110,9 @@ class DeviceInputs:
             raise ValueError(f"step of {num_tokens} tokens / {num_reqs} requests exceeds the input buffers "
                              f"({self.max_tokens} / {self.max_reqs})")
         self._set = (self._set + 1) % len(self._host_bufs)
-        fields, self._step_bytes = step_layout(num_tokens, num_reqs)
-        buf = self._host_np[self._set]
+        self._step_bytes = step_layout(num_tokens, num_reqs)[1]
         self._step_shape = (num_tokens, num_reqs)
-        self.np = {name: buf[off : off + n * dtype.itemsize].view(_NUMPY[dtype]) for name, (off, n, dtype) in fields.items()}
+        self.np = self._views(self._set, self._host_np[self._set], num_tokens, num_reqs)
         return self.np
 
     def copy_to_device(self) -> dict[str, torch.Tensor]:
@@ -125,16 +125,22 @@ class DeviceInputs:
         return self.device_views(*self._step_shape)
 
     def device_views(self, num_tokens: int, num_reqs: int) -> dict[str, torch.Tensor]:
-        """The device views of a step of this shape (what its copy fills; a graph captures these).
-        Cached for decode shapes (tokens == requests: a graph replay's shape recurs every step)."""
-        key = (num_tokens, num_reqs)
-        views = self._decode_views.get(key)
+        """The device views of a step of this shape (what its copy fills; a graph captures these)."""
+        return self._views("device", self._dev_buf, num_tokens, num_reqs)
+
+    def _views(self, buf_key, buf, num_tokens: int, num_reqs: int) -> dict:
+        """``buf``'s fields for ``step_layout(num_tokens, num_reqs)``: numpy views of a host set,
+        or tensor views of the device buffer. Cached for decode shapes (tokens == requests: a graph
+        replay's shape recurs every step; prefill shapes rarely do)."""
+        key = (buf_key, num_tokens, num_reqs)
+        views = self._view_cache.get(key)
         if views is None:
             fields, _ = step_layout(num_tokens, num_reqs)
-            views = {name: self._dev_buf[off : off + n * dtype.itemsize].view(dtype)
+            numpy = isinstance(buf, np.ndarray)
+            views = {name: buf[off : off + n * dtype.itemsize].view(_NUMPY[dtype] if numpy else dtype)
                      for name, (off, n, dtype) in fields.items()}
             if num_tokens == num_reqs:
-                self._decode_views[key] = views
+                self._view_cache[key] = views
         return views
 
     def queue_block_update(self, row: int, first_col: int, block_ids: list[int]) -> None:

@@ -183,6 +183,14 @@ def test_greedy_rows_take_the_argmax_of_processed_logits(hf_rows):
         assert ids[i] == ref.argmax(), f"row {i}"
 
 
+def test_all_greedy_batch_sends_no_per_row_temperatures(hf_rows):
+    prompts, outputs, logits = hf_rows
+    params = [SamplingParams(temperature=0.0) for _ in range(NUM_ROWS)]
+    meta = build_sampling_metadata(params, TokenHistory.from_lists(prompts, outputs), torch.device("cpu"), VOCAB)
+    assert meta.all_greedy and meta.temperature is None and meta.greedy is None
+    assert torch.equal(Sampler()(logits.clone(), meta).token_ids, logits.argmax(-1))
+
+
 def test_seeded_rows_are_batch_and_position_invariant(hf_rows):
     prompts, outputs, logits = hf_rows
     target = SamplingParams(temperature=1.0, seed=1234, top_p=0.95)

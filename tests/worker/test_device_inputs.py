@@ -34,6 +34,7 @@ def test_staged_values_reach_the_step_tensors_on_cpu():
     dev = inputs.copy_to_device()
     assert dev["input_ids"].tolist() == list(range(10))
     assert dev["query_start_loc"].dtype == torch.int32 and dev["query_start_loc"].tolist() == [0, 4, 9, 10]
+    assert inputs.begin_step(4, 4) is inputs.begin_step(4, 4), "decode-shaped views are built once"
     with pytest.raises(ValueError, match="exceeds the input buffers"):
         inputs.begin_step(65, 1)
     with pytest.raises(ValueError, match="exceeds the input buffers"):
