@@ -2,7 +2,7 @@
 grouped by kind and by the step's batch band. Run from the repo root on the device:
 ``python benchmarks/gpu/profile_nano.py [OUT_JSON]``.
 
-Steps are cut at the sampler kernel (the last kernel of every step); a step's band is the padded
+Steps are cut after the sampler kernels (the last kernels of every step); a step's band is the padded
 batch of its split-KV decode launch (grid ``(kv_heads, batch, splits)``), or ``mixed`` when the
 unified (prefill) kernel ran. Kernel durations come from CUPTI, so they are close to unprofiled
 ones, but the wall time under the profiler is not the benchmark's.
@@ -56,6 +56,33 @@ def band_of(bs: int | None) -> str:
     return "decode > 256"
 
 
+def split_steps(kernels: list[dict]) -> list[tuple[str, list[dict]]]:
+    """``(band, kernels)`` per step of a time-ordered kernel list. A step ends with its sampler
+    kernels (one or two), so the first other kernel after them starts the next step; its band is
+    its decode launch's padded batch, or ``mixed`` when a prefill ran. Kernels after the last
+    sampler form a ``tail``."""
+    steps, step = [], []
+    for e in kernels + [None]:
+        ended = step and kind_of(step[-1]["name"]) == "sampler"
+        if e is None or (ended and kind_of(e["name"]) != "sampler"):
+            if step:
+                steps.append((_band(step) if ended else "tail", step))
+            step = []
+        if e is not None:
+            step.append(e)
+    return steps
+
+
+def _band(step: list[dict]) -> str:
+    decode_bs = None
+    for k in step:
+        if "_unified_attention_kernel" in k["name"]:
+            return "mixed"
+        if "_decode_split_kernel" in k["name"]:
+            decode_bs = k.get("args", {}).get("grid", [0, 0, 0])[1]
+    return band_of(decode_bs)
+
+
 def main() -> None:
     out_json = sys.argv[1] if len(sys.argv) > 1 else None
     # No prefix caching: the profiled run repeats the first one's prompts and must prefill them again.
@@ -83,34 +110,19 @@ def main() -> None:
     band_steps = collections.Counter()
     by_name = collections.defaultdict(lambda: [0, 0.0])
     mixed_by_name = collections.defaultdict(lambda: [0, 0.0])
-    step: list[dict] = []
     busy_us = 0.0
     for e in kernels:
-        step.append(e)
-        name = e["name"]
-        by_name[name][0] += 1
-        by_name[name][1] += e["dur"]
+        by_name[e["name"]][0] += 1
+        by_name[e["name"]][1] += e["dur"]
         busy_us += e["dur"]
-        if kind_of(name) != "sampler" or "reduce" in name.lower():
-            continue
-        # the sampler ends a step (a step may run two sampler kernels: take the run of them)
-        decode_bs = None
-        mixed = False
-        for k in step:
-            if "_decode_split_kernel" in k["name"]:
-                decode_bs = k.get("args", {}).get("grid", [0, 0, 0])[1]
-            if "_unified_attention_kernel" in k["name"]:
-                mixed = True
-        band = "mixed" if mixed else band_of(decode_bs)
-        band_steps[band] += 1
+    for band, step in split_steps(kernels):
+        if band != "tail":
+            band_steps[band] += 1
         for k in step:
             by_band_kind[(band, kind_of(k["name"]))] += k["dur"]
             if band == "mixed":
                 mixed_by_name[k["name"]][0] += 1
                 mixed_by_name[k["name"]][1] += k["dur"]
-        step = []
-    for k in step:
-        by_band_kind[("tail", kind_of(k["name"]))] += k["dur"]
 
     shape = ModelShape.from_model(llm.llm_engine.engine_core.runner.model, llm.llm_engine.model_config.hf_config, 2)
     floor = generation_floor(shape, [len(p) for p in wl.prompts], wl.max_tokens, 1.0, 1.0)
