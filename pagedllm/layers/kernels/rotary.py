@@ -21,30 +21,50 @@ import triton.language as tl
 
 
 @triton.jit
-def _norm_rope_heads(
-    x_ptr,
-    out_ptr,
-    w_ptr,
-    stride_h,
-    stride_out_h,
-    first_head,
-    num_heads,
-    cos,
-    sin,
-    eps,
-    HALF: tl.constexpr,
-    HALF_PAD: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    HAS_NORM: tl.constexpr,
-):
-    """Heads ``first_head .. first_head + BLOCK_H`` of one token: load both halves, norm, rotate, store."""
-    io_dtype = x_ptr.dtype.element_ty
+def _load_halves(x_ptr, stride_h, first_head, num_heads, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+                 BLOCK_H: tl.constexpr):
+    """Heads ``first_head .. first_head + BLOCK_H`` of one token as two float32 halves ``[BLOCK_H, HALF_PAD]``."""
     heads = first_head + tl.arange(0, BLOCK_H)
     dims = tl.arange(0, HALF_PAD)
     mask = (heads[:, None] < num_heads) & (dims[None, :] < HALF)
     src = x_ptr + heads[:, None] * stride_h + dims[None, :]
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    return x1, x2
+
+
+@triton.jit
+def _cos_sin(cos_ptr, sin_ptr, pos, stride_cache, io_dtype: tl.constexpr, HALF: tl.constexpr,
+             HALF_PAD: tl.constexpr):
+    """The cos/sin cache rows at ``pos``, rounded to the input dtype (as HF casts them), as float32."""
+    dims = tl.arange(0, HALF_PAD)
+    cos = tl.load(cos_ptr + pos * stride_cache + dims, mask=dims < HALF, other=0.0)
+    sin = tl.load(sin_ptr + pos * stride_cache + dims, mask=dims < HALF, other=0.0)
+    return cos.to(io_dtype).to(tl.float32), sin.to(io_dtype).to(tl.float32)
+
+
+@triton.jit
+def _norm_rope_store(
+    x1,
+    x2,
+    out_ptr,
+    w_ptr,
+    stride_out_h,
+    first_head,
+    num_heads,
+    cos,
+    sin,
+    eps,
+    io_dtype: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
+    """Norm (optional) and rotate the loaded halves of heads ``first_head ..``, and store them."""
+    heads = first_head + tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, HALF_PAD)
+    mask = (heads[:, None] < num_heads) & (dims[None, :] < HALF)
     if HAS_NORM:
         rstd = tl.math.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)
         w1 = tl.load(w_ptr + dims, mask=dims < HALF, other=0.0).to(tl.float32)
@@ -102,41 +122,47 @@ def _qk_norm_rope_kernel(
     STORE_KV: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
+    # Every load that does not need the position (q or k, v, the slot) is issued before the cos/sin
+    # rows that do: two memory round trips per program, not three (the step is latency-bound at
+    # small batch).
     token = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
     io_dtype = q_ptr.dtype.element_ty
     pos = tl.load(pos_ptr + token).to(tl.int64)
-    dims = tl.arange(0, HALF_PAD)
-    cos = tl.load(cos_ptr + pos * stride_cache + dims, mask=dims < HALF, other=0.0)
-    sin = tl.load(sin_ptr + pos * stride_cache + dims, mask=dims < HALF, other=0.0)
-    cos = cos.to(io_dtype).to(tl.float32)
-    sin = sin.to(io_dtype).to(tl.float32)
     if head_block < NUM_Q_BLOCKS:
-        _norm_rope_heads(
-            q_ptr + token * stride_q_tok, q_out_ptr + token * stride_qo_tok, qw_ptr,
-            stride_q_head, stride_qo_head, head_block * BLOCK_H, NUM_Q_HEADS, cos, sin, q_eps,
-            HALF, HALF_PAD, BLOCK_H, HAS_NORM,
+        first_head = head_block * BLOCK_H
+        x1, x2 = _load_halves(q_ptr + token * stride_q_tok, stride_q_head, first_head, NUM_Q_HEADS, HALF, HALF_PAD,
+                              BLOCK_H)
+        cos, sin = _cos_sin(cos_ptr, sin_ptr, pos, stride_cache, io_dtype, HALF, HALF_PAD)
+        _norm_rope_store(
+            x1, x2, q_out_ptr + token * stride_qo_tok, qw_ptr, stride_qo_head, first_head, NUM_Q_HEADS, cos, sin,
+            q_eps, io_dtype, HALF, HALF_PAD, BLOCK_H, HAS_NORM,
         )  # fmt: skip
     elif not STORE_KV:
-        _norm_rope_heads(
-            k_ptr + token * stride_k_tok, k_out_ptr + token * stride_ko_tok, kw_ptr,
-            stride_k_head, stride_ko_head, (head_block - NUM_Q_BLOCKS) * BLOCK_H, NUM_KV_HEADS, cos, sin,
-            k_eps, HALF, HALF_PAD, BLOCK_H, HAS_NORM,
+        first_head = (head_block - NUM_Q_BLOCKS) * BLOCK_H
+        x1, x2 = _load_halves(k_ptr + token * stride_k_tok, stride_k_head, first_head, NUM_KV_HEADS, HALF, HALF_PAD,
+                              BLOCK_H)
+        cos, sin = _cos_sin(cos_ptr, sin_ptr, pos, stride_cache, io_dtype, HALF, HALF_PAD)
+        _norm_rope_store(
+            x1, x2, k_out_ptr + token * stride_ko_tok, kw_ptr, stride_ko_head, first_head, NUM_KV_HEADS, cos, sin,
+            k_eps, io_dtype, HALF, HALF_PAD, BLOCK_H, HAS_NORM,
         )  # fmt: skip
     else:  # rotated k and the untouched v go straight to the token's cache slot (skipped when < 0)
+        first_head = (head_block - NUM_Q_BLOCKS) * BLOCK_H
         slot = tl.load(slot_ptr + token, mask=token < num_slots, other=-1).to(tl.int64)
+        x1, x2 = _load_halves(k_ptr + token * stride_k_tok, stride_k_head, first_head, NUM_KV_HEADS, HALF, HALF_PAD,
+                              BLOCK_H)
+        v_heads = first_head + tl.arange(0, BLOCK_H)
+        v_dims = tl.arange(0, 2 * HALF_PAD)
+        v_mask = (v_heads[:, None] < NUM_KV_HEADS) & (v_dims[None, :] < 2 * HALF)
+        v = tl.load(v_ptr + token * stride_v_tok + v_heads[:, None] * stride_v_head + v_dims[None, :], mask=v_mask)
+        cos, sin = _cos_sin(cos_ptr, sin_ptr, pos, stride_cache, io_dtype, HALF, HALF_PAD)
         if slot >= 0:
-            first_head = (head_block - NUM_Q_BLOCKS) * BLOCK_H
             dst = (slot // BLOCK_SIZE) * stride_c_blk + (slot % BLOCK_SIZE) * stride_c_slot
-            _norm_rope_heads(
-                k_ptr + token * stride_k_tok, k_cache_ptr + dst, kw_ptr, stride_k_head, stride_c_head,
-                first_head, NUM_KV_HEADS, cos, sin, k_eps, HALF, HALF_PAD, BLOCK_H, HAS_NORM,
+            _norm_rope_store(
+                x1, x2, k_cache_ptr + dst, kw_ptr, stride_c_head, first_head, NUM_KV_HEADS, cos, sin, k_eps,
+                io_dtype, HALF, HALF_PAD, BLOCK_H, HAS_NORM,
             )  # fmt: skip
-            v_heads = first_head + tl.arange(0, BLOCK_H)
-            v_dims = tl.arange(0, 2 * HALF_PAD)
-            v_mask = (v_heads[:, None] < NUM_KV_HEADS) & (v_dims[None, :] < 2 * HALF)
-            v_offs = v_heads[:, None] * stride_v_head + v_dims[None, :]
-            v = tl.load(v_ptr + token * stride_v_tok + v_offs, mask=v_mask)
             tl.store(v_cache_ptr + dst + v_heads[:, None] * stride_c_head + v_dims[None, :],
                      v.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
 
