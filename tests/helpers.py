@@ -145,13 +145,14 @@ def build_metadata(
 
 
 class PagedTestRunner:
-    """Runs ``model`` on ragged batches with its own paged KV cache (TorchRefBackend).
+    """Runs ``model`` on ragged batches with its own paged KV cache (``backend``: TorchRefBackend unless
+    given).
 
     Blocks are handed out in a shuffled order so block tables are not contiguous. ``fork`` starts a
     request that shares another's first full blocks (a prefix-cache hit).
     """
 
-    def __init__(self, model, num_blocks: int = 512, block_size: int = 4, seed: int = 0) -> None:
+    def __init__(self, model, num_blocks: int = 512, block_size: int = 4, seed: int = 0, backend=None) -> None:
         param = next(model.parameters())
         self.model, self.block_size, self.device = model, block_size, param.device
         shape = model.kv_cache_shape_per_layer(num_blocks, block_size)
@@ -162,7 +163,7 @@ class PagedTestRunner:
         random.Random(seed).shuffle(self.free_blocks)
         self.block_tables: dict[int, list[int]] = {}
         self.tokens: dict[int, list[int]] = {}
-        self.backend = TorchRefBackend()
+        self.backend = backend if backend is not None else TorchRefBackend()
 
     def fork(self, src: int, dst: int, num_tokens: int) -> None:
         """Request ``dst`` starts with ``src``'s first ``num_tokens`` tokens (a multiple of block_size)

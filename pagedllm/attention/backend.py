@@ -61,7 +61,7 @@ class AttentionBackend:
         self,
         query: torch.Tensor,  # [T, num_heads, head_dim]
         key: torch.Tensor | None,  # [T, num_kv_heads, head_dim]; None only with kv_stored
-        value: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        value: torch.Tensor | None,  # [T, num_kv_heads, head_dim]; None only with kv_stored
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,

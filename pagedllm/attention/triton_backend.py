@@ -55,7 +55,7 @@ class TritonBackend(AttentionBackend):
         self,
         query: torch.Tensor,
         key: torch.Tensor,
-        value: torch.Tensor,
+        value: torch.Tensor | None,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,

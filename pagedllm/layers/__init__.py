@@ -3,7 +3,7 @@
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.embedding import LMHead, VocabEmbedding
-from pagedllm.layers.fused import fused_norm_linear, fused_silu_and_mul_linear
+from pagedllm.layers.fused import fused_norm_linear, fused_norm_qkv_rope, fused_silu_and_mul_linear
 from pagedllm.layers.linear import Linear, MergedLinear, QKVLinear, default_weight_loader
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary, compute_inv_freq, get_rope_parameters
@@ -22,6 +22,7 @@ __all__ = [
     "compute_inv_freq",
     "default_weight_loader",
     "fused_norm_linear",
+    "fused_norm_qkv_rope",
     "fused_silu_and_mul_linear",
     "get_rope_parameters",
 ]

@@ -34,22 +34,34 @@ class Attention(nn.Module):
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
 
-    def fused_kv_store(self, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """``(value [T, Hkv, D], kv_cache, slot_mapping)`` for a RoPE kernel that writes K/V into the
-        cache itself (then call ``forward(q, None, v, kv_stored=True)``), or None where this step's
-        backend stores K/V itself (the CPU reference) or no cache is bound yet."""
+    def kv_store_target(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(kv_cache, slot_mapping)`` for a kernel that writes this step's K/V into the cache itself
+        (then call ``forward(q, None, None, kv_stored=True)``), or None where this step's backend
+        stores K/V itself (the CPU reference) or no cache is bound yet."""
         ctx = get_forward_context()
         if not ctx.backend.accepts_stored_kv or self.kv_cache.numel() == 0:
             return None
-        return v.view(v.shape[0], self.num_kv_heads, self.head_dim), self.kv_cache, ctx.attn_metadata.slot_mapping
+        return self.kv_cache, ctx.attn_metadata.slot_mapping
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor, kv_stored: bool = False) -> torch.Tensor:
-        """With ``kv_stored`` this step's k/v are already in the cache (``fused_kv_store``); k may be None."""
+    def fused_kv_store(self, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``(value [T, Hkv, D], kv_cache, slot_mapping)`` for a RoPE kernel that stores K/V
+        (``kv_store_target`` plus the value to store), or None as there."""
+        target = self.kv_store_target()
+        if target is None:
+            return None
+        return v.view(v.shape[0], self.num_kv_heads, self.head_dim), *target
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, kv_stored: bool = False
+    ) -> torch.Tensor:
+        """With ``kv_stored`` this step's k/v are already in the cache (``kv_store_target``); k and v may
+        then be None."""
         num_tokens = q.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         if k is not None:
             k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if v is not None:
+            v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         ctx = get_forward_context()
         out = ctx.backend.forward(q, k, v, self.kv_cache, ctx.attn_metadata, self.scale, kv_stored=kv_stored)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)

@@ -6,7 +6,10 @@ the GEMV's prologue (``kernels/fused_gemv.py``):
 
 - ``fused_norm_linear(norm, linear, x, residual)``: residual add + RMSNorm + linear (qkv_proj,
   gate_up_proj) -> ``(y, new_residual)``;
-- ``fused_silu_and_mul_linear(act, linear, x)``: SiLU-and-mul + linear (down_proj) -> ``y``.
+- ``fused_silu_and_mul_linear(act, linear, x)``: SiLU-and-mul + linear (down_proj) -> ``y``;
+- ``fused_norm_qkv_rope(...)``: at one row, for models without a q/k norm, residual add + RMSNorm +
+  qkv_proj + RoPE of q and k + the KV store -> ``(q rotated, new_residual)``, or None where it does
+  not apply (the caller then runs ``fused_norm_linear`` and the RoPE launch).
 
 Elsewhere (CPU, prefill, layers where cuBLAS wins) each is the two modules called one after the
 other, exactly as before. Invariant: both paths give the unfused result up to float32 summation
@@ -22,8 +25,10 @@ import torch
 
 from pagedllm.layers import triton_ops
 from pagedllm.layers.activation import SiluAndMul
-from pagedllm.layers.linear import Linear
+from pagedllm.layers.attention import Attention
+from pagedllm.layers.linear import Linear, QKVLinear
 from pagedllm.layers.norm import RMSNorm
+from pagedllm.layers.rotary import RotaryEmbedding
 
 
 def fused_norm_linear(
@@ -44,3 +49,23 @@ def fused_silu_and_mul_linear(act: SiluAndMul, linear: Linear, x: torch.Tensor) 
     if triton_ops.use_fused_silu_and_mul_linear(x, linear.weight):
         return triton_ops.silu_and_mul_linear(x, linear.weight, linear.bias)
     return linear(act(x))
+
+
+def fused_norm_qkv_rope(
+    norm: RMSNorm, qkv_proj: QKVLinear, rotary_emb: RotaryEmbedding, attn: Attention, x: torch.Tensor,
+    residual: torch.Tensor | None, positions: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(q rotated [1, Hq * D], new_residual)`` with this row's rotated k and its v already in
+    ``attn``'s cache (attend with ``attn(q, None, None, kv_stored=True)``), in one launch; None unless
+    that applies: one token row on the fused GEMV path, a backend that takes stored K/V, and RoPE over
+    the whole head. For models without a q/k norm (the caller's check)."""
+    target = attn.kv_store_target()
+    if target is None or rotary_emb.rotary_dim != attn.head_dim:
+        return None
+    kv_cache, slot_mapping = target
+    if not triton_ops.use_fused_norm_qkv_rope(x, residual, norm.weight, qkv_proj.weight, rotary_emb.cos_cache,
+                                              kv_cache):
+        return None
+    return triton_ops.rms_norm_qkv_rope(x, residual, norm.weight, norm.eps, qkv_proj.weight, qkv_proj.bias,
+                                        positions, rotary_emb.cos_cache, rotary_emb.sin_cache, attn.num_heads,
+                                        attn.num_kv_heads, kv_cache, slot_mapping)

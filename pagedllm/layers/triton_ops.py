@@ -11,7 +11,9 @@ Triton is installed) it calls the one-launch kernel in ``pagedllm.layers.kernels
   ``kernels/skinny_gemm.py`` where it beats cuBLAS (``use_skinny_gemm`` says where);
 - where that GEMV is taken, ``layers.fused`` folds the op before it into it (``kernels/fused_gemv.py``):
   residual add + RMSNorm + qkv / gate_up projection, and SiLU-and-mul + down projection -- one
-  launch instead of two (``use_fused_norm_linear`` / ``use_fused_silu_and_mul_linear``).
+  launch instead of two (``use_fused_norm_linear`` / ``use_fused_silu_and_mul_linear``); at one row,
+  for models without a q/k norm, the RoPE of q and k and the KV store also run in the qkv GEMV's
+  epilogue (``use_fused_norm_qkv_rope``) -- one launch instead of three.
 
 The kernels reproduce the torch path's float semantics (fp32 math, and a rounding to the input dtype
 wherever the torch path rounds), so in bf16 they differ only by the summation order of the norm.
@@ -148,3 +150,25 @@ def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     from pagedllm.layers.kernels.fused_gemv import silu_and_mul_linear as kernel
 
     return kernel(x, weight, bias)
+
+
+def use_fused_norm_qkv_rope(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                            weight: torch.Tensor, cos_cache: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether ``RMSNorm`` -> qkv ``Linear`` -> RoPE -> KV store take the one-launch ``rms_norm_qkv_rope``:
+    one token row where the norm + qkv GEMV is fused anyway (``use_fused_norm_linear``), a float32 RoPE
+    table over the whole head (the caller checks that there is no q/k norm), and a KV cache of x's
+    dtype with the head dim last and contiguous."""
+    if x.shape[0] != 1 or not use_fused_norm_linear(x, residual, norm_weight, weight):
+        return False
+    return (cos_cache.dtype == torch.float32 and cos_cache.stride(-1) == 1 and kv_cache.dim() == 5
+            and kv_cache.dtype == x.dtype and kv_cache.stride(-1) == 1 and kv_cache.shape[-1] == 2 * cos_cache.shape[-1])
+
+
+def rms_norm_qkv_rope(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                      weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
+                      cos_cache: torch.Tensor, sin_cache: torch.Tensor, num_q_heads: int, num_kv_heads: int,
+                      kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    from pagedllm.layers.kernels.fused_gemv import rms_norm_qkv_rope as kernel
+
+    return kernel(x, residual, norm_weight, eps, weight, bias, positions, cos_cache, sin_cache, num_q_heads,
+                  num_kv_heads, kv_cache, slot_mapping)

@@ -35,6 +35,7 @@ from pagedllm.layers import (
     VocabEmbedding,
     default_weight_loader,
     fused_norm_linear,
+    fused_norm_qkv_rope,
     fused_silu_and_mul_linear,
     get_rope_parameters,
 )
@@ -70,7 +71,8 @@ class LlamaAttention(nn.Module):
     Cost on CUDA: the norm launch and 2 GEMMs (at decode batch 1-2 the norm runs inside the qkv GEMV
     where that is the Triton GEMV: ``layers.fused``), one launch for the q/k norm + RoPE that also
     writes k and v into the KV cache (``RotaryEmbedding.forward_and_store``), and the attention
-    backend's launches; q/k/v stay views of the merged qkv output (no copies).
+    backend's launches; q/k/v stay views of the merged qkv output (no copies). At batch 1 without a
+    q/k norm (Llama, Qwen2) norm, qkv, RoPE and the KV store are one launch (``fused_norm_qkv_rope``).
     ``rotary_emb`` is the model's one shared table (a submodule of every layer, stored once).
     """
 
@@ -96,6 +98,11 @@ class LlamaAttention(nn.Module):
         """``norm`` (the layer's input norm) adds ``residual`` to ``hidden`` and normalises the sum;
         returns ``(o_proj output, new residual)``."""
         num_tokens = hidden.shape[0]
+        if self.q_norm is None:  # at decode batch 1 on CUDA: norm + qkv + RoPE + KV store in one launch
+            fused = fused_norm_qkv_rope(norm, self.qkv_proj, self.rotary_emb, self.attn, hidden, residual, positions)
+            if fused is not None:
+                q_rot, residual = fused
+                return self.o_proj(self.attn(q_rot, None, None, kv_stored=True)), residual
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         qkv, residual = fused_norm_linear(norm, self.qkv_proj, hidden, residual)
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)

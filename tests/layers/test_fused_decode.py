@@ -38,6 +38,7 @@ from tests.layers.test_triton_ops import (
     cuda_test,
     kernel_test,
     make_norm,
+    make_rope,
     poisoned_like,
     randn,
 )
@@ -134,6 +135,99 @@ def test_silu_and_mul_linear_kernel(dtype, shape, bias):
     assert_matches(out, ref)
 
 
+# (num_q_heads, num_kv_heads, head_dim, K, block_n, block_k); None: the default launch parameters.
+QKV_ROPE_CASES = [
+    (4, 2, 16, 64, None, None),  # the tiny test models' attention
+    (6, 2, 64, 200, 8, 64),  # K % BLOCK_K != 0, 4 dim pairs per program
+    (8, 8, 128, 256, 16, 128),  # no GQA, 8 pairs per program
+    (4, 1, 128, 160, 256, 64),  # 128 pairs asked for: capped at head_dim / 2 = 64
+]
+if not INTERPRET:  # SmolLM2-135M and Llama-3.1-8B
+    QKV_ROPE_CASES += [(9, 3, 64, 576, None, None), (32, 8, 128, 4096, None, None)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", QKV_ROPE_CASES, ids=lambda c: f"h{c[0]}-kv{c[1]}-d{c[2]}-k{c[3]}-b{c[4]}")
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("slot", [37, -1])
+@kernel_test
+def test_rms_norm_qkv_rope_kernel(dtype, case, with_residual, bias, slot):
+    """Norm + qkv + RoPE + KV store in one launch against the torch path (RMSNorm, F.linear,
+    apply_rotary, the reference KV store) into a NaN-poisoned cache: q matches, the row's k and v land
+    in its slot and nowhere else (nowhere at slot -1, a padding token), the residual is exact."""
+    from pagedllm.attention.torch_ref import store_kv_cache
+    from pagedllm.layers.kernels import fused_gemv
+    from pagedllm.layers.kernels.fused_gemv import rms_norm_qkv_rope
+    from pagedllm.layers.rotary import apply_rotary
+
+    num_q, num_kv, head_dim, k, block_n, block_k = case
+    gen = torch.Generator(DEVICE).manual_seed(num_q * 131 + head_dim + k)
+    n = (num_q + 2 * num_kv) * head_dim
+    norm, qkv = make_norm(k, dtype, gen), make_linear(n, k, dtype, gen, bias)
+    rope = make_rope(head_dim, max_position=512)
+    x = randn(1, k + 16, dtype=dtype, scale=3.0, gen=gen)[:, 16:]
+    residual = randn(1, k, dtype=dtype, gen=gen) if with_residual else None
+    positions = torch.tensor([300], device=DEVICE)
+    slots = torch.tensor([slot], dtype=torch.int64, device=DEVICE)
+    x_before = x.clone()
+    with triton_ops.fused_ops(False):
+        normed, ref_res = norm(x, residual) if with_residual else (norm(x), x)
+        q, kk, v = F.linear(normed, qkv.weight, qkv.bias).split([num_q * head_dim, num_kv * head_dim,
+                                                                  num_kv * head_dim], dim=-1)
+        cos, sin = rope.cos_sin(positions)
+        q_ref = apply_rotary(q.view(1, num_q, head_dim), cos, sin).view(1, -1)
+        k_ref = apply_rotary(kk.view(1, num_kv, head_dim), cos, sin)
+    cache_ref = torch.full((2, 4, 16, num_kv, head_dim), float("nan"), dtype=dtype, device=DEVICE)
+    if slot >= 0:
+        store_kv_cache(k_ref, v.reshape(1, num_kv, head_dim), cache_ref, slots)
+    cache = torch.full_like(cache_ref, float("nan"))
+    q_out = torch.full((1, num_q * head_dim), float("nan"), dtype=dtype, device=DEVICE)
+    res_out = poisoned_like(x) if with_residual else None
+    got_q, got_res = rms_norm_qkv_rope(x, residual, norm.weight, norm.eps, qkv.weight, qkv.bias, positions,
+                                       rope.cos_cache, rope.sin_cache, num_q, num_kv, cache, slots, q_out=q_out,
+                                       residual_out=res_out, block_n=block_n, block_k=block_k,
+                                       max_norm_block=64 if block_n else fused_gemv.MAX_NORM_BLOCK)
+    assert got_q is q_out and torch.equal(x, x_before)
+    assert_matches(q_out, q_ref)
+    assert torch.equal(cache.isnan(), cache_ref.isnan()), "k/v written outside the row's slot"
+    if slot >= 0:
+        written = ~cache_ref.isnan()
+        assert_matches(cache[written], cache_ref[written])
+    if with_residual:
+        assert got_res is res_out
+        if dtype != torch.bfloat16 or not INTERPRET:  # the interpreter truncates when it casts to bf16
+            assert torch.equal(res_out, ref_res)
+    else:
+        assert got_res is x
+    if not INTERPRET and dtype != torch.float32:
+        # Given the kernel's own projection (at position 0 cos = 1 and sin = 0 leave q and k as
+        # projected), the rotation is torch's bit for bit, and v is stored as projected. (In float32
+        # the kernel, compiled with FMA contraction for its dot products, may fuse the rotation's
+        # multiply and add.)
+        cache0 = torch.zeros_like(cache)
+        proj_q, _ = rms_norm_qkv_rope(x, residual, norm.weight, norm.eps, qkv.weight, qkv.bias,
+                                      torch.zeros_like(positions), rope.cos_cache, rope.sin_cache, num_q, num_kv,
+                                      cache0, slots, block_n=block_n, block_k=block_k)
+        assert torch.equal(q_out, apply_rotary(proj_q.view(1, num_q, head_dim), cos, sin).view(1, -1))
+        if slot >= 0:
+            block, offset = divmod(slot, cache.shape[2])
+            proj_k = cache0[0, block, offset][None]
+            assert torch.equal(cache[0, block, offset][None], apply_rotary(proj_k, cos, sin))
+            assert torch.equal(cache[1, block, offset], cache0[1, block, offset])
+
+
+def test_qkv_rope_pairs_never_straddle_heads():
+    pytest.importorskip("triton")
+    from pagedllm.layers.kernels.fused_gemv import qkv_rope_pairs_per_program
+
+    assert qkv_rope_pairs_per_program(8, 128) == 4
+    assert qkv_rope_pairs_per_program(256, 128) == 64
+    assert qkv_rope_pairs_per_program(16, 80) == 8  # 40 pairs per head: 8 divides it
+    assert qkv_rope_pairs_per_program(16, 96) == 8  # 48 pairs per head
+    assert qkv_rope_pairs_per_program(4, 2) == 1
+
+
 @pytest.mark.parametrize("with_residual", [False, True])
 @kernel_test
 def test_fused_kernels_allocate_their_outputs(with_residual):
@@ -200,10 +294,16 @@ def _tiny_model(arch: str, dtype: torch.dtype):
 
 def _decode_logits(model, steps: int = 3) -> torch.Tensor:
     """Prefill two prompts, then decode ``steps`` tokens of request 0 alone (M=1) and ``steps`` of
-    both together (M=2), feeding fixed tokens; the decode steps' logits, stacked."""
+    both together (M=2), feeding fixed tokens; the decode steps' logits, stacked. On CUDA with the
+    Triton attention backend, else the reference one."""
     from tests.helpers import PagedTestRunner
 
-    runner = PagedTestRunner(model, num_blocks=64, block_size=4)
+    backend = None
+    if HAS_CUDA:  # the engine's backend on CUDA (it takes K/V stored by the fused kernels)
+        from pagedllm.attention.triton_backend import TritonBackend
+
+        backend = TritonBackend()
+    runner = PagedTestRunner(model, num_blocks=64, block_size=4, backend=backend)
     runner.step([(0, list(range(3, 14))), (1, list(range(20, 27)))])
     logits = []
     for i in range(steps):
@@ -244,15 +344,19 @@ def test_model_fused_decode_matches_unfused(arch, dtype, monkeypatch):
         # (it converts the 1-element bound with int()): the plain GEMV is F.linear there.
         monkeypatch.setattr(triton_ops, "skinny_linear", F.linear)
     calls: list[str] = []
-    for name in ("rms_norm_linear", "silu_and_mul_linear"):
+    for name in ("rms_norm_linear", "silu_and_mul_linear", "rms_norm_qkv_rope"):
         fn = getattr(triton_ops, name)
         monkeypatch.setattr(triton_ops, name, lambda *a, _fn=fn, _name=name: calls.append(_name) or _fn(*a))
     model = _tiny_model(arch, dtype)
     fused = _decode_logits(model)
     layers = len(model.model.layers)
     # M=1 steps: every layer's qkv and gate_up take the norm GEMV, down the activation GEMV; M=2 steps:
-    # only down (N=64 <= 1024 and K=128 >= 2N in these tiny models).
-    assert calls.count("rms_norm_linear") == 3 * 2 * layers
+    # only down (N=64 <= 1024 and K=128 >= 2N in these tiny models). On CUDA the qkv GEMV of the
+    # models without a q/k norm also does the RoPE and the KV store (the Triton backend takes stored
+    # K/V; under the interpreter the reference backend runs, which does not).
+    qkv_rope = HAS_CUDA and arch != "qwen3"
+    assert calls.count("rms_norm_qkv_rope") == (3 * layers if qkv_rope else 0)
+    assert calls.count("rms_norm_linear") == 3 * layers * (1 if qkv_rope else 2)
     assert calls.count("silu_and_mul_linear") == 3 * layers + 3 * layers
     calls.clear()
     with monkeypatch.context() as m:
@@ -304,6 +408,16 @@ def test_dispatch_follows_use_skinny_gemm(monkeypatch):
     assert not triton_ops.use_fused_silu_and_mul_linear(torch.zeros(1, 2048, dtype=bf16), torch.zeros(1024, 3072, dtype=bf16))
     with triton_ops.fused_ops(False):
         assert not triton_ops.use_fused_norm_linear(x1, None, g, w)
+    # Norm + qkv + RoPE + KV store: one row where the norm GEMV applies, a float32 table, a cache of x's dtype.
+    cos = torch.zeros(64, 64)
+    cache = torch.zeros(2, 4, 16, 8, 128, dtype=bf16)
+    assert triton_ops.use_fused_norm_qkv_rope(x1, x1, g, w, cos, cache)
+    assert not triton_ops.use_fused_norm_qkv_rope(x2, x2, g, w, cos, cache)  # two rows
+    assert not triton_ops.use_fused_norm_qkv_rope(x1, x1, g, torch.zeros(28672, 4096, dtype=bf16)[:, :1024], cos,
+                                                  cache)  # not the GEMV (a strided weight)
+    assert not triton_ops.use_fused_norm_qkv_rope(x1, x1, g, w, cos.half(), cache)
+    assert not triton_ops.use_fused_norm_qkv_rope(x1, x1, g, w, cos, cache.float())
+    assert not triton_ops.use_fused_norm_qkv_rope(x1, x1, g, w, cos[:, :32], cache)  # partial rotary
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

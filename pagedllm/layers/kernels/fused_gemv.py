@@ -4,7 +4,11 @@
   i.e. ``RMSNorm.forward`` followed by ``Linear.forward`` (qkv_proj after input_layernorm, gate_up_proj
   after post_attention_layernorm);
 - ``silu_and_mul_linear``: ``[gate | up] -> F.linear(silu(gate) * up, W, b)``, i.e. ``SiluAndMul`` then
-  ``Linear`` (down_proj).
+  ``Linear`` (down_proj);
+- ``rms_norm_qkv_rope``: at one row, ``rms_norm_linear`` on the merged qkv projection with the NeoX
+  RoPE of q and k and the KV-cache store in its epilogue (``rotary.qk_norm_rope(..., kv_store=...)``
+  without a q/k norm): each program owns dim pairs ``(d, d + D/2)`` of one head, so it can rotate
+  what it computed; q heads go to the output, k and v heads to the row's cache slot.
 
 Structure and launch parameters are those of ``skinny_gemm.py``: each program owns ``BLOCK_N``
 output columns and streams their ``[BLOCK_N, K]`` slice of W once in ``BLOCK_K`` chunks, for all M
@@ -34,6 +38,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.layers.kernels.rms_norm import _load_sum
+from pagedllm.layers.kernels.rotary import _rotate, _rounded
 from pagedllm.layers.kernels.skinny_gemm import _column_block, _store_rows, _weight_chunk, launch_config
 
 MAX_ROWS = 4
@@ -211,3 +216,124 @@ def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
+
+
+# ---- qkv projection + RoPE + KV store, at one row -------------------------------------------------
+
+
+@triton.jit
+def _rms_norm_qkv_rope_kernel(x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, q_out_ptr, res_out_ptr, pos_ptr, cos_ptr,
+                              sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_slots, K, eps, stride_wn,
+                              stride_cache, stride_c_blk, stride_c_slot, stride_c_head,
+                              NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                              HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_P: tl.constexpr,
+                              BLOCK_K: tl.constexpr, NUM_K_CHUNKS: tl.constexpr, NORM_BLOCK: tl.constexpr,
+                              NUM_NORM_CHUNKS: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    HALF: tl.constexpr = HEAD_DIM // 2
+    pid = tl.program_id(0)
+    io_dtype = x_ptr.dtype.element_ty
+    # This program's BLOCK_P dim pairs (d, d + HALF) of one head (BLOCK_P divides HALF).
+    head = (pid * BLOCK_P) // HALF
+    d = (pid * BLOCK_P) % HALF + tl.arange(0, BLOCK_P)
+    rows_a = head * HEAD_DIM + d
+    rows_b = rows_a + HALF
+    pos = tl.load(pos_ptr).to(tl.int64)
+    slot = tl.load(slot_ptr, mask=num_slots > 0, other=-1).to(tl.int64)
+    rstd = _row_rstd(x_ptr, res_ptr, res_out_ptr, K, eps, pid == 0, HAS_RESIDUAL, NORM_BLOCK, NUM_NORM_CHUNKS)
+    w_a = w_ptr + rows_a.to(tl.int64)[:, None] * stride_wn
+    w_b = w_ptr + rows_b.to(tl.int64)[:, None] * stride_wn
+    acc_a = tl.zeros((BLOCK_P,), tl.float32)
+    acc_b = tl.zeros((BLOCK_P,), tl.float32)
+    for c in range(NUM_K_CHUNKS):
+        rk = c * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_mask = rk < K
+        wa = tl.load(w_a + rk[None, :], mask=k_mask[None, :], other=0.0).to(tl.float32)
+        wb = tl.load(w_b + rk[None, :], mask=k_mask[None, :], other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + rk, mask=k_mask, other=0.0).to(tl.float32)
+        xn = _normed_chunk(x_ptr, res_ptr, rk, k_mask, rstd, g, HAS_RESIDUAL)
+        acc_a += tl.sum(wa * xn[None, :], axis=1)
+        acc_b += tl.sum(wb * xn[None, :], axis=1)
+    if HAS_BIAS:
+        acc_a += tl.load(b_ptr + rows_a).to(tl.float32)
+        acc_b += tl.load(b_ptr + rows_b).to(tl.float32)
+    # The projection's output as the two-launch path rounds it, then that path's RoPE roundings.
+    y1 = _rounded(acc_a, io_dtype)
+    y2 = _rounded(acc_b, io_dtype)
+    slot_dst = (slot // BLOCK_SIZE) * stride_c_blk + (slot % BLOCK_SIZE) * stride_c_slot
+    if head < NUM_Q_HEADS + NUM_KV_HEADS:  # q or k: rotate
+        cos = _rounded(tl.load(cos_ptr + pos * stride_cache + d), io_dtype)
+        sin = _rounded(tl.load(sin_ptr + pos * stride_cache + d), io_dtype)
+        o1, o2 = _rotate(y1, y2, cos, sin, io_dtype)
+        if head < NUM_Q_HEADS:
+            tl.store(q_out_ptr + rows_a, o1.to(q_out_ptr.dtype.element_ty))
+            tl.store(q_out_ptr + rows_b, o2.to(q_out_ptr.dtype.element_ty))
+        elif slot >= 0:
+            dst = k_cache_ptr + slot_dst + (head - NUM_Q_HEADS) * stride_c_head + d
+            tl.store(dst, o1.to(k_cache_ptr.dtype.element_ty))
+            tl.store(dst + HALF, o2.to(k_cache_ptr.dtype.element_ty))
+    elif slot >= 0:  # v: stored as projected
+        dst = v_cache_ptr + slot_dst + (head - NUM_Q_HEADS - NUM_KV_HEADS) * stride_c_head + d
+        tl.store(dst, y1.to(v_cache_ptr.dtype.element_ty))
+        tl.store(dst + HALF, y2.to(v_cache_ptr.dtype.element_ty))
+
+
+def qkv_rope_pairs_per_program(block_n: int, head_dim: int) -> int:
+    """Dim pairs per program of ``rms_norm_qkv_rope``: ``block_n // 2`` (its launch config's columns),
+    halved until it divides ``head_dim // 2`` so that a program never straddles two heads."""
+    pairs = max(1, block_n // 2)
+    while (head_dim // 2) % pairs:
+        pairs //= 2
+    return pairs
+
+
+def rms_norm_qkv_rope(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                      weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
+                      cos_cache: torch.Tensor, sin_cache: torch.Tensor, num_q_heads: int, num_kv_heads: int,
+                      kv_cache: torch.Tensor, slot_mapping: torch.Tensor, q_out: torch.Tensor | None = None,
+                      residual_out: torch.Tensor | None = None, block_n: int | None = None,
+                      block_k: int | None = None, num_warps: int | None = None,
+                      max_norm_block: int = MAX_NORM_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """``RMSNorm`` -> the merged qkv ``Linear`` -> NeoX RoPE of q and k -> K/V into the paged cache, for
+    one token row, in one launch (models without a q/k norm: Llama, Qwen2, Mistral).
+
+    ``x`` ``[1, K]``, ``residual`` None or like ``x``; ``weight`` ``[(Hq + 2 Hkv) * D, K]`` (q, k, v rows);
+    ``positions`` ``[>= 1]``; ``cos_cache``/``sin_cache`` ``[max_position, D // 2]`` float32;
+    ``kv_cache`` ``[2, num_blocks, block_size, Hkv, D]``; the row's k and v go to slot
+    ``slot_mapping[0]`` (nothing is stored when that is negative or ``slot_mapping`` is empty).
+    Returns ``(q rotated [1, Hq * D], new_residual)`` as ``rms_norm_linear`` does. The results are those
+    of ``rms_norm_linear`` followed by ``rotary.qk_norm_rope(..., kv_store=...)``: the same roundings
+    (the projection rounded to x's dtype, then each RoPE product and sum), up to float32 summation order.
+    Each program owns ``qkv_rope_pairs_per_program`` pairs of rows ``(d, d + D/2)`` of one head.
+    """
+    m, k = x.shape
+    n = weight.shape[0]
+    head_dim = 2 * cos_cache.shape[-1]
+    _check_gemv(x, weight, bias, k)
+    assert m == 1, "one token row"
+    assert n == (num_q_heads + 2 * num_kv_heads) * head_dim and weight.is_contiguous()
+    assert norm_weight.shape == (k,) and norm_weight.stride(0) == 1 and norm_weight.dtype == x.dtype
+    assert kv_cache.dtype == x.dtype and tuple(kv_cache.shape[3:]) == (num_kv_heads, head_dim)
+    assert kv_cache.stride(-1) == 1 and cos_cache.stride(-1) == 1 and sin_cache.stride() == cos_cache.stride()
+    if q_out is None:
+        q_out = torch.empty((1, num_q_heads * head_dim), dtype=x.dtype, device=x.device)
+    if residual is not None:
+        assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(1) == 1
+        if residual_out is None:
+            residual_out = torch.empty((1, k), dtype=x.dtype, device=x.device)
+        res, res_out = residual, residual_out
+    else:
+        res = res_out = x  # unused by the kernel
+    block_n, block_k, num_warps = launch_config(x.device, n, k, block_n, block_k, num_warps, norm_prologue=True)
+    pairs = qkv_rope_pairs_per_program(block_n, head_dim)
+    norm_block = min(triton.next_power_of_2(k), max_norm_block)
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    _rms_norm_qkv_rope_kernel[(n // (2 * pairs),)](
+        x, res, norm_weight, weight, bias if bias is not None else weight, q_out, res_out, positions, cos_cache,
+        sin_cache, k_cache, v_cache, slot_mapping, slot_mapping.shape[0], k, eps, weight.stride(0),
+        cos_cache.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, BLOCK_P=pairs, BLOCK_K=block_k,
+        NUM_K_CHUNKS=triton.cdiv(k, block_k), NORM_BLOCK=norm_block, NUM_NORM_CHUNKS=triton.cdiv(k, norm_block),
+        BLOCK_SIZE=kv_cache.shape[2], num_warps=num_warps, num_stages=3,
+    )  # fmt: skip
+    return q_out, (residual_out if residual is not None else x)
