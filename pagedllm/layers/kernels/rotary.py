@@ -97,6 +97,18 @@ def _norm_rope_store(
 
 
 @triton.jit
+def _rope_heads(x_ptr, stride_h, out_ptr, stride_out_h, w_ptr, eps, first_head, num_heads, cos_ptr, sin_ptr, pos,
+                stride_cache, io_dtype: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+                BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr):
+    """Heads ``first_head ..`` of one token: load them (before the position's cos/sin rows), norm
+    (optional), rotate and store."""
+    x1, x2 = _load_halves(x_ptr, stride_h, first_head, num_heads, HALF, HALF_PAD, BLOCK_H)
+    cos, sin = _cos_sin(cos_ptr, sin_ptr, pos, stride_cache, io_dtype, HALF, HALF_PAD)
+    _norm_rope_store(x1, x2, out_ptr, w_ptr, stride_out_h, first_head, num_heads, cos, sin, eps, io_dtype, HALF,
+                     HALF_PAD, BLOCK_H, HAS_NORM)
+
+
+@triton.jit
 def _qk_norm_rope_kernel(
     q_ptr,
     k_ptr,
@@ -146,22 +158,16 @@ def _qk_norm_rope_kernel(
     io_dtype = q_ptr.dtype.element_ty
     pos = tl.load(pos_ptr + token).to(tl.int64)
     if head_block < NUM_Q_BLOCKS:
-        first_head = head_block * BLOCK_H
-        x1, x2 = _load_halves(q_ptr + token * stride_q_tok, stride_q_head, first_head, NUM_Q_HEADS, HALF, HALF_PAD,
-                              BLOCK_H)
-        cos, sin = _cos_sin(cos_ptr, sin_ptr, pos, stride_cache, io_dtype, HALF, HALF_PAD)
-        _norm_rope_store(
-            x1, x2, q_out_ptr + token * stride_qo_tok, qw_ptr, stride_qo_head, first_head, NUM_Q_HEADS, cos, sin,
-            q_eps, io_dtype, HALF, HALF_PAD, BLOCK_H, HAS_NORM,
+        _rope_heads(
+            q_ptr + token * stride_q_tok, stride_q_head, q_out_ptr + token * stride_qo_tok, stride_qo_head, qw_ptr,
+            q_eps, head_block * BLOCK_H, NUM_Q_HEADS, cos_ptr, sin_ptr, pos, stride_cache, io_dtype, HALF,
+            HALF_PAD, BLOCK_H, HAS_NORM,
         )  # fmt: skip
     elif not STORE_KV:
-        first_head = (head_block - NUM_Q_BLOCKS) * BLOCK_H
-        x1, x2 = _load_halves(k_ptr + token * stride_k_tok, stride_k_head, first_head, NUM_KV_HEADS, HALF, HALF_PAD,
-                              BLOCK_H)
-        cos, sin = _cos_sin(cos_ptr, sin_ptr, pos, stride_cache, io_dtype, HALF, HALF_PAD)
-        _norm_rope_store(
-            x1, x2, k_out_ptr + token * stride_ko_tok, kw_ptr, stride_ko_head, first_head, NUM_KV_HEADS, cos, sin,
-            k_eps, io_dtype, HALF, HALF_PAD, BLOCK_H, HAS_NORM,
+        _rope_heads(
+            k_ptr + token * stride_k_tok, stride_k_head, k_out_ptr + token * stride_ko_tok, stride_ko_head, kw_ptr,
+            k_eps, (head_block - NUM_Q_BLOCKS) * BLOCK_H, NUM_KV_HEADS, cos_ptr, sin_ptr, pos, stride_cache,
+            io_dtype, HALF, HALF_PAD, BLOCK_H, HAS_NORM,
         )  # fmt: skip
     else:  # rotated k and the untouched v go straight to the token's cache slot (skipped when < 0)
         first_head = (head_block - NUM_Q_BLOCKS) * BLOCK_H
