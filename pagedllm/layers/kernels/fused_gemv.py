@@ -151,6 +151,17 @@ def _silu_mul_gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_
     _store_rows(b_ptr, out_ptr, rn, n_mask, stride_om, acc0, acc1, acc2, acc3, M, HAS_BIAS)
 
 
+def _residual_buffers(x: torch.Tensor, residual: torch.Tensor | None, residual_out: torch.Tensor | None):
+    """``(res, res_out, residual_out)`` for a norm-prologue kernel: the residual and the new residual's
+    buffer (``residual_out``, or a new tensor like ``x``); without a residual, ``x`` for both (unread)."""
+    if residual is None:
+        return x, x, residual_out
+    assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(1) == 1
+    if residual_out is None:
+        residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return residual, residual_out, residual_out
+
+
 def _check_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int) -> None:
     assert x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.stride(1) == 1, "x: [1..4, K'] with unit column stride"
     assert weight.shape[1] == k and weight.stride(1) == 1, "weight: [N, K] with unit column stride"
@@ -177,13 +188,7 @@ def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
     assert norm_weight.shape == (k,) and norm_weight.stride(0) == 1 and norm_weight.dtype == x.dtype
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if residual is not None:
-        assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(1) == 1
-        if residual_out is None:
-            residual_out = torch.empty((m, k), dtype=x.dtype, device=x.device)
-        res, res_out = residual, residual_out
-    else:
-        res = res_out = x  # unused by the kernel
+    res, res_out, residual_out = _residual_buffers(x, residual, residual_out)
     block_n, block_k, num_warps = launch_config(x.device, n, k, block_n, block_k, num_warps, norm_prologue=True)
     norm_block = min(triton.next_power_of_2(k), max_norm_block)
     _rms_norm_gemv_kernel[(triton.cdiv(n, block_n),)](
@@ -316,13 +321,7 @@ def rms_norm_qkv_rope(x: torch.Tensor, residual: torch.Tensor | None, norm_weigh
     assert kv_cache.stride(-1) == 1 and cos_cache.stride(-1) == 1 and sin_cache.stride() == cos_cache.stride()
     if q_out is None:
         q_out = torch.empty((1, num_q_heads * head_dim), dtype=x.dtype, device=x.device)
-    if residual is not None:
-        assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(1) == 1
-        if residual_out is None:
-            residual_out = torch.empty((1, k), dtype=x.dtype, device=x.device)
-        res, res_out = residual, residual_out
-    else:
-        res = res_out = x  # unused by the kernel
+    res, res_out, residual_out = _residual_buffers(x, residual, residual_out)
     block_n, block_k, num_warps = launch_config(x.device, n, k, block_n, block_k, num_warps, norm_prologue=True)
     pairs = qkv_rope_pairs_per_program(block_n, head_dim)
     norm_block = min(triton.next_power_of_2(k), max_norm_block)

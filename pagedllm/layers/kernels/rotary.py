@@ -54,9 +54,10 @@ def _cos_sin(cos_ptr, sin_ptr, pos, stride_cache, io_dtype: tl.constexpr, HALF: 
 def _rotate(x1, x2, cos, sin, io_dtype: tl.constexpr):
     """NeoX rotation of the halves ``(x1, x2)`` (float32 holding ``io_dtype`` values) with torch's
     roundings: each product rounded to ``io_dtype``, then the sum; returns float32
-    ``(x1*cos - x2*sin, x2*cos + x1*sin)``, still to be rounded by the store. The kernel that calls it
-    must be compiled with ``enable_fp_fusion=False`` where LLVM would otherwise fuse a rounded
-    product into the next add as one bf16/fp16 FMA (see ``qk_norm_rope``)."""
+    ``(x1*cos - x2*sin, x2*cos + x1*sin)``, still to be rounded by the store. LLVM may fuse a rounded
+    product into the next add as one bf16/fp16 FMA: ``qk_norm_rope`` is compiled with
+    ``enable_fp_fusion=False`` for that; ``fused_gemv.rms_norm_qkv_rope`` keeps FMAs for its dot
+    products, and its GPU test checks that its rotation still equals torch's bit for bit."""
     o1 = _rounded(x1 * cos, io_dtype) - _rounded(x2 * sin, io_dtype)
     o2 = _rounded(x2 * cos, io_dtype) + _rounded(x1 * sin, io_dtype)
     return o1, o2
