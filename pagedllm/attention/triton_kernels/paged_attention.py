@@ -38,6 +38,9 @@ tile is loaded once per group. The rows of the ``[BLOCK_M, head_dim]`` query til
   programs roughly in launch order, so an optional ``order`` (request indices, longest ``seq_len``
   first) makes the launch order longest-first and the last wave holds the shortest requests
   instead of whichever long request happens to come last (a tail in which most SMs idle).
+
+Both decode kernels take ``USE_PDL`` (programmatic dependent launch, ``pagedllm/pdl.py``): the split
+kernel reads only the step's metadata before its wait; the unified kernel does not use PDL.
 """
 
 from __future__ import annotations
@@ -47,6 +50,9 @@ import functools
 import torch
 import triton
 import triton.language as tl
+
+from pagedllm.pdl import launch_kwargs
+from pagedllm.triton_pdl import allow_dependents, wait_for_inputs
 
 _LOG2E = 1.4426950408889634
 # Split-KV sizing: aim for this many programs per SM; never more splits than this; never a split
@@ -257,6 +263,7 @@ def _decode_split_kernel(
     MIN_SPLIT_LEN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     HAS_ORDER: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     kv_head = tl.program_id(0)  # fastest-varying: the heads of one request start together
     req = tl.program_id(1)
@@ -268,6 +275,8 @@ def _decode_split_kernel(
     q_row = tl.load(query_start_loc_ptr + req)
     q_end = tl.load(query_start_loc_ptr + req + 1)
     seq_len = tl.load(seq_lens_ptr + req)
+    # The step's metadata above may be read before the PDL wait; q and the cache only after it.
+    wait_for_inputs(USE_PDL)
     if q_end - q_row != 1:  # not a decode (or a padded request)
         return
     split_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), TILE_N) * TILE_N, MIN_SPLIT_LEN)
@@ -299,6 +308,7 @@ def _decode_split_kernel(
         acc, m_i, l_i, q, rows, k_cache_ptr, v_cache_ptr, bt_row, head_offset, unmasked_end, kv_end, scale_log2,
         stride_c_blk, stride_c_slot, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, TILE_N, 1, DOT_PRECISION,
     )  # fmt: skip
+    allow_dependents(USE_PDL)
     if not SPLIT:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # seq_len 0 (padding) gives zeros
         tl.store(
@@ -327,6 +337,7 @@ def _decode_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     MAX_SPLITS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     req = tl.program_id(0)
     head = tl.program_id(1)
@@ -334,6 +345,8 @@ def _decode_reduce_kernel(
     # non-decode's are never stored), so their loads and query_start_loc's share one round trip.
     q_row = tl.load(query_start_loc_ptr + req)
     q_end = tl.load(query_start_loc_ptr + req + 1)
+    wait_for_inputs(USE_PDL)
+    allow_dependents(USE_PDL)  # one short wave: the next kernel may be placed at once
     splits = tl.arange(0, MAX_SPLITS)
     valid = splits < num_splits
     part = (req.to(tl.int64) * NUM_HEADS + head) * num_splits + splits
@@ -545,6 +558,7 @@ def paged_decode(
         HAS_ORDER=order is not None,
         num_warps=num_warps,
         num_stages=num_stages,
+        **launch_kwargs(query.device),
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_reqs, num_heads)](
@@ -561,4 +575,5 @@ def paged_decode(
             HEAD_DIM_PAD=head_dim_pad,
             MAX_SPLITS=_MAX_SPLITS,
             num_warps=4,
+            **launch_kwargs(query.device),
         )

@@ -10,9 +10,14 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.pdl import launch_kwargs
+from pagedllm.triton_pdl import allow_dependents, wait_for_inputs
+
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_for_inputs(USE_PDL)
+    allow_dependents(USE_PDL)  # no main loop: the next kernel may be placed at once (pagedllm/pdl.py)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -37,5 +42,6 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     if x2.shape[0] > 0 and size > 0:
         block = min(triton.next_power_of_2(size), 1024)
         grid = (x2.shape[0], triton.cdiv(size, block))
-        _silu_and_mul_kernel[grid](x2, out2, x2.stride(0), out2.stride(0), size, BLOCK=block, num_warps=4)
+        _silu_and_mul_kernel[grid](x2, out2, x2.stride(0), out2.stride(0), size, BLOCK=block, num_warps=4,
+                                   **launch_kwargs(x.device))
     return out

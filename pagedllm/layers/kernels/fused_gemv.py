@@ -40,6 +40,8 @@ import triton.language as tl
 from pagedllm.layers.kernels.rms_norm import _load_sum
 from pagedllm.layers.kernels.rotary import _rotate, _rounded
 from pagedllm.layers.kernels.skinny_gemm import _column_block, _store_rows, _weight_chunk, launch_config
+from pagedllm.pdl import launch_kwargs
+from pagedllm.triton_pdl import allow_dependents, wait_for_inputs
 
 MAX_ROWS = 4
 # The sum-of-squares pass loads up to this many elements of a row at once (all loads in flight, as
@@ -75,9 +77,10 @@ def _rms_norm_gemv_kernel(x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, out_ptr, res_out_
                           stride_xm, stride_rm, stride_wn, stride_om, stride_rom,
                           M: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K_CHUNKS: tl.constexpr,
-                          NORM_BLOCK: tl.constexpr, NUM_NORM_CHUNKS: tl.constexpr):
+                          NORM_BLOCK: tl.constexpr, NUM_NORM_CHUNKS: tl.constexpr, USE_PDL: tl.constexpr):
     pid = tl.program_id(0)
     store = pid == 0  # program 0 writes the new residual
+    wait_for_inputs(USE_PDL)
     # Pass 1: each row's rstd (every program, from L2: K is at most a few thousand).
     rstd0 = _row_rstd(x_ptr, res_ptr, res_out_ptr, K, eps, store, HAS_RESIDUAL, NORM_BLOCK, NUM_NORM_CHUNKS)
     rstd1 = rstd0
@@ -112,6 +115,7 @@ def _rms_norm_gemv_kernel(x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, out_ptr, res_out_
         if M > 3:
             x3 = _normed_chunk(x_ptr + 3 * stride_xm, res_ptr + 3 * stride_rm, rk, k_mask, rstd3, g, HAS_RESIDUAL)
             acc3 += tl.sum(w * x3[None, :], axis=1)
+    allow_dependents(USE_PDL)
     _store_rows(b_ptr, out_ptr, rn, n_mask, stride_om, acc0, acc1, acc2, acc3, M, HAS_BIAS)
 
 
@@ -129,8 +133,9 @@ def _silu_mul_chunk(x_ptr, rk, k_mask, K):
 @triton.jit
 def _silu_mul_gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_om,
                           M: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          NUM_K_CHUNKS: tl.constexpr):
+                          NUM_K_CHUNKS: tl.constexpr, USE_PDL: tl.constexpr):
     rn, n_mask, w_rows = _column_block(w_ptr, N, stride_wn, BLOCK_N)
+    wait_for_inputs(USE_PDL)
     acc0 = tl.zeros((BLOCK_N,), tl.float32)
     acc1 = tl.zeros((BLOCK_N,), tl.float32)
     acc2 = tl.zeros((BLOCK_N,), tl.float32)
@@ -148,6 +153,7 @@ def _silu_mul_gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_
         if M > 3:
             x3 = _silu_mul_chunk(x_ptr + 3 * stride_xm, rk, k_mask, K)
             acc3 += tl.sum(w * x3[None, :], axis=1)
+    allow_dependents(USE_PDL)
     _store_rows(b_ptr, out_ptr, rn, n_mask, stride_om, acc0, acc1, acc2, acc3, M, HAS_BIAS)
 
 
@@ -197,7 +203,7 @@ def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
         M=m, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
         BLOCK_N=block_n, BLOCK_K=block_k, NUM_K_CHUNKS=triton.cdiv(k, block_k),
         NORM_BLOCK=norm_block, NUM_NORM_CHUNKS=triton.cdiv(k, norm_block),
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **launch_kwargs(x.device),
     )  # fmt: skip
     return out, (residual_out if residual is not None else x)
 
@@ -218,7 +224,7 @@ def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     _silu_mul_gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out, n, k, x.stride(0), weight.stride(0), out.stride(0),
         M=m, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, NUM_K_CHUNKS=triton.cdiv(k, block_k),
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **launch_kwargs(x.device),
     )  # fmt: skip
     return out
 
@@ -233,7 +239,7 @@ def _rms_norm_qkv_rope_kernel(x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, q_out_ptr, re
                               NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                               HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_P: tl.constexpr,
                               BLOCK_K: tl.constexpr, NUM_K_CHUNKS: tl.constexpr, NORM_BLOCK: tl.constexpr,
-                              NUM_NORM_CHUNKS: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+                              NUM_NORM_CHUNKS: tl.constexpr, BLOCK_SIZE: tl.constexpr, USE_PDL: tl.constexpr):
     HALF: tl.constexpr = HEAD_DIM // 2
     pid = tl.program_id(0)
     io_dtype = x_ptr.dtype.element_ty
@@ -242,8 +248,14 @@ def _rms_norm_qkv_rope_kernel(x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, q_out_ptr, re
     d = (pid * BLOCK_P) % HALF + tl.arange(0, BLOCK_P)
     rows_a = head * HEAD_DIM + d
     rows_b = rows_a + HALF
+    rotated = head < NUM_Q_HEADS + NUM_KV_HEADS  # q or k (else v)
+    # Before waiting for the kernel that wrote x (pagedllm/pdl.py): the step's metadata and the
+    # position's cos/sin rows (q and k programs).
     pos = tl.load(pos_ptr).to(tl.int64)
     slot = tl.load(slot_ptr, mask=num_slots > 0, other=-1).to(tl.int64)
+    cos = _rounded(tl.load(cos_ptr + pos * stride_cache + d, mask=rotated & (d < HALF), other=0.0), io_dtype)
+    sin = _rounded(tl.load(sin_ptr + pos * stride_cache + d, mask=rotated & (d < HALF), other=0.0), io_dtype)
+    wait_for_inputs(USE_PDL)
     rstd = _row_rstd(x_ptr, res_ptr, res_out_ptr, K, eps, pid == 0, HAS_RESIDUAL, NORM_BLOCK, NUM_NORM_CHUNKS)
     w_a = w_ptr + rows_a.to(tl.int64)[:, None] * stride_wn
     w_b = w_ptr + rows_b.to(tl.int64)[:, None] * stride_wn
@@ -258,6 +270,7 @@ def _rms_norm_qkv_rope_kernel(x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, q_out_ptr, re
         xn = _normed_chunk(x_ptr, res_ptr, rk, k_mask, rstd, g, HAS_RESIDUAL)
         acc_a += tl.sum(wa * xn[None, :], axis=1)
         acc_b += tl.sum(wb * xn[None, :], axis=1)
+    allow_dependents(USE_PDL)
     if HAS_BIAS:
         acc_a += tl.load(b_ptr + rows_a).to(tl.float32)
         acc_b += tl.load(b_ptr + rows_b).to(tl.float32)
@@ -265,9 +278,7 @@ def _rms_norm_qkv_rope_kernel(x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, q_out_ptr, re
     y1 = _rounded(acc_a, io_dtype)
     y2 = _rounded(acc_b, io_dtype)
     slot_dst = (slot // BLOCK_SIZE) * stride_c_blk + (slot % BLOCK_SIZE) * stride_c_slot
-    if head < NUM_Q_HEADS + NUM_KV_HEADS:  # q or k: rotate
-        cos = _rounded(tl.load(cos_ptr + pos * stride_cache + d), io_dtype)
-        sin = _rounded(tl.load(sin_ptr + pos * stride_cache + d), io_dtype)
+    if rotated:
         o1, o2 = _rotate(y1, y2, cos, sin, io_dtype)
         if head < NUM_Q_HEADS:
             tl.store(q_out_ptr + rows_a, o1.to(q_out_ptr.dtype.element_ty))
@@ -333,6 +344,6 @@ def rms_norm_qkv_rope(x: torch.Tensor, residual: torch.Tensor | None, norm_weigh
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, BLOCK_P=pairs, BLOCK_K=block_k,
         NUM_K_CHUNKS=triton.cdiv(k, block_k), NORM_BLOCK=norm_block, NUM_NORM_CHUNKS=triton.cdiv(k, norm_block),
-        BLOCK_SIZE=kv_cache.shape[2], num_warps=num_warps, num_stages=3,
+        BLOCK_SIZE=kv_cache.shape[2], num_warps=num_warps, num_stages=3, **launch_kwargs(x.device),
     )  # fmt: skip
     return q_out, (residual_out if residual is not None else x)

@@ -15,6 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.pdl import launch_kwargs
+from pagedllm.triton_pdl import allow_dependents, wait_for_inputs
+
 MAX_BLOCK = 8192
 
 
@@ -49,7 +52,10 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
     NUM_CHUNKS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_inputs(USE_PDL)
+    allow_dependents(USE_PDL)  # no main loop: the next kernel may be placed at once (pagedllm/pdl.py)
     row = tl.program_id(0).to(tl.int64)
     x_ptr += row * stride_x
     out_ptr += row * stride_out
@@ -126,5 +132,6 @@ def rms_norm(
             BLOCK=block,
             NUM_CHUNKS=triton.cdiv(hidden, block),
             num_warps=min(max(block // 256, 1), 16),
+            **launch_kwargs(x.device),
         )  # fmt: skip
     return out if residual is None else (out, residual_out)

@@ -20,6 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.pdl import launch_kwargs
+from pagedllm.triton_pdl import allow_dependents, wait_for_inputs
+
 
 @triton.jit
 def _rounded(x, dtype: tl.constexpr):
@@ -150,6 +153,7 @@ def _qk_norm_rope_kernel(
     HAS_NORM: tl.constexpr,
     STORE_KV: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # Every load that does not need the position (q or k, v, the slot) is issued before the cos/sin
     # rows that do: two memory round trips per program, not three (the step is latency-bound at
@@ -157,7 +161,9 @@ def _qk_norm_rope_kernel(
     token = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
     io_dtype = q_ptr.dtype.element_ty
-    pos = tl.load(pos_ptr + token).to(tl.int64)
+    pos = tl.load(pos_ptr + token).to(tl.int64)  # step metadata: read before the PDL wait
+    wait_for_inputs(USE_PDL)
+    allow_dependents(USE_PDL)  # one wave, no loop: the next kernel may be placed at once
     if head_block < NUM_Q_BLOCKS:
         _rope_heads(
             q_ptr + token * stride_q_tok, stride_q_head, q_out_ptr + token * stride_qo_tok, stride_qo_head, qw_ptr,
@@ -260,6 +266,7 @@ def qk_norm_rope(
         # of the rotated bf16 elements, measured on an H200).
         enable_fp_fusion=False,
         num_warps=4 if block_h * half_pad >= 512 else 2,
+        **launch_kwargs(q.device),
     )  # fmt: skip
     return q_out, k_out
 
