@@ -27,7 +27,8 @@ Where it is used: forward passes of ``MAX_TOKENS`` token (decode at batch 1), wh
 is a Triton GEMV and the whole layer is a chain of PDL kernels (H200 figures in
 benchmarks/results/h200-pdl-batch1-2026-11-21.json). Where cuBLAS GEMMs sit between the Triton
 kernels (batch 2 and up) it measured no faster or up to 1% slower (Llama-8B batch 2 4.74 -> 4.76 ms,
-batch 64 7.00 -> 7.05-7.08 ms), so the runner turns it off there (``for_tokens``). Starting DRAM
+batch 64 7.00 -> 7.05-7.08 ms), so it is off there (``for_graph``). Eager forwards never use it: its gain is in the
+replay of a captured graph, where launches cost no host time. Starting DRAM
 reads before the wait (an L2 prefetch of the first weight chunk and of the split's K/V rows) made the
 batch-1 step 2% slower: not done.
 
@@ -36,8 +37,8 @@ side, ``wait_for_inputs`` and ``allow_dependents``, is ``pagedllm/triton_pdl.py`
 
 ``launch_kwargs(device)`` gives the launch arguments (``USE_PDL`` for the kernel and Triton's
 ``launch_pdl``): PDL is on for CUDA devices of compute capability >= 9 with a Triton that has
-``gdc_wait`` (3.3+), unless ``PAGEDLLM_PDL=0``; ``pdl(False)`` turns it off inside a block. Without
-PDL both calls compile away and the kernel is what it was.
+``gdc_wait`` (3.3+), inside ``pdl(True)`` (``for_graph``); off elsewhere. Without PDL both calls
+compile away and the kernel is what it was.
 """
 
 from __future__ import annotations
@@ -50,10 +51,11 @@ from collections.abc import Iterator
 import torch
 
 MAX_TOKENS = 1
+ALLOWED = os.environ.get("PAGEDLLM_PDL", "1").lower() not in ("0", "false", "no", "off")
 
 
 class _Switch:
-    enabled = os.environ.get("PAGEDLLM_PDL", "1").lower() not in ("0", "false", "no", "off")
+    enabled = False  # launches use PDL only inside ``pdl(True)`` / ``for_graph``
 
 
 @contextlib.contextmanager
@@ -66,10 +68,10 @@ def pdl(enabled: bool) -> Iterator[None]:
         _Switch.enabled = old
 
 
-def for_tokens(num_tokens: int) -> contextlib.AbstractContextManager:
-    """PDL on for a forward pass of ``num_tokens`` tokens where it pays (``num_tokens <= MAX_TOKENS``),
-    off otherwise; ``PAGEDLLM_PDL=0`` keeps it off everywhere."""
-    return pdl(_Switch.enabled and num_tokens <= MAX_TOKENS)
+def for_graph(num_tokens: int) -> contextlib.AbstractContextManager:
+    """PDL on while capturing (and warming up) the CUDA graph of a ``num_tokens``-token decode where
+    it pays (``num_tokens <= MAX_TOKENS``) unless ``PAGEDLLM_PDL=0``; off otherwise."""
+    return pdl(ALLOWED and num_tokens <= MAX_TOKENS)
 
 
 def _triton_has_gdc() -> bool:

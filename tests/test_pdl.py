@@ -1,19 +1,21 @@
-"""The PDL switch (pagedllm/pdl.py): where the runner turns it on, and that it stays off where it
-cannot work (CPU tensors, Triton's interpreter, PAGEDLLM_PDL=0)."""
+"""The PDL switch (pagedllm/pdl.py): off by default, on only while a batch-1 decode graph is
+captured, and never where it cannot work (CPU tensors, Triton's interpreter, PAGEDLLM_PDL=0)."""
 
 import torch
 
 from pagedllm import pdl
 
 
-def test_for_tokens_turns_pdl_on_only_for_one_token_forwards():
-    with pdl.pdl(True):
-        with pdl.for_tokens(1):
-            assert pdl._Switch.enabled
-        with pdl.for_tokens(pdl.MAX_TOKENS + 1):
-            assert not pdl._Switch.enabled
-        assert pdl._Switch.enabled  # restored on exit
-    with pdl.pdl(False), pdl.for_tokens(1):  # PAGEDLLM_PDL=0 keeps it off everywhere
+def test_off_by_default_and_on_only_for_one_token_graphs(monkeypatch):
+    assert not pdl._Switch.enabled
+    monkeypatch.setattr(pdl, "ALLOWED", True)
+    with pdl.for_graph(1):
+        assert pdl._Switch.enabled
+    with pdl.for_graph(pdl.MAX_TOKENS + 1):
+        assert not pdl._Switch.enabled
+    assert not pdl._Switch.enabled  # restored on exit
+    monkeypatch.setattr(pdl, "ALLOWED", False)  # PAGEDLLM_PDL=0
+    with pdl.for_graph(1):
         assert not pdl._Switch.enabled
 
 

@@ -5,7 +5,7 @@ the smallest captured size >= n. Captured graphs read the runner's persistent de
 buffers (DeviceInputs), so a replay needs no argument copies beyond the step's one input copy;
 padded rows carry slot -1 (KV store skipped) and seq_len 0 (attention writes zeros), and their
 outputs are discarded. All graphs share one memory pool; capture time is part of start-up.
-Graphs of up to ``pdl.MAX_TOKENS`` requests are captured with programmatic dependent launch.
+Graphs of ``pdl.MAX_TOKENS`` request are captured with programmatic dependent launch.
 
 Invariant: ``self.graphs[bs]`` was captured with ``AttentionMetadata`` built over
 ``DeviceInputs.device_views(bs, bs)``: the device views that a decode step padded to ``bs`` fills
@@ -82,7 +82,7 @@ class CUDAGraphRunner:
         """One eager forward per captured size (no capture): the launches a capture will make."""
         for bs in reversed(self.sizes):
             dev = self._safe_inputs(bs)
-            with forward_context(self.metadata(bs), self.backend), pdl.for_tokens(bs):
+            with forward_context(self.metadata(bs), self.backend), pdl.for_graph(bs):
                 self.model(dev["input_ids"], dev["positions"])
 
     @torch.inference_mode()
@@ -93,7 +93,7 @@ class CUDAGraphRunner:
             dev = self._safe_inputs(bs)
             meta = self.metadata(bs)
             ids, pos = dev["input_ids"], dev["positions"]
-            with forward_context(meta, self.backend), pdl.for_tokens(bs):
+            with forward_context(meta, self.backend), pdl.for_graph(bs):
                 self.model(ids, pos)  # warm-up: Triton compiles and autotunes outside the capture
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()

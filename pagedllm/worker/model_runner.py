@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedllm import pdl
 from pagedllm.attention.backend import AttentionMetadata, forward_context, get_attention_backend
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
@@ -149,7 +148,7 @@ class ModelRunner:
         self._compile_in_parallel(meta, ids)
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
-        with forward_context(meta, self.backend), pdl.for_tokens(num_tokens):
+        with forward_context(meta, self.backend):
             hidden = self.model(ids, ids)
         logits = self.model.compute_logits(hidden[: sc.max_num_seqs])
         torch.softmax(logits, dim=-1).sort(dim=-1)
@@ -198,7 +197,7 @@ class ModelRunner:
         with compile_only() as active:
             if not active:
                 return
-            with forward_context(profile_meta, self.backend), pdl.for_tokens(profile_ids.shape[0]):
+            with forward_context(profile_meta, self.backend):
                 self.model(profile_ids, profile_ids)
             self._warm_up_eager_kernels(sample=False)
             if not self.config.enforce_eager:
@@ -245,7 +244,7 @@ class ModelRunner:
             query_start_loc_cpu=qsl, seq_lens_cpu=lens,
         )
         positions = torch.cat([torch.arange(2, 2 + q) for q in query_lens]).to(dev)
-        with forward_context(meta, self.backend), pdl.for_tokens(n):
+        with forward_context(meta, self.backend):
             return self.model(torch.zeros(n, dtype=torch.long, device=dev), positions)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
@@ -275,7 +274,7 @@ class ModelRunner:
         if inp.graph_size is not None:
             hidden = self.graph_runner.replay(inp.graph_size)
         else:
-            with forward_context(inp.attn_metadata, self.backend), pdl.for_tokens(inp.input_ids.shape[0]):
+            with forward_context(inp.attn_metadata, self.backend):
                 hidden = self.model(inp.input_ids, inp.positions)
         handle = StepHandle(self, inp.req_ids, inp.sample_req_idx)
         if inp.sample_req_idx:
