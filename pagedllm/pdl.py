@@ -17,19 +17,21 @@ Invariant every PDL kernel keeps (``triton_pdl.py``):
   tables, launch order), all written before the forward's first kernel ran;
 - ``allow_dependents`` comes after the program's main loop, just before its stores, so the next
   kernel's programs take SMs only as this kernel's last wave drains (placed at the start instead, they
-  would occupy SMs for the whole kernel: 2-3% slower, benchmarks/results/h200-pdl-thin-gemm-*.json).
+  would occupy SMs for the whole kernel: 2-3% slower, benchmarks/results/h200-pdl-thin-gemm-*.json);
+  kernels without a loop (one short wave: RMSNorm, RoPE, SiLU-and-mul, the split-KV reduce) call it
+  right after the wait.
 
 Kernels without PDL (cuBLAS, torch's) are unaffected: a kernel launched without the attribute waits
 for the full completion of the one before it, and a PDL kernel after one of them starts when it
 completes.
 
-Where it is used: forward passes of ``MAX_TOKENS`` token (decode at batch 1), where every projection
-is a Triton GEMV and the whole layer is a chain of PDL kernels (H200 figures in
+Where it is used: the captured CUDA graph of a ``MAX_TOKENS``-request decode (batch 1), where every
+projection is a Triton GEMV and the whole layer is a chain of PDL kernels (H200 figures in
 benchmarks/results/h200-pdl-batch1-2026-11-21.json). Where cuBLAS GEMMs sit between the Triton
 kernels (batch 2 and up) it measured no faster or up to 1% slower (Llama-8B batch 2 4.74 -> 4.76 ms,
-batch 64 7.00 -> 7.05-7.08 ms), so it is off there (``for_graph``). Eager forwards never use it: its gain is in the
-replay of a captured graph, where launches cost no host time. Starting DRAM
-reads before the wait (an L2 prefetch of the first weight chunk and of the split's K/V rows) made the
+batch 64 7.00 -> 7.05-7.08 ms), so it is off there (``for_graph``). Eager forwards never use it:
+its gain is in the replay of a captured graph, where launches cost no host time. Starting DRAM reads
+before the wait (an L2 prefetch of the first weight chunk and of the split's K/V rows) made the
 batch-1 step 2% slower: not done.
 
 This module is the host side (no Triton import: the runner uses it on every machine); the device
