@@ -1,6 +1,7 @@
 """The GPU timeline of steady decode steps: every kernel and copy between two graph replays, with
 its duration and the idle gap before it (what a step spends outside its CUDA graph). Run from the
-repo root on the device: ``python benchmarks/gpu/timeline_decode.py [BATCH [CONTEXT [TEMPERATURE]]]``.
+repo root on the device: ``python benchmarks/gpu/timeline_decode.py [BATCH [CONTEXT [TEMPERATURE [MODEL]]]]``
+(MODEL: a config folder, default ``benchmarks/configs/qwen3-0.6b``).
 """
 
 import json
@@ -19,7 +20,8 @@ from benchmarks.gpu.decode_setup import decoding_engine  # noqa: E402
 batch = int(sys.argv[1]) if len(sys.argv) > 1 else 1
 ctx = int(sys.argv[2]) if len(sys.argv) > 2 else 512
 temperature = float(sys.argv[3]) if len(sys.argv) > 3 else 0.0
-_, engine = decoding_engine(batch, ctx, temperature=temperature, max_tokens=400, decode_steps=24)
+model = sys.argv[4] if len(sys.argv) > 4 else "benchmarks/configs/qwen3-0.6b"
+_, engine = decoding_engine(batch, ctx, temperature=temperature, max_tokens=400, decode_steps=24, model=model)
 torch.cuda.synchronize()
 t0 = time.perf_counter()
 for _ in range(50):

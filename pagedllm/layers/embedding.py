@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers import cpu_gemm, gemm_library
+from pagedllm.layers import cpu_gemm, gemm_library, triton_ops
 from pagedllm.layers.linear import default_weight_loader
 
 
@@ -50,6 +50,8 @@ class LMHead(nn.Module):
         a vocab-wide copy fewer per step, for a consumer that upcasts itself, like the sampler)."""
         if self.cpu_packed_weight is not None and hidden.device.type == "cpu" and hidden.dtype == self.weight.dtype:
             logits = cpu_gemm.packed_linear(hidden, self.cpu_packed_weight, None)
+        elif triton_ops.use_skinny_lm_head(hidden, self.weight):
+            logits = triton_ops.lm_head_linear(hidden, self.weight)
         else:
             logits = gemm_library.linear(hidden, self.weight)
         return logits.float() if upcast else logits

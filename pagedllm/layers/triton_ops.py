@@ -120,6 +120,26 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return kernel(x, weight, bias)
 
 
+# The LM head at one row (a step with one token to sample) takes the Triton GEMV too, in 32-column
+# blocks of 512-element chunks with 4 warps: on an H200 (bench_skinny_gemm.py, weights from HBM)
+# Qwen3-0.6B's 151,936 x 1,024 head 77.4 -> 71.9 us and Llama-8B's 128,256 x 4,096 237.7 -> 235.6 us
+# against cuBLAS, which also zeroes a workspace before it (a 1.3 us memset and its gap). At 2+ rows
+# cuBLAS wins (0.6B: 78 vs 111 us at two rows).
+LM_HEAD_GEMV_CONFIG = (32, 512, 4)  # block_n, block_k, num_warps
+
+
+def use_skinny_lm_head(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.float16, torch.bfloat16)
+            and weight.dtype == x.dtype and use_fused(x) and x.stride(-1) == 1 and weight.is_contiguous())
+
+
+def lm_head_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    from pagedllm.layers.kernels.skinny_gemm import skinny_linear as kernel
+
+    block_n, block_k, num_warps = LM_HEAD_GEMV_CONFIG
+    return kernel(x, weight, None, block_n=block_n, block_k=block_k, num_warps=num_warps)
+
+
 def use_fused_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                           weight: torch.Tensor) -> bool:
     """Whether ``RMSNorm(x, residual)`` then ``Linear`` (``weight`` ``[N, K]``) take the one-launch

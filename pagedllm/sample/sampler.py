@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pagedllm import zero_copy
 from pagedllm.sample.history import TokenHistory
 from pagedllm.sample.logits_processors import build_logits_processors
 from pagedllm.sample.logprobs import gather_logprobs
@@ -99,6 +100,9 @@ class SamplerOutput:
     logprob_token_ids: torch.Tensor | None = None
     logprobs: torch.Tensor | None = None
     sampled_ranks: torch.Tensor | None = None
+    # The fused GPU sampler may also store token_ids in pinned host memory (pagedllm/zero_copy.py);
+    # readable once the stream has passed the sampler, e.g. after an event recorded behind it.
+    host_token_ids: torch.Tensor | None = None
 
 
 class Sampler:
@@ -121,24 +125,31 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.max_num_logprobs is not None else None
         for proc in meta.logits_processors:
             logits = proc(logits)
-        token_ids = self._sample(logits, meta)
-        out = SamplerOutput(token_ids=token_ids)
+        token_ids, host_token_ids = self._sample(logits, meta)
+        out = SamplerOutput(token_ids=token_ids, host_token_ids=host_token_ids)
         if raw_logprobs is not None:
             out.logprob_token_ids, out.logprobs, out.sampled_ranks = gather_logprobs(
                 raw_logprobs, token_ids, meta.max_num_logprobs
             )
         return out
 
-    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Token ids on the logits' device, and the same ids in pinned host memory when the fused
+        kernel stored them there itself (zero copy), else None."""
+        fused = fused_available(logits)
+        if fused and (meta.all_greedy or (meta.top_k is None and meta.top_p is None and meta.min_p is None)):
+            host = torch.empty(logits.shape[0], dtype=torch.int64, pin_memory=True) \
+                if zero_copy.available(logits.device) else None
+            if meta.all_greedy:
+                return greedy_argmax(logits, host), host
+            return gumbel_argmax(logits, meta.temperature, meta.greedy, self._row_seeds(meta, logits), host), host
         if meta.all_greedy:
-            return greedy_argmax(logits) if fused_available(logits) else logits.argmax(dim=-1)
-        if meta.top_k is None and meta.top_p is None and meta.min_p is None and fused_available(logits):
-            return gumbel_argmax(logits, meta.temperature, meta.greedy, self._row_seeds(meta, logits))
+            return logits.argmax(dim=-1), None
         probs = processed_probs(logits, meta.temperature, meta.top_k, meta.top_p, meta.min_p, meta.max_top_k)
         random_ids = exponential_race(probs, self.generator, meta.seeded_rows)
         if meta.all_random:
-            return random_ids
-        return torch.where(meta.greedy, logits.argmax(dim=-1), random_ids)
+            return random_ids, None
+        return torch.where(meta.greedy, logits.argmax(dim=-1), random_ids), None
 
     def _row_seeds(self, meta: SamplingMetadata, logits: torch.Tensor) -> torch.Tensor:
         """Philox seeds for the fused GPU draw: a fresh random base per step (drawn on the host) plus

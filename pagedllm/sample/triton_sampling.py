@@ -9,7 +9,8 @@ distribution; the torch path handles them).
 Each row's noise depends only on its seed, so a seeded request draws the same token whatever
 else is in the batch. Cost: one read of [B, V] logits in their own dtype (upcast in registers), by
 ``B * ceil(V / 4096)`` programs (a row is split so that small batches still fill the GPU), then a
-tiny per-row reduce of the chunk winners: two launches. The noise, not the read, bounds the first:
+tiny per-row reduce of the chunk winners: two launches (the reduce can also store the ids straight
+into pinned host memory, sparing the step a device->host copy). The noise, not the read, bounds the first:
 one Philox call serves four columns (``randint4x``) and each column takes two hardware ``lg2``
 approximations (``_gumbel_log2``), not two accurate ``logf`` calls (about 25 instructions each).
 
@@ -109,7 +110,10 @@ if HAS_TRITON:
         tl.store(best_idx_ptr + row * num_chunks + chunk, tl.min(cand, axis=0))
 
     @triton.jit
-    def _gumbel_reduce_kernel(best_val_ptr, best_idx_ptr, out_ptr, vocab, num_chunks, CHUNKS_PAD: tl.constexpr):
+    def _gumbel_reduce_kernel(best_val_ptr, best_idx_ptr, out_ptr, host_out_ptr, vocab, num_chunks,
+                              CHUNKS_PAD: tl.constexpr, TO_HOST: tl.constexpr):
+        """Row ``row``'s winner over its chunks, stored to ``out`` and, ``TO_HOST``, to the pinned
+        ``host_out`` too (a zero-copy store: ``pagedllm/zero_copy.py``)."""
         row = tl.program_id(0)
         c = tl.arange(0, CHUNKS_PAD)
         valid = c < num_chunks
@@ -117,7 +121,10 @@ if HAS_TRITON:
         idx = tl.load(best_idx_ptr + row * num_chunks + c, mask=valid, other=vocab)
         top = tl.max(val, axis=0)
         cand = tl.where(val == top, idx, vocab)
-        tl.store(out_ptr + row, tl.min(cand, axis=0).to(tl.int64))
+        token = tl.min(cand, axis=0).to(tl.int64)
+        tl.store(out_ptr + row, token)
+        if TO_HOST:
+            tl.store(host_out_ptr + row, token)
 
 
 _CHUNK = 4096  # columns per program: a row of 152k logits is read by 38 programs in parallel
@@ -128,26 +135,30 @@ def fused_available(logits: torch.Tensor) -> bool:
 
 
 def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor,
-                  seeds: torch.Tensor) -> torch.Tensor:
+                  seeds: torch.Tensor, host_out: torch.Tensor | None = None) -> torch.Tensor:
     """Token ids [B] drawn from softmax(logits / T) per row (argmax on greedy rows).
 
     ``logits`` [B, V] (any float dtype, last dim contiguous), ``temperature`` float32 [B] (ignored
-    on greedy rows), ``greedy`` bool [B], ``seeds`` int64 [B] (Philox seed per row)."""
-    return _launch(logits, (temperature, greedy, seeds))
+    on greedy rows), ``greedy`` bool [B], ``seeds`` int64 [B] (Philox seed per row). ``host_out``:
+    an optional pinned int64 [B] that the ids are also stored into, by the kernel (zero copy; valid
+    once the stream has passed this call)."""
+    return _launch(logits, (temperature, greedy, seeds), host_out)
 
 
-def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+def greedy_argmax(logits: torch.Tensor, host_out: torch.Tensor | None = None) -> torch.Tensor:
     """``logits.argmax(-1)`` (ties: the lowest index) in the sampler's two launches. One row of
     151,936 bf16 logits on an H200: 3.1-3.5 us + 1.2 us, where torch's argmax took 8.5 us after a
-    0.8 us memset (``benchmarks/gpu/timeline_decode.py``)."""
-    return _launch(logits, None)
+    0.8 us memset (``benchmarks/gpu/timeline_decode.py``). ``host_out`` as in ``gumbel_argmax``."""
+    return _launch(logits, None, host_out)
 
 
-def _launch(logits: torch.Tensor, row_params: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+def _launch(logits: torch.Tensor, row_params: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+            host_out: torch.Tensor | None) -> torch.Tensor:
     num_rows, vocab = logits.shape
     out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     if num_rows == 0:
         return out
+    assert host_out is None or (host_out.dtype == torch.int64 and host_out.shape == (num_rows,))
     assert logits.stride(-1) == 1
     num_chunks = triton.cdiv(vocab, _CHUNK)
     best_val = torch.empty((num_rows, num_chunks), dtype=torch.float32, device=logits.device)
@@ -156,6 +167,7 @@ def _launch(logits: torch.Tensor, row_params: tuple[torch.Tensor, torch.Tensor, 
     _gumbel_chunk_kernel[(num_rows, num_chunks)](logits, logits.stride(0), temperature, greedy, seeds, best_val,
                                                  best_idx, vocab, num_chunks, CHUNK=_CHUNK, BLOCK=1024,
                                                  ALL_GREEDY=row_params is None, num_warps=4)
-    _gumbel_reduce_kernel[(num_rows,)](best_val, best_idx, out, vocab, num_chunks,
-                                       CHUNKS_PAD=triton.next_power_of_2(num_chunks), num_warps=1)
+    _gumbel_reduce_kernel[(num_rows,)](best_val, best_idx, out, out if host_out is None else host_out, vocab,
+                                       num_chunks, CHUNKS_PAD=triton.next_power_of_2(num_chunks),
+                                       TO_HOST=host_out is not None, num_warps=1)
     return out

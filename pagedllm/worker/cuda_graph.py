@@ -1,7 +1,8 @@
-"""CUDA graphs for decode batches: one captured forward pass per padded batch size.
+"""CUDA graphs for decode batches: one captured forward pass (up to the logits) per padded batch size.
 
 A pure decode step (every request computes one token) of ``n`` requests replays the graph of
-the smallest captured size >= n. Captured graphs read the runner's persistent device input
+the smallest captured size >= n; the graph ends with the LM head, so a replay returns the logits
+(model dtype) of every row, padding included, and the step samples from the first ``n``. Captured graphs read the runner's persistent device input
 buffers (DeviceInputs), so a replay needs no argument copies beyond the step's one input copy;
 padded rows carry slot -1 (KV store skipped) and seq_len 0 (attention writes zeros), and their
 outputs are discarded. All graphs share one memory pool; capture time is part of start-up.
@@ -83,7 +84,12 @@ class CUDAGraphRunner:
         for bs in reversed(self.sizes):
             dev = self._safe_inputs(bs)
             with forward_context(self.metadata(bs), self.backend), pdl.for_graph(bs):
-                self.model(dev["input_ids"], dev["positions"])
+                self._forward(dev["input_ids"], dev["positions"])
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """What a graph runs: the forward pass and the LM head (logits in the model dtype, as the
+        sampler takes them)."""
+        return self.model.compute_logits(self.model(ids, pos), upcast=False)
 
     @torch.inference_mode()
     def capture_all(self) -> float:
@@ -94,11 +100,11 @@ class CUDAGraphRunner:
             meta = self.metadata(bs)
             ids, pos = dev["input_ids"], dev["positions"]
             with forward_context(meta, self.backend), pdl.for_graph(bs):
-                self.model(ids, pos)  # warm-up: Triton compiles and autotunes outside the capture
+                self._forward(ids, pos)  # warm-up: Triton compiles and autotunes outside the capture
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool):
-                    out = self.model(ids, pos)
+                    out = self._forward(ids, pos)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[bs], self.outputs[bs] = graph, out
@@ -108,5 +114,6 @@ class CUDAGraphRunner:
         return elapsed
 
     def replay(self, bs: int) -> torch.Tensor:
+        """Run the graph of size ``bs``; returns its logits ``[bs, vocab]`` (valid until the next replay)."""
         self.graphs[bs].replay()
         return self.outputs[bs]

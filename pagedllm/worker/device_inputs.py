@@ -3,7 +3,9 @@
 Nothing is allocated per step. A step's flat inputs (token ids, positions, slots, query starts,
 sequence lengths, ...) are packed into one pinned host buffer at offsets that depend only on the
 step's (padded) token and request counts (``step_layout``), and reach the device in ONE
-non-blocking copy into one device buffer, whose views the step then uses. A CUDA graph for batch
+non-blocking copy into one device buffer, whose views the step then uses. On CUDA a decode-sized
+step's copy is a kernel that reads the pinned buffer itself (``pagedllm/zero_copy.py``: no
+copy-engine handoffs on the GPU's timeline). A CUDA graph for batch
 size ``bs`` captures the views of ``step_layout(bs, bs)``, so a replay finds its inputs where a
 step of that size copies them. (One copy instead of one per field: each small H2D copy costs about
 1 us of copy engine time plus a ~1.5 us gap on the GPU's timeline, which at decode batch 1 is
@@ -31,6 +33,8 @@ import functools
 
 import numpy as np
 import torch
+
+from pagedllm import zero_copy
 
 # From this many requests in a step, the attention kernels are given the longest-first launch order
 # (AttentionMetadata.decode_order): with thousands of decode programs of ragged length it removes
@@ -87,6 +91,11 @@ class DeviceInputs:
         self._host_bufs = [torch.zeros(capacity, dtype=torch.uint8, pin_memory=self._on_cuda) for _ in range(num_sets)]
         self._host_np = [buf.numpy() for buf in self._host_bufs]
         self._dev_buf = torch.zeros(capacity, dtype=torch.uint8, device=device) if self._on_cuda else None
+        # Decode-sized steps reach the device through a kernel reading the pinned set (zero_copy.py);
+        # every layout size is a multiple of _ALIGN bytes, so whole int64 words.
+        self._zero_copy = zero_copy.available(device)
+        self._host_words = [buf.view(torch.int64) for buf in self._host_bufs]
+        self._dev_words = self._dev_buf.view(torch.int64) if self._on_cuda else None
         self._view_cache: dict[tuple, dict] = {}  # see _views
         self._set = 0
         self._step_bytes = 0
@@ -121,7 +130,10 @@ class DeviceInputs:
         if not self._on_cuda:
             return {name: torch.from_numpy(a) for name, a in self.np.items()}
         n = self._step_bytes
-        self._dev_buf[:n].copy_(self._host_bufs[self._set][:n], non_blocking=True)
+        if self._zero_copy and n <= zero_copy.MAX_FETCH_BYTES:  # a kernel reads the pinned set itself
+            zero_copy.copy_words(self._host_words[self._set][: n // 8], self._dev_words[: n // 8])
+        else:
+            self._dev_buf[:n].copy_(self._host_bufs[self._set][:n], non_blocking=True)
         return self.device_views(*self._step_shape)
 
     def device_views(self, num_tokens: int, num_reqs: int) -> dict[str, torch.Tensor]:

@@ -179,7 +179,9 @@ class ModelRunner:
             return
         weights = [m.weight for m in self.model.modules() if isinstance(m, (Linear, LMHead))]
         with torch.inference_mode():
-            summary = gemm_library.tune(weights, batch_sizes, skip=triton_ops.use_skinny_gemm)
+            lm_head = self.model.lm_head.weight
+            summary = gemm_library.tune(weights, batch_sizes, skip=lambda x, w: triton_ops.use_skinny_gemm(x, w) or (
+                w.shape == lm_head.shape and triton_ops.use_skinny_lm_head(x, w)))
         logger.info("GEMM library: cuBLASLt for %d of %d (weight shape, batch size) pairs, timed in %.1f s",
                     summary["cublaslt"], summary["measured"], summary["seconds"])
 
@@ -271,15 +273,19 @@ class ModelRunner:
         t0 = time.perf_counter()
         inp = self._prepare_inputs(so)
         self.timings["prepare"] += time.perf_counter() - t0
-        if inp.graph_size is not None:
-            hidden = self.graph_runner.replay(inp.graph_size)
+        hidden = graph_logits = None
+        if inp.graph_size is not None:  # the graph ends with the LM head (a pure decode step)
+            graph_logits = self.graph_runner.replay(inp.graph_size)
         else:
             with forward_context(inp.attn_metadata, self.backend):
                 hidden = self.model(inp.input_ids, inp.positions)
         handle = StepHandle(self, inp.req_ids, inp.sample_req_idx)
         if inp.sample_req_idx:
             # Logits in the model dtype: the sampler upcasts where it needs float32.
-            logits = self.model.compute_logits(hidden[inp.logits_indices], upcast=False)
+            if graph_logits is not None:
+                logits = graph_logits[inp.logits_indices]
+            else:
+                logits = self.model.compute_logits(hidden[inp.logits_indices], upcast=False)
             rows = [self.input_batch.req_id_to_row[inp.req_ids[i]] for i in inp.sample_req_idx]
             params = [self.input_batch.params[r] for r in rows]
             result = self._sample(logits, rows, params)
@@ -287,7 +293,8 @@ class ModelRunner:
             self._last_sampled = result.token_ids
             self._last_sample_index[:] = -1
             self._last_sample_index[rows] = np.arange(len(rows))
-        handle.prompt_logprobs = self._prompt_logprobs(hidden, inp, so)
+        # Prompt logprobs come from prefill chunks, which never run as a graph (hidden is set then).
+        handle.prompt_logprobs = self._prompt_logprobs(hidden, inp, so) if hidden is not None else {}
         self._last_handle = handle
         if trace_start is not None:
             self.trace.end(trace_start, inp)
@@ -547,11 +554,20 @@ class StepHandle:
         self._rows, self._params = rows, params
         self._gens = [int(batch.generation[r]) for r in rows]
         batch.num_pending[rows] += 1
-        self._host = SamplerOutput(*(_to_host(t) for t in (result.token_ids, result.logprob_token_ids,
-                                                           result.logprobs, result.sampled_ranks)))
+        # The fused sampler may have stored the ids in pinned memory itself (no copy to launch).
+        token_ids = result.host_token_ids if result.host_token_ids is not None else _to_host(result.token_ids)
+        self._host = SamplerOutput(token_ids, *(_to_host(t) for t in (result.logprob_token_ids, result.logprobs,
+                                                                      result.sampled_ranks)))
         if result.token_ids.is_cuda:
             self._event = torch.cuda.Event()
             self._event.record()
+
+    def __del__(self) -> None:
+        # A kernel may still be storing this step's ids into the pinned buffer held here: wait for
+        # it before the buffer goes back to torch's host allocator (which knows nothing of that
+        # kernel) to be handed out again. Handles are normally dropped after result() has waited.
+        if self._output is None and self._event is not None:
+            self._event.synchronize()
 
     def result(self) -> ModelRunnerOutput:
         if self._output is not None:

@@ -71,3 +71,17 @@ def test_all_greedy_argmax_matches_torch():
     logits[3, 100] = logits[3, 140_000] = 30.0  # a tie across chunks: the lower index wins
     assert torch.equal(triton_sampling.greedy_argmax(logits), logits.float().argmax(-1))
     assert triton_sampling.greedy_argmax(logits[:0]).shape == (0,)
+
+
+def test_ids_can_also_land_in_pinned_host_memory():
+    """With ``host_out`` the reduce kernel stores the ids into pinned memory too (no device->host copy)."""
+    logits = torch.randn(9, 151_936, device="cuda", dtype=torch.bfloat16)
+    n = logits.shape[0]
+    for draw in (lambda host: triton_sampling.greedy_argmax(logits, host),
+                 lambda host: triton_sampling.gumbel_argmax(logits, torch.full((n,), 0.8, device="cuda"),
+                                                            torch.zeros(n, dtype=torch.bool, device="cuda"),
+                                                            torch.arange(n, device="cuda"), host)):
+        host = torch.full((n,), -1, dtype=torch.int64).pin_memory()
+        out = draw(host)
+        torch.cuda.synchronize()
+        assert torch.equal(host, out.cpu()) and torch.equal(out, draw(None))

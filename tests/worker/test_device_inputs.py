@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from pagedllm import zero_copy
 from pagedllm.worker.device_inputs import _ALIGN, _FLAT_FIELDS, DeviceInputs, step_layout
 
 
@@ -56,3 +57,22 @@ def test_one_copy_fills_the_views_a_graph_captures():
         torch.cuda.synchronize()
         assert captured["input_ids"].tolist() == [i + 100 * step for i in range(16)]
         assert captured["seq_lens"].tolist() == [i + step for i in range(16)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("num_tokens,num_reqs", [(1, 1), (256, 256), (8192, 256)])
+def test_every_staged_byte_arrives(num_tokens, num_reqs):
+    """Decode-sized steps travel by the zero-copy kernel, prefill-sized ones (over
+    zero_copy.MAX_FETCH_BYTES) by a copy; both must deliver the whole layout, on both host sets."""
+    inputs = DeviceInputs(max_tokens=8192, max_reqs=256, max_blocks_per_req=4, device=torch.device("cuda"))
+    total = step_layout(num_tokens, num_reqs)[1]
+    for step in range(2):
+        stage = inputs.begin_step(num_tokens, num_reqs)
+        for i, a in enumerate(stage.values()):
+            a[:] = np.arange(len(a)) * 7 + i + 1000 * step
+        dev = inputs.copy_to_device()
+        torch.cuda.synchronize()
+        for name, a in stage.items():
+            assert np.array_equal(dev[name].cpu().numpy(), a), name
+    assert (total > zero_copy.MAX_FETCH_BYTES) == (num_tokens == 8192)
