@@ -343,6 +343,7 @@ def test_model_fused_decode_matches_unfused(arch, dtype, monkeypatch):
         # skinny_gemm's K loop has a runtime bound, which the interpreter cannot run with numpy 2.4
         # (it converts the 1-element bound with int()): the plain GEMV is F.linear there.
         monkeypatch.setattr(triton_ops, "skinny_linear", F.linear)
+        monkeypatch.setattr(triton_ops, "lm_head_linear", F.linear)
     calls: list[str] = []
     for name in ("rms_norm_linear", "silu_and_mul_linear", "rms_norm_qkv_rope"):
         fn = getattr(triton_ops, name)

@@ -35,3 +35,23 @@ def test_strided_rows_are_read_by_stride():
     ref = F.linear(x.float(), w.float())
     out = skinny_linear(x, w)
     assert float((out.float() - ref).norm() / ref.norm()) < 1e-2
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_lm_head_takes_the_gemv_at_one_row(rows, monkeypatch):
+    """One row: the Triton GEMV with the LM-head launch config (triton_ops.LM_HEAD_GEMV_CONFIG); more
+    rows: cuBLAS. Both give F.linear's logits within bf16 noise."""
+    from pagedllm.layers import triton_ops
+    from pagedllm.layers.embedding import LMHead
+
+    head = LMHead(32_000 + 5, 512).to(device="cuda", dtype=torch.bfloat16)
+    head.weight.data.normal_(0, 512**-0.5)
+    hidden = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
+    calls = []
+    real = triton_ops.lm_head_linear
+    monkeypatch.setattr(triton_ops, "lm_head_linear", lambda x, w: calls.append(x.shape[0]) or real(x, w))
+    logits = head(hidden, upcast=False)
+    assert calls == ([1] if rows == 1 else [])
+    ref = F.linear(hidden.float(), head.weight.float())
+    assert logits.dtype == torch.bfloat16 and logits.shape == (rows, 32_005)
+    assert ((logits.float() - ref).norm() / ref.norm()).item() < 1e-2
