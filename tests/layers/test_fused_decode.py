@@ -80,7 +80,6 @@ def shape_id(shape) -> str:
 @pytest.mark.parametrize("bias", [False, True])
 @kernel_test
 def test_rms_norm_linear_kernel(dtype, shape, with_residual, bias):
-    from pagedllm.layers.kernels import fused_gemv
     from pagedllm.layers.kernels.fused_gemv import rms_norm_linear
 
     m, n, k, block_n, block_k = shape
@@ -99,10 +98,9 @@ def test_rms_norm_linear_kernel(dtype, shape, with_residual, bias):
         ref = F.linear(normed, linear.weight, linear.bias)
     out = torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)
     res_out = poisoned_like(x) if with_residual else None
-    # explicit blocks: also split the sum-of-squares pass into 64-element chunks (with a tail)
+    # explicit blocks: the sum of squares also accumulates over several K chunks (with a tail)
     got, got_res = rms_norm_linear(x, residual, norm.weight, norm.eps, linear.weight, linear.bias, out=out,
-                                   residual_out=res_out, block_n=block_n, block_k=block_k,
-                                   max_norm_block=64 if block_n else fused_gemv.MAX_NORM_BLOCK)
+                                   residual_out=res_out, block_n=block_n, block_k=block_k)
     assert got is out
     assert torch.equal(x, x_before) and (not with_residual or torch.equal(residual, res_before)), "inputs modified"
     assert_matches(out, ref)
@@ -157,7 +155,6 @@ def test_rms_norm_qkv_rope_kernel(dtype, case, with_residual, bias, slot):
     apply_rotary, the reference KV store) into a NaN-poisoned cache: q matches, the row's k and v land
     in its slot and nowhere else (nowhere at slot -1, a padding token), the residual is exact."""
     from pagedllm.attention.torch_ref import store_kv_cache
-    from pagedllm.layers.kernels import fused_gemv
     from pagedllm.layers.kernels.fused_gemv import rms_norm_qkv_rope
     from pagedllm.layers.rotary import apply_rotary
 
@@ -186,8 +183,7 @@ def test_rms_norm_qkv_rope_kernel(dtype, case, with_residual, bias, slot):
     res_out = poisoned_like(x) if with_residual else None
     got_q, got_res = rms_norm_qkv_rope(x, residual, norm.weight, norm.eps, qkv.weight, qkv.bias, positions,
                                        rope.cos_cache, rope.sin_cache, num_q, num_kv, cache, slots, q_out=q_out,
-                                       residual_out=res_out, block_n=block_n, block_k=block_k,
-                                       max_norm_block=64 if block_n else fused_gemv.MAX_NORM_BLOCK)
+                                       residual_out=res_out, block_n=block_n, block_k=block_k)
     assert got_q is q_out and torch.equal(x, x_before)
     assert_matches(q_out, q_ref)
     assert torch.equal(cache.isnan(), cache_ref.isnan()), "k/v written outside the row's slot"
@@ -324,11 +320,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 # Relative logit error (fused vs the same model with separate launches, fused vs fused_ops(False)).
-# Observed under the interpreter: fp16 <= 2e-4 (mostly bit-exact); bf16 1-2e-2 / 3-7e-2, from the
-# interpreter's truncating bf16 casts (which the separate path's cuBLAS stand-in does not make).
+# The norm GEMVs never round the normed row (one pass, fused_gemv.py), which the separate launches do:
+# on an H200, bf16 1.4-1.6e-2 against them. Under the interpreter: fp16 <= 2e-4; bf16 1-2e-2 /
+# 3-7e-2, from the interpreter's truncating bf16 casts (which the cuBLAS stand-in does not make).
 MODEL_TOL = {
     torch.float16: (2e-3, 1e-2),
-    torch.bfloat16: (4e-2, 1e-1) if INTERPRET else (1e-2, 5e-2),
+    torch.bfloat16: (4e-2, 1e-1) if INTERPRET else (3e-2, 5e-2),
 }
 
 
@@ -369,7 +366,7 @@ def test_model_fused_decode_matches_unfused(arch, dtype, monkeypatch):
         unfused = _decode_logits(model)
     assert not calls
     assert torch.isfinite(fused).all()
-    # Only the norm's float32 summation order differs from `separate`; bf16 noise from `unfused`.
+    # From `separate`: the unrounded normed row and float32 summation order; bf16 noise from `unfused`.
     tol_separate, tol_unfused = MODEL_TOL[dtype]
     assert _rel(fused, separate) < tol_separate, f"fused vs separate launches: {_rel(fused, separate):.3g}"
     assert _rel(fused, unfused) < tol_unfused, f"fused vs all-torch path: {_rel(fused, unfused):.3g}"
