@@ -17,9 +17,11 @@ gathers the scheduled rows on the device.
 
 The host side is double-buffered (``begin_step`` flips sets): with async scheduling the CPU
 prepares step N+1 while step N's copy may still be queued behind step N-1 on the GPU, so it
-writes the set that step N-1 used, whose copy is known complete (the engine has waited for
-step N-1's results before preparing step N+1). The device buffer is single: a step's copy is
-queued behind the previous step's kernels on the same stream.
+writes the set that step N-1 used. That copy is usually long done (the engine waits for step
+N-1's sampled tokens before preparing step N+1), but a step that samples nothing (a prefill chunk)
+gives the engine nothing to wait for, so each set's copy records an event and ``begin_step`` waits
+on it before handing the set out again. The device buffer is single: a step's copy is queued
+behind the previous step's kernels on the same stream.
 
 Invariant: for every live InputBatch row, ``block_table[row, :n]`` on the device equals the
 host InputBatch's ``block_table[row, :n]`` once ``flush_block_updates`` has run for the step.
@@ -98,6 +100,7 @@ class DeviceInputs:
         self._dev_words = self._dev_buf.view(torch.int64) if self._on_cuda else None
         self._view_cache: dict[tuple, dict] = {}  # see _views
         self._set = 0
+        self._set_read: list = [None] * num_sets  # per host set: CUDA event after its last copy
         self._step_bytes = 0
         self._step_shape = (0, 0)
         self.np: dict[str, np.ndarray] = {}  # this step's staging views (set by begin_step)
@@ -119,6 +122,8 @@ class DeviceInputs:
             raise ValueError(f"step of {num_tokens} tokens / {num_reqs} requests exceeds the input buffers "
                              f"({self.max_tokens} / {self.max_reqs})")
         self._set = (self._set + 1) % len(self._host_bufs)
+        if self._set_read[self._set] is not None:  # the GPU must have read this set's last contents
+            self._set_read[self._set].synchronize()
         self._step_bytes = step_layout(num_tokens, num_reqs)[1]
         self._step_shape = (num_tokens, num_reqs)
         self.np = self._views(self._set, self._host_np[self._set], num_tokens, num_reqs)
@@ -134,6 +139,9 @@ class DeviceInputs:
             zero_copy.copy_words(self._host_words[self._set][: n // 8], self._dev_words[: n // 8])
         else:
             self._dev_buf[:n].copy_(self._host_bufs[self._set][:n], non_blocking=True)
+        # Also behind this step's block-table update copy (flushed before this call).
+        event = self._set_read[self._set] = self._set_read[self._set] or torch.cuda.Event()
+        event.record()
         return self.device_views(*self._step_shape)
 
     def device_views(self, num_tokens: int, num_reqs: int) -> dict[str, torch.Tensor]:
@@ -160,7 +168,8 @@ class DeviceInputs:
             self._pending.append((row, first_col, block_ids))
 
     def flush_block_updates(self) -> None:
-        """Scatter the queued (row, column, block id) triples into the device block table."""
+        """Scatter the queued (row, column, block id) triples into the device block table. Call it
+        before the step's ``copy_to_device``, whose event then also covers this copy."""
         if not self._pending:
             return
         rows, cols, ids = [], [], []

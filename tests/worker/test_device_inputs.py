@@ -76,3 +76,21 @@ def test_every_staged_byte_arrives(num_tokens, num_reqs):
         for name, a in stage.items():
             assert np.array_equal(dev[name].cpu().numpy(), a), name
     assert (total > zero_copy.MAX_FETCH_BYTES) == (num_tokens == 8192)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("num_tokens", [4, 8192])  # the zero-copy kernel, the copy engine
+def test_a_host_set_is_not_rewritten_before_the_gpu_read_it(num_tokens):
+    """Steps that sample nothing give the engine no reason to wait for the GPU, so the CPU can stage
+    step N+2 into step N's host set while step N's copy is still queued: begin_step must wait."""
+    inputs = DeviceInputs(max_tokens=8192, max_reqs=4, max_blocks_per_req=4, device=torch.device("cuda"))
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of the copies below
+    snapshots = []
+    for step in range(3):  # step 2 reuses step 0's host set
+        stage = inputs.begin_step(num_tokens, 4)
+        stage["input_ids"][:] = step
+        dev = inputs.copy_to_device()
+        snapshots.append(dev["input_ids"].clone())  # stream-ordered: what this step's forward would read
+    torch.cuda.synchronize()
+    assert [int(s.unique().item()) for s in snapshots] == [0, 1, 2]

@@ -4,6 +4,7 @@ the timing itself is covered by the GPU tests in tests/layers/test_gemm_library.
 
 from types import SimpleNamespace
 
+import torch
 from torch import nn
 
 from pagedllm.layers import gemm_library, triton_ops
@@ -39,7 +40,14 @@ def test_every_linear_and_the_lm_head_are_timed_at_the_graph_sizes(monkeypatch):
     assert len(calls) == 1
     weights, rows, skip = calls[0]
     assert {id(w) for w in weights} == {id(model.proj.weight), id(model.gate_up.weight), id(model.lm_head.weight)}
-    assert rows == [1, 2, 8, 16] and skip is triton_ops.use_skinny_gemm
+    assert rows == [1, 2, 8, 16]
+    # Calls that never reach cuBLAS are skipped: the Triton GEMV's, and the LM head's where it takes one.
+    x = torch.zeros(1, 8)
+    monkeypatch.setattr(triton_ops, "use_skinny_gemm", lambda x, w: w is model.proj.weight)
+    monkeypatch.setattr(triton_ops, "use_skinny_lm_head", lambda x, w: True)
+    assert skip(x, model.proj.weight) and skip(x, model.lm_head.weight) and not skip(x, model.gate_up.weight)
+    monkeypatch.setattr(triton_ops, "use_skinny_lm_head", lambda x, w: False)
+    assert not skip(x, model.lm_head.weight)
 
 
 def test_the_switch_turns_the_timing_off(monkeypatch):
