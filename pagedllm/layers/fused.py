@@ -13,7 +13,8 @@ the GEMV's prologue (``kernels/fused_gemv.py``):
 
 Elsewhere (CPU, prefill, layers where cuBLAS wins) each is the two modules called one after the
 other, exactly as before. Invariant: both paths give the unfused result up to float32 summation
-order (the kernels round where the torch path rounds), and neither writes its inputs.
+order and, after a norm, one rounding of the normed row (which the fused GEMVs never round); neither
+writes its inputs.
 
 Cost on the fused path: one launch instead of two and no round trip of the normed / activated row
 through memory; each GEMV program recomputes the norm (or activation) of the M input rows from L2.

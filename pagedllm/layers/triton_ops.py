@@ -16,7 +16,9 @@ Triton is installed) it calls the one-launch kernel in ``pagedllm.layers.kernels
   epilogue (``use_fused_norm_qkv_rope``) -- one launch instead of three.
 
 The kernels reproduce the torch path's float semantics (fp32 math, and a rounding to the input dtype
-wherever the torch path rounds), so in bf16 they differ only by the summation order of the norm.
+wherever the torch path rounds) except that the norm GEMVs never round the normed row (they fold
+the norm in one pass, ``kernels/fused_gemv.py``): in bf16 they differ from the separate launches by
+about that one rounding.
 This module imports without Triton (CI has none); the kernels are imported at their first call.
 
 The switch: ``PAGEDLLM_FUSED_OPS=0`` in the environment turns the fused path off for the process;
@@ -181,7 +183,8 @@ def use_fused_norm_qkv_rope(x: torch.Tensor, residual: torch.Tensor | None, norm
     if x.shape[0] != 1 or not use_fused_norm_linear(x, residual, norm_weight, weight):
         return False
     return (cos_cache.dtype == torch.float32 and cos_cache.stride(-1) == 1 and kv_cache.dim() == 5
-            and kv_cache.dtype == x.dtype and kv_cache.stride(-1) == 1 and kv_cache.shape[-1] == 2 * cos_cache.shape[-1])
+            and kv_cache.dtype == x.dtype and kv_cache.stride(-1) == 1
+            and kv_cache.shape[-1] == 2 * cos_cache.shape[-1])
 
 
 def rms_norm_qkv_rope(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,

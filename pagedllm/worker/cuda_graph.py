@@ -2,10 +2,10 @@
 
 A pure decode step (every request computes one token) of ``n`` requests replays the graph of
 the smallest captured size >= n; the graph ends with the LM head, so a replay returns the logits
-(model dtype) of every row, padding included, and the step samples from the first ``n``. Captured graphs read the runner's persistent device input
-buffers (DeviceInputs), so a replay needs no argument copies beyond the step's one input copy;
-padded rows carry slot -1 (KV store skipped) and seq_len 0 (attention writes zeros), and their
-outputs are discarded. All graphs share one memory pool; capture time is part of start-up.
+(model dtype) of every row, padding included, and the step samples from the first ``n``. Captured
+graphs read the runner's persistent device input buffers (DeviceInputs), so a replay needs no
+argument copies beyond the step's one input copy; padded rows carry slot -1 (KV store skipped)
+and seq_len 0 (attention writes zeros), and their outputs are discarded. All graphs share one memory pool; capture time is part of start-up.
 Graphs of ``pdl.MAX_TOKENS`` request are captured with programmatic dependent launch.
 
 Invariant: ``self.graphs[bs]`` was captured with ``AttentionMetadata`` built over
@@ -114,6 +114,7 @@ class CUDAGraphRunner:
         return elapsed
 
     def replay(self, bs: int) -> torch.Tensor:
-        """Run the graph of size ``bs``; returns its logits ``[bs, vocab]`` (valid until the next replay)."""
+        """Run the graph of size ``bs``; returns its logits ``[bs, vocab]`` (valid until the next
+        replay)."""
         self.graphs[bs].replay()
         return self.outputs[bs]

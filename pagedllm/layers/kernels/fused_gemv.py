@@ -321,6 +321,7 @@ def rms_norm_qkv_rope(x: torch.Tensor, residual: torch.Tensor | None, norm_weigh
         cos_cache.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, BLOCK_P=pairs, BLOCK_K=block_k,
-        NUM_K_CHUNKS=triton.cdiv(k, block_k), BLOCK_SIZE=kv_cache.shape[2], num_warps=num_warps, num_stages=3, **launch_kwargs(x.device),
+        NUM_K_CHUNKS=triton.cdiv(k, block_k), BLOCK_SIZE=kv_cache.shape[2], num_warps=num_warps, num_stages=3,
+        **launch_kwargs(x.device),
     )  # fmt: skip
     return q_out, (residual_out if residual is not None else x)
