@@ -7,7 +7,9 @@ cuBLAS (which splits K and adds a reduce kernel), while at 128 rows cuBLAS is th
 model runner times both on the model's own weights, for each weight shape and each CUDA-graph
 batch size, before the graphs are captured (``tune``), and ``linear`` then calls the faster one.
 
-Invariant: ``linear(x, w, b)`` is ``F.linear(x, w, b)`` up to the GEMM kernel's summation order.
+Invariant: ``linear(x, w, b)`` is ``F.linear(x, w, b)`` up to the GEMM kernel's summation order;
+``linear_add_(x, w, r)`` (the residual-stream forward's o_proj and down_proj) is ``r += F.linear(x, w)``
+with one rounding, on the library chosen for ``F.linear`` (the add reads r in the same kernel).
 The table holds only ``(N, K, rows)`` keys where cuBLASLt was measured faster by more than
 ``MARGIN`` (or that ``set_cublaslt_choices`` put there); every other call (other shapes, other
 row counts, prefill, the CPU) is plain F.linear under the process's default library.
@@ -39,6 +41,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         with blas_library("cublaslt"):
             return F.linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def linear_add_(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """``residual += F.linear(x, weight)`` as one GEMM with the add in its epilogue (``addmm_``, beta =
+    1, in place: an out-of-place addmm first copies ``residual`` to its output, one more kernel);
+    the sum is rounded once, where the two ops round the product first. On the library ``tune``
+    measured faster for ``F.linear`` at this weight shape and row count. Returns ``residual``."""
+    if _cublaslt and x.dim() == 2 and (weight.shape[0], weight.shape[1], x.shape[0]) in _cublaslt and x.is_cuda:
+        with blas_library("cublaslt"):
+            return residual.addmm_(x, weight.t())
+    return residual.addmm_(x, weight.t())
 
 
 @contextlib.contextmanager

@@ -57,6 +57,14 @@ class Linear(nn.Module):
             return triton_ops.skinny_linear(x, self.weight, self.bias)
         return gemm_library.linear(x, self.weight, self.bias)
 
+    def forward_add_(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual += self(x)``, in place; returns ``residual``. On CUDA, without a bias and where
+        cuBLAS runs the layer, one GEMM with the add in its epilogue (``gemm_library.linear_add_``);
+        elsewhere the two ops."""
+        if self.bias is None and x.is_cuda and x.dim() == 2 and not triton_ops.use_skinny_gemm(x, self.weight):
+            return gemm_library.linear_add_(x, self.weight, residual)
+        return residual.add_(self(x))
+
 
 class MergedLinear(Linear):
     """Several projections of the same input stacked along the output dim, e.g. gate_up_proj =

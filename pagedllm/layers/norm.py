@@ -43,3 +43,13 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+
+def rms_scale(y: torch.Tensor, s: torch.Tensor, eps: float) -> torch.Tensor:
+    """``y`` with each row multiplied by ``1 / sqrt(mean(s_row^2) + eps)`` of the same row of ``s``
+    (float32, rounded to y's dtype): the RMSNorm of ``s`` applied after a linear layer instead of
+    before it. ``linear(rmsnorm(s) * g) == rms_scale(linear'(s), s, eps)`` when ``linear'`` holds
+    ``W * g`` and has no bias (``models/llama.py``, the residual-stream forward). The fused kernels
+    take the same scale as ``row_scale=(s, eps)``."""
+    rstd = torch.rsqrt(s.float().pow(2).mean(-1, keepdim=True) + eps)
+    return (y.float() * rstd).to(y.dtype)

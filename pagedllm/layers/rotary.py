@@ -103,16 +103,22 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         q_norm: RMSNorm | None, k_norm: RMSNorm | None,
         kv_store: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        row_scale: tuple[torch.Tensor, float] | None = None,
     ) -> torch.Tensor | None:
         """``forward`` with the attention's KV store folded into the same launch: the rotated k and
         the value go straight into the cache (``kv_store = Attention.fused_kv_store(v)``); returns the
         rotated q. None when the fused kernel does not apply (the caller then uses ``forward`` and
-        lets the backend store): one launch per layer instead of two."""
+        lets the backend store): one launch per layer instead of two. ``row_scale = (s, eps)``: q, k
+        and v are first scaled by each token's RMS of ``s`` (``norm.rms_scale``) in the same launch."""
         value, kv_cache = kv_store[0], kv_store[1]
         if not (self._fusable(q, k, q_norm, k_norm) and kv_cache.dtype == k.dtype and value.stride(-1) == 1):
             return None
+        if row_scale is not None:
+            s = row_scale[0]
+            if not (s.dim() == 2 and s.shape[0] == q.shape[0] and s.dtype == q.dtype and s.stride(-1) == 1):
+                return None
         q_rot, _ = triton_ops.qk_norm_rope(positions, q, k, self.cos_cache, self.sin_cache, _norm_args(q_norm),
-                                           _norm_args(k_norm), kv_store)
+                                           _norm_args(k_norm), kv_store, row_scale)
         return q_rot
 
     def _fusable(self, q: torch.Tensor, k: torch.Tensor, q_norm: RMSNorm | None, k_norm: RMSNorm | None) -> bool:

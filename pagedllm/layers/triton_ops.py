@@ -80,16 +80,28 @@ def qk_norm_rope(
     q_norm: tuple[torch.Tensor, float] | None = None,
     k_norm: tuple[torch.Tensor, float] | None = None,
     kv_store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    row_scale: tuple[torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     from pagedllm.layers.kernels.rotary import qk_norm_rope as kernel
 
-    return kernel(positions, q, k, cos_cache, sin_cache, q_norm, k_norm, kv_store=kv_store)
+    return kernel(positions, q, k, cos_cache, sin_cache, q_norm, k_norm, kv_store=kv_store, row_scale=row_scale)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, row_scale: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     from pagedllm.layers.kernels.activation import silu_and_mul as kernel
 
-    return kernel(x)
+    return kernel(x, row_scale=row_scale)
+
+
+# The residual-stream forward (``models/llama.py``; its norms folded into the projections after them)
+# from this many tokens up: below it the GEMVs take the norm and activation in their prologues and
+# the narrow projections (o, down at two rows) are GEMVs, which have no residual-add epilogue.
+RESIDUAL_STREAM_MIN_TOKENS = 3
+
+
+def use_residual_stream(x: torch.Tensor) -> bool:
+    """Whether a forward over ``x`` (the embeddings ``[T, hidden]``) takes the residual-stream path."""
+    return x.dim() == 2 and x.shape[0] >= RESIDUAL_STREAM_MIN_TOKENS and use_fused(x)
 
 
 # Where the Triton GEMV (default launch parameters) beats cuBLAS, measured on an H200 with

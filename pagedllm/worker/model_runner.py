@@ -45,6 +45,9 @@ def needs_token_history(params) -> bool:
 logger = logging.getLogger("pagedllm")
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# On CUDA the decoder layers' norm weights are folded into the projections after them, which lets
+# the model run its residual-stream forward (models/llama.py); PAGEDLLM_FOLD_NORMS=0 keeps them.
+FOLD_NORMS = os.environ.get("PAGEDLLM_FOLD_NORMS", "1").lower() not in ("0", "false", "no", "off")
 
 
 @dataclass
@@ -75,6 +78,9 @@ class ModelRunner:
         else:
             self.model = load_model(mc.source, mc.hf_config, self.dtype, self.device)
         self.model.eval()
+        if self.device.type == "cuda" and FOLD_NORMS and hasattr(self.model, "fold_norms"):
+            folded = self.model.fold_norms()
+            logger.debug("norm weights %s into the projections", "folded" if folded else "not folded (biases)")
         if self.device.type == "cpu":
             packed = pack_linear_weights(self.model)  # oneDNN-blocked weights: see layers/cpu_gemm.py
             logger.debug("prepacked %d linear weights for the CPU", packed)

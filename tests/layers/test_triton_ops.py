@@ -197,6 +197,24 @@ def test_silu_and_mul_kernel(dtype, rows, size):
     assert_matches(out, ref)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,size,hidden", [(3, 3072, 1024), (37, 1000, 576)])
+@kernel_test
+def test_silu_and_mul_kernel_with_row_scale(dtype, rows, size, hidden):
+    """``row_scale=(s, eps)``: gate and up scaled by each row's 1 / rms(s) first, as the layer's torch
+    path (``norm.rms_scale`` then SiLU-and-mul) does."""
+    from pagedllm.layers.kernels.activation import silu_and_mul
+
+    gen = torch.Generator(DEVICE).manual_seed(rows + size)
+    x = randn(rows, 2 * size, dtype=dtype, scale=3.0, gen=gen)
+    s = randn(rows, hidden + 8, dtype=dtype, scale=5.0, gen=gen)[:, 8:]  # strided rows
+    with triton_ops.fused_ops(False):
+        ref = SiluAndMul()(x, (s, 1e-6))
+    out = poisoned_like(ref)
+    assert silu_and_mul(x, out=out, row_scale=(s, 1e-6)) is out
+    assert_matches(out, ref)
+
+
 # ---- the layers' dispatch on CUDA ------------------------------------------------------------------
 
 

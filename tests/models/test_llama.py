@@ -125,6 +125,39 @@ def test_model_surface(tiny):
     assert all(a.kv_cache.numel() == 0 for a in m.attention_layers)
 
 
+def test_folded_norms_and_residual_stream_match_the_unfolded_model(tiny, monkeypatch):
+    """``fold_norms`` moves the layers' norm weights into qkv / gate_up; the residual-stream forward
+    (CUDA-only in the engine, forced here on the CPU from 3 tokens up, so the 1-token decodes below
+    still take the pair path on the folded weights) then matches the unfolded model and HF."""
+    from pagedllm.layers import triton_ops
+
+    model = load_model(tiny.source, tiny.hf_config, torch.float32, "cpu")
+    folded = model.fold_norms()
+    assert folded == (tiny.arch != "qwen2")  # Qwen2's q/k/v biases: nothing folded
+    if not folded:
+        return
+    assert model.model.norms_folded
+    assert all(bool((layer.input_layernorm.weight == 1).all()) for layer in model.model.layers)
+    calls = []
+    monkeypatch.setattr(triton_ops, "use_residual_stream", lambda x: calls.append(x.shape[0]) or x.shape[0] >= 3)
+    runner = PagedTestRunner(model, num_blocks=256, block_size=4)
+    outs = runner.step([(i, p) for i, p in enumerate(tiny.prompts)])
+    for out, p in zip(outs, tiny.prompts):
+        assert_logits_close(out, tiny.ref_logits(p))
+    seq = list(tiny.prompts[1])
+    token = int(outs[1][-1].argmax())
+    decode = []
+    for _ in range(3):
+        seq.append(token)
+        (out,) = runner.step([(1, [token])])
+        decode.append(out[0])
+        token = int(out[0].argmax())
+    assert_logits_close(torch.stack(decode), tiny.ref_logits(seq)[-3:])
+    assert calls[0] == sum(map(len, tiny.prompts)) and calls[1:] == [1, 1, 1]
+    model.load_weights(tiny.source.iter_weights())  # the checkpoint's norm weights come back
+    assert not model.model.norms_folded
+
+
 def test_load_weights_reports_missing_and_unexpected(tiny):
     from pagedllm.loader import iter_weights
 

@@ -8,9 +8,15 @@ Every product and sum is rounded to the input dtype where the torch path (``appl
 product into the next add), so without a norm the results are torch's bit for bit; with one they
 differ only where the norm's float32 sum lands differently.
 
+With ``row_scale = (s, eps)`` (the residual-stream forward, ``models/llama.py``: q, k and v come
+from a projection of the un-normed stream ``s`` whose weight holds the RMSNorm weight) each program
+first scales its heads (and v) by ``rstd = 1 / sqrt(mean(s[t]^2) + eps)`` of its token's row of
+``s``, rounding to the input dtype as the projection's output would be.
+
 Grid: ``(num_tokens, q head blocks + k head blocks)``; one program rotates ``BLOCK_H`` heads of one
 token. Cost: q and k are read once and written once (new contiguous tensors); the cos/sin rows
-(``rotary_dim`` float32 per token) come from L2. Inputs may be strided views (e.g. of the merged
+(``rotary_dim`` float32 per token) come from L2; with a row scale each program also reads its token's
+row of ``s``. Inputs may be strided views (e.g. of the merged
 qkv projection's output): only the last dim must be contiguous.
 """
 
@@ -41,6 +47,22 @@ def _load_halves(x_ptr, stride_h, first_head, num_heads, HALF: tl.constexpr, HAL
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
     return x1, x2
+
+
+@triton.jit
+def _row_rstd(s_ptr, eps, S_COLS: tl.constexpr, S_PAD: tl.constexpr):
+    """``1 / sqrt(mean(s^2) + eps)`` of one row of ``S_COLS`` elements (float32)."""
+    cols = tl.arange(0, S_PAD)
+    x = tl.load(s_ptr + cols, mask=cols < S_COLS, other=0.0).to(tl.float32)
+    return tl.math.rsqrt(tl.sum(x * x, axis=0) / S_COLS + eps)
+
+
+@triton.jit
+def _scaled(x, scale, io_dtype: tl.constexpr, HAS_SCALE: tl.constexpr):
+    """``x * scale`` rounded to ``io_dtype`` (as float32), or ``x`` itself without a scale."""
+    if HAS_SCALE:
+        x = _rounded(x * scale, io_dtype)
+    return x
 
 
 @triton.jit
@@ -102,11 +124,13 @@ def _norm_rope_store(
 
 @triton.jit
 def _rope_heads(x_ptr, stride_h, out_ptr, stride_out_h, w_ptr, eps, first_head, num_heads, cos_ptr, sin_ptr, pos,
-                stride_cache, io_dtype: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-                BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr):
-    """Heads ``first_head ..`` of one token: load them (before the position's cos/sin rows), norm
-    (optional), rotate and store."""
+                stride_cache, row_scale, io_dtype: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+                BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr, HAS_ROW_SCALE: tl.constexpr):
+    """Heads ``first_head ..`` of one token: load them (before the position's cos/sin rows), scale
+    (optional), norm (optional), rotate and store."""
     x1, x2 = _load_halves(x_ptr, stride_h, first_head, num_heads, HALF, HALF_PAD, BLOCK_H)
+    x1 = _scaled(x1, row_scale, io_dtype, HAS_ROW_SCALE)
+    x2 = _scaled(x2, row_scale, io_dtype, HAS_ROW_SCALE)
     cos, sin = _cos_sin(cos_ptr, sin_ptr, pos, stride_cache, io_dtype, HALF, HALF_PAD)
     _norm_rope_store(x1, x2, out_ptr, w_ptr, stride_out_h, first_head, num_heads, cos, sin, eps, io_dtype, HALF,
                      HALF_PAD, BLOCK_H, HAS_NORM)
@@ -144,6 +168,9 @@ def _qk_norm_rope_kernel(
     stride_c_blk,
     stride_c_slot,
     stride_c_head,
+    s_ptr,
+    stride_s,
+    s_eps,
     NUM_Q_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HALF: tl.constexpr,
@@ -153,6 +180,9 @@ def _qk_norm_rope_kernel(
     HAS_NORM: tl.constexpr,
     STORE_KV: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    HAS_ROW_SCALE: tl.constexpr,
+    S_COLS: tl.constexpr,
+    S_PAD: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     # Every load that does not need the position (q or k, v, the slot) is issued before the cos/sin
@@ -164,17 +194,20 @@ def _qk_norm_rope_kernel(
     pos = tl.load(pos_ptr + token).to(tl.int64)  # step metadata: read before the PDL wait
     wait_for_inputs(USE_PDL)
     allow_dependents(USE_PDL)  # one wave, no loop: the next kernel may be placed at once
+    row_scale = 1.0
+    if HAS_ROW_SCALE:
+        row_scale = _row_rstd(s_ptr + token * stride_s, s_eps, S_COLS, S_PAD)
     if head_block < NUM_Q_BLOCKS:
         _rope_heads(
             q_ptr + token * stride_q_tok, stride_q_head, q_out_ptr + token * stride_qo_tok, stride_qo_head, qw_ptr,
-            q_eps, head_block * BLOCK_H, NUM_Q_HEADS, cos_ptr, sin_ptr, pos, stride_cache, io_dtype, HALF,
-            HALF_PAD, BLOCK_H, HAS_NORM,
+            q_eps, head_block * BLOCK_H, NUM_Q_HEADS, cos_ptr, sin_ptr, pos, stride_cache, row_scale, io_dtype,
+            HALF, HALF_PAD, BLOCK_H, HAS_NORM, HAS_ROW_SCALE,
         )  # fmt: skip
     elif not STORE_KV:
         _rope_heads(
             k_ptr + token * stride_k_tok, stride_k_head, k_out_ptr + token * stride_ko_tok, stride_ko_head, kw_ptr,
             k_eps, (head_block - NUM_Q_BLOCKS) * BLOCK_H, NUM_KV_HEADS, cos_ptr, sin_ptr, pos, stride_cache,
-            io_dtype, HALF, HALF_PAD, BLOCK_H, HAS_NORM,
+            row_scale, io_dtype, HALF, HALF_PAD, BLOCK_H, HAS_NORM, HAS_ROW_SCALE,
         )  # fmt: skip
     else:  # rotated k and the untouched v go straight to the token's cache slot (skipped when < 0)
         first_head = (head_block - NUM_Q_BLOCKS) * BLOCK_H
@@ -185,6 +218,10 @@ def _qk_norm_rope_kernel(
         v_dims = tl.arange(0, 2 * HALF_PAD)
         v_mask = (v_heads[:, None] < NUM_KV_HEADS) & (v_dims[None, :] < 2 * HALF)
         v = tl.load(v_ptr + token * stride_v_tok + v_heads[:, None] * stride_v_head + v_dims[None, :], mask=v_mask)
+        x1 = _scaled(x1, row_scale, io_dtype, HAS_ROW_SCALE)
+        x2 = _scaled(x2, row_scale, io_dtype, HAS_ROW_SCALE)
+        if HAS_ROW_SCALE:
+            v = (v.to(tl.float32) * row_scale).to(io_dtype)
         cos, sin = _cos_sin(cos_ptr, sin_ptr, pos, stride_cache, io_dtype, HALF, HALF_PAD)
         if slot >= 0:
             dst = (slot // BLOCK_SIZE) * stride_c_blk + (slot % BLOCK_SIZE) * stride_c_slot
@@ -207,6 +244,7 @@ def qk_norm_rope(
     q_out: torch.Tensor | None = None,
     k_out: torch.Tensor | None = None,
     kv_store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    row_scale: tuple[torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rotated (and, with ``q_norm``/``k_norm`` = ``(weight [head_dim], eps)``, first normed) copies of
     ``q`` ``[T, H, D]`` and ``k`` ``[T, Hkv, D]`` (same dtype, unit last stride, any other strides).
@@ -219,6 +257,10 @@ def qk_norm_rope(
     fuses the KV store of the attention backend into this launch: the rotated k and ``value`` of
     token ``t`` are written to cache slot ``slot_mapping[t]`` (tokens with a negative slot, or
     ``t >= S``, are skipped) and no k copy is made: the second result is then None.
+
+    ``row_scale = (s [T, C], eps)``: q, k (and the stored value) of token ``t`` are first multiplied by
+    ``1 / sqrt(mean(s[t]^2) + eps)`` and rounded to their dtype (``norm.rms_scale`` is the torch
+    equivalent); ``s`` has q's dtype and a unit last stride.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -235,6 +277,11 @@ def qk_norm_rope(
         k_out = None
     elif k_out is None:
         k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if row_scale is not None:
+        stream, s_eps = row_scale
+        assert stream.dim() == 2 and stream.shape[0] == num_tokens and stream.stride(-1) == 1
+    else:
+        stream, s_eps = q, 0.0  # unread
     if num_tokens == 0:
         return q_out, k_out
     half_pad = triton.next_power_of_2(half)
@@ -252,6 +299,7 @@ def qk_norm_rope(
         k_out.stride(0) if k_out is not None else 0, k_out.stride(1) if k_out is not None else 0,
         cos_cache.stride(0), q_eps, k_eps,
         *_store_args(kv_store, q),
+        stream, stream.stride(0), s_eps,
         NUM_Q_HEADS=num_q_heads,
         NUM_KV_HEADS=num_kv_heads,
         HALF=half,
@@ -261,6 +309,9 @@ def qk_norm_rope(
         HAS_NORM=q_norm is not None,
         STORE_KV=kv_store is not None,
         BLOCK_SIZE=kv_store[1].shape[2] if kv_store is not None else 1,
+        HAS_ROW_SCALE=row_scale is not None,
+        S_COLS=stream.shape[1] if row_scale is not None else 1,
+        S_PAD=triton.next_power_of_2(stream.shape[1]) if row_scale is not None else 1,
         # No FMA contraction: with it LLVM turns ``round(x1*cos) - round(x2*sin)`` into a bf16/fp16
         # multiply and FMA, skipping the rounding of ``x2*sin`` that torch makes (1 ulp off on ~15%
         # of the rotated bf16 elements, measured on an H200).
