@@ -75,6 +75,9 @@ class LlamaAttention(nn.Module):
     writes k and v into the KV cache (``RotaryEmbedding.forward_and_store``), and the attention
     backend's launches; q/k/v stay views of the merged qkv output (no copies). At batch 1 without a
     q/k norm (Llama, Qwen2) norm, qkv, RoPE and the KV store are one launch (``fused_norm_qkv_rope``).
+    In the residual-stream form (``forward_stream``, 3+ tokens on CUDA with the norms folded) there
+    is no norm launch: qkv GEMM, one RoPE + KV-store launch that also applies the norm's row scale,
+    the attention, and the o_proj GEMM that adds into the stream.
     ``rotary_emb`` is the model's one shared table (a submodule of every layer, stored once).
     """
 
@@ -140,7 +143,9 @@ class LlamaMLP(nn.Module):
 
     Cost on CUDA: the norm launch, 2 GEMMs and one fused activation launch; at decode batch 1-2 the
     norm runs inside the gate_up GEMV and the activation inside the down GEMV wherever those are the
-    Triton GEMV (``layers.fused``), down to 2 launches.
+    Triton GEMV (``layers.fused``), down to 2 launches. In the residual-stream form
+    (``forward_stream``) 3 launches: gate_up GEMM, SiLU-and-mul with the norm's row scale, and the
+    down GEMM that adds into the stream.
     """
 
     def __init__(self, cfg: Any) -> None:
