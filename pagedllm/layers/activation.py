@@ -21,7 +21,8 @@ class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor, row_scale: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
         """``row_scale = (s, eps)``: scale gate and up by each row's RMS of ``s`` first
         (``norm.rms_scale``; one launch with it on CUDA)."""
-        if triton_ops.use_fused(x) and x.shape[-1] % 2 == 0 and (row_scale is None or _scale_fits(x, row_scale[0])):
+        if (triton_ops.use_fused(x) and x.shape[-1] % 2 == 0
+                and (row_scale is None or (x.dim() == 2 and triton_ops.row_scale_fits(x, row_scale)))):
             return triton_ops.silu_and_mul(x, row_scale)
         if row_scale is not None:
             x = rms_scale(x, *row_scale)
@@ -29,8 +30,3 @@ class SiluAndMul(nn.Module):
             return native.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
-
-
-def _scale_fits(x: torch.Tensor, s: torch.Tensor) -> bool:
-    """Whether the fused kernel takes ``s`` as the row scale of 2-D ``x``."""
-    return x.dim() == 2 and s.dim() == 2 and s.shape[0] == x.shape[0] and s.dtype == x.dtype and s.stride(-1) == 1

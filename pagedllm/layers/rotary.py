@@ -111,12 +111,9 @@ class RotaryEmbedding(nn.Module):
         lets the backend store): one launch per layer instead of two. ``row_scale = (s, eps)``: q, k
         and v are first scaled by each token's RMS of ``s`` (``norm.rms_scale``) in the same launch."""
         value, kv_cache = kv_store[0], kv_store[1]
-        if not (self._fusable(q, k, q_norm, k_norm) and kv_cache.dtype == k.dtype and value.stride(-1) == 1):
+        if not (self._fusable(q, k, q_norm, k_norm) and kv_cache.dtype == k.dtype and value.stride(-1) == 1
+                and triton_ops.row_scale_fits(q, row_scale)):
             return None
-        if row_scale is not None:
-            s = row_scale[0]
-            if not (s.dim() == 2 and s.shape[0] == q.shape[0] and s.dtype == q.dtype and s.stride(-1) == 1):
-                return None
         q_rot, _ = triton_ops.qk_norm_rope(positions, q, k, self.cos_cache, self.sin_cache, _norm_args(q_norm),
                                            _norm_args(k_norm), kv_store, row_scale)
         return q_rot

@@ -99,6 +99,15 @@ def silu_and_mul(x: torch.Tensor, row_scale: tuple[torch.Tensor, float] | None =
 RESIDUAL_STREAM_MIN_TOKENS = 3
 
 
+def row_scale_fits(x: torch.Tensor, row_scale: tuple[torch.Tensor, float] | None) -> bool:
+    """Whether a fused kernel takes ``row_scale = (s, eps)`` for the rows of ``x`` (2-D ``s`` with
+    x's rows and dtype and a unit last stride); True without a row scale."""
+    if row_scale is None:
+        return True
+    s = row_scale[0]
+    return s.dim() == 2 and s.shape[0] == x.shape[0] and s.dtype == x.dtype and s.stride(-1) == 1
+
+
 def use_residual_stream(x: torch.Tensor) -> bool:
     """Whether a forward over ``x`` (the embeddings ``[T, hidden]``) takes the residual-stream path."""
     return x.dim() == 2 and x.shape[0] >= RESIDUAL_STREAM_MIN_TOKENS and use_fused(x)
