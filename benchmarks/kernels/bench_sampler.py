@@ -1,7 +1,7 @@
-"""Time the fused Gumbel-max sampler (``sample.triton_sampling.gumbel_argmax``) on the GPU.
+"""Time the fused sampler (``sample.triton_sampling.categorical_sample``) on the GPU.
 
 Rows of Qwen3's vocabulary (151,936) in bf16, every row random (temperature 0.6) or every row
-greedy, inside CUDA graphs. ``--baseline FILE`` also times the ``gumbel_argmax`` of another copy of
+greedy, inside CUDA graphs. ``--baseline FILE`` also times the sampler of another copy of
 the module (e.g. ``git show HEAD:pagedllm/sample/triton_sampling.py > /tmp/old.py``), in the same
 run, so a change is measured as a ratio.
 
@@ -49,7 +49,8 @@ def main() -> None:
             cells = []
             for module in impls.values():
                 def draw(m=module, logits=logits, temp=temp, greedy=greedy, seeds=seeds):
-                    return m.gumbel_argmax(logits, temp, greedy, seeds)
+                    draw_fn = getattr(m, "categorical_sample", None) or m.gumbel_argmax  # older copies
+                    return draw_fn(logits, temp, greedy, seeds)
 
                 us = time_us(draw, graph=True)
                 cells.append(f"{us:7.1f} {logits.numel() * 2 / us / 1e3:5.0f}")

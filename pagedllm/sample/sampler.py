@@ -3,7 +3,7 @@
 One pass for the whole batch, in vLLM's order: raw logprobs (if asked) -> logits processors
 (allowed ids, bad words, min_tokens, logit bias, penalties; see logits_processors.py) -> greedy
 argmax -> temperature -> min-p -> top-k / top-p -> draw (torch_sampling.py; on the GPU rows
-without masks take the fused Gumbel kernel of triton_sampling.py). Greedy rows take the argmax
+without masks take the fused inverse-CDF kernels of triton_sampling.py). Greedy rows take the argmax
 of the processed logits. Rows with a seed draw their noise from a generator seeded by (seed,
 output position), so a seeded request produces the same tokens whatever else is in the batch
 and across preemption.
@@ -27,7 +27,7 @@ from pagedllm.sample.logits_processors import build_logits_processors
 from pagedllm.sample.logprobs import gather_logprobs
 from pagedllm.sample.torch_sampling import exponential_race, processed_probs
 from pagedllm.sample.transfer import host_to_device, numpy_to_device
-from pagedllm.sample.triton_sampling import fused_available, greedy_argmax, gumbel_argmax
+from pagedllm.sample.triton_sampling import categorical_sample, fused_available, greedy_argmax
 from pagedllm.sampling_params import SamplingParams
 
 _SEED_MIX = 0x9E3779B97F4A7C15
@@ -142,7 +142,7 @@ class Sampler:
                 if zero_copy.available(logits.device) else None
             if meta.all_greedy:
                 return greedy_argmax(logits, host), host
-            return gumbel_argmax(logits, meta.temperature, meta.greedy, self._row_seeds(meta, logits), host), host
+            return categorical_sample(logits, meta.temperature, meta.greedy, self._row_seeds(meta, logits), host), host
         if meta.all_greedy:
             return logits.argmax(dim=-1), None
         probs = processed_probs(logits, meta.temperature, meta.top_k, meta.top_p, meta.min_p, meta.max_top_k)

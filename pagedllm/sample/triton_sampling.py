@@ -1,24 +1,32 @@
-"""Fused sampling on the GPU: temperature + Gumbel-max draw in one pass over the logits.
+"""Fused sampling on the GPU: one token per row from softmax(logits / T), reading the logits once.
 
-For row r: ``argmax_v(logits[r, v] / T_r + G[r, v])`` with ``G = -log(-log U)``, ``U`` uniform
-from Philox(seed_r, v), is an exact draw from ``softmax(logits[r] / T_r)`` (the Gumbel-max
-trick) — no softmax, no normalisation, no materialised noise: one read of the logits. Greedy
-rows skip the noise. Used when no row needs a top-k / top-p / min-p mask (those need the sorted
-distribution; the torch path handles them).
+A row of ``V`` logits is cut into chunks of ``CHUNK`` columns. ``_chunk_stats_kernel`` (program per
+(row, chunk)) reads its chunk once, in the logits' own dtype, and stores the chunk's maximum ``m``
+of the scores ``x = logits * log2(e) / T``, its first argmax, and ``s = sum 2^(x - m)`` (one
+hardware ``ex2`` per column; greedy rows score with ``T = 1`` and only their argmax is used).
+``_draw_kernel`` (program per row) then draws by inverting the distribution in three levels, each
+with its own uniform from one Philox call on the row's seed:
 
-Each row's noise depends only on its seed, so a seeded request draws the same token whatever
-else is in the batch. Cost: one read of [B, V] logits in their own dtype (upcast in registers), by
-``B * ceil(V / 4096)`` programs (a row is split so that small batches still fill the GPU), then a
-tiny per-row reduce of the chunk winners: two launches (the reduce can also store the ids straight
-into pinned host memory, sparing the step a device->host copy). The noise, not the read, bounds the first:
-one Philox call serves four columns (``randint4x``) and each column takes two hardware ``lg2``
-approximations (``_gumbel_log2``), not two accurate ``logf`` calls (about 25 instructions each).
+1. a chunk, with probability ``s_c * 2^(m_c - max m) / total`` (cumulative sum over <= 64 chunks);
+2. within the chosen chunk, re-read (``CHUNK`` columns, ``CHUNK * 2`` bytes for bf16): a group of
+   ``GROUP`` columns, by its share of the chunk's mass;
+3. a column of that group, by its share of the group's mass.
 
-Scores are compared in base-2 units, ``logits * log2(e) / T - log2(E)`` with ``E = -ln U`` an
-Exp(1) draw: that is ``log2(e)`` times the natural-log score minus a constant, so the argmax is
-the same. ``E`` keeps its relative precision where it matters: the winning draws have small ``E``
-(``U`` near 1), where ``E`` comes from a series in ``1 - U`` built from the integer draw, not from
-the logarithm of a float that has rounded ``U`` to 24 bits.
+``P(column) = P(chunk) P(group | chunk) P(column | group)`` is exactly the column's softmax
+probability; drawing each level with a fresh uniform (not the residual of one) keeps the error
+of each level's fp32 comparison within ~2^-24 of its parent's mass for every bucket, so the whole
+draw is within ~1e-5 total-variation distance of the exact distribution. Greedy rows take the
+first maximum (argmax's tie rule).
+
+Invariants: a row's draw depends only on its logits, temperature and seed (a seeded request draws
+the same token whatever else is in the batch); a column of zero probability (``-inf`` logit, or
+``2^(x - m)`` underflowing to 0) is never drawn. Cost: one read of [B, V] logits by
+``B * ceil(V / CHUNK)`` programs, then per row one more read of one chunk: two launches; the draw
+kernel can also store the ids straight into pinned host memory (``pagedllm/zero_copy.py``), sparing
+the step a device->host copy. It replaced a Gumbel-max kernel (argmax of ``x`` plus Gumbel noise),
+whose noise cost two ``lg2`` and a quarter Philox call per column: 78.6 us against ~25 us for the
+read alone at 256 rows of 151,936 bf16 logits on an H200
+(``benchmarks/results/h200-sampler-2026-11-22.json``).
 """
 
 from __future__ import annotations
@@ -32,110 +40,105 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 if HAS_TRITON:
     import triton
     import triton.language as tl
-    from triton.language.extra import libdevice
 
     _LOG2E = tl.constexpr(1.4426950408889634)
-    _LN2 = tl.constexpr(0.6931471805599453)
 
     @triton.jit
-    def _gumbel_log2(r):
-        """``log2(E)`` for the Exp(1) draw ``E = -ln(1 - a)``, ``a = (r + 1/2) / 2^32`` uniform in (0, 1),
-        from the uint32 word ``r``. Below ``a = 1/16``, ``-ln(1 - a)`` is its series to ``a^7`` (relative
-        error < a^7/8); above, it is ``-ln2 * lg2(b)`` with ``b = 1 - a`` formed from ``~r`` as
-        precisely as ``a`` (``lg2.approx``: absolute error ~2^-22.6, so ``E >= 0.064`` is within ~2e-6
-        relative). The returned ``log2(E)`` is within ~3e-6 absolute."""
-        r = r.to(tl.uint32, bitcast=True)
-        a = (r.to(tl.float32) + 0.5) * 2.3283064365386963e-10
-        b = ((~r).to(tl.float32) + 0.5) * 2.3283064365386963e-10
-        series = a * (1.0 + a * (0.5 + a * (1.0 / 3 + a * (0.25 + a * (0.2 + a * (1.0 / 6 + a * (1.0 / 7)))))))
-        e = tl.where(a < 0.0625, series, -_LN2 * libdevice.fast_log2f(b))
-        return libdevice.fast_log2f(e)
+    def _row_scale(temp_ptr, greedy_ptr, row, ALL_GREEDY: tl.constexpr):
+        """``log2(e) / T`` for a random row, 1 for a greedy one (its scores are only compared)."""
+        if ALL_GREEDY:
+            return 1.0
+        greedy = tl.load(greedy_ptr + row) != 0
+        return tl.where(greedy, 1.0, _LOG2E / tl.load(temp_ptr + row))
 
     @triton.jit
-    def _scores(row_ptr, cols, vocab, inv_t_log2e, r, NOISE: tl.constexpr):
-        x = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
-        if NOISE:
-            x = x * inv_t_log2e - _gumbel_log2(r)
-        return x
-
-    @triton.jit
-    def _chunk_best(row_ptr, first_col, vocab, inv_t_log2e, seed, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                    NOISE: tl.constexpr):
-        """Per lane, the best score and its column over columns [first_col, first_col + CHUNK).
-
-        A block of ``BLOCK`` columns is four quarters; one Philox call (``randint4x``) gives a
-        column of each quarter its word: column ``start + j * QUARTER + i`` draws word ``j`` of
-        counter ``start // 4 + i``, its own (counter, word) pair, for a quarter of the Philox work
-        of one call per column. A lane visits its columns in increasing order and keeps the first
-        of equal scores. ``inv_t_log2e`` is ``log2(e) / T`` (scores in base-2 units)."""
-        QUARTER: tl.constexpr = BLOCK // 4
-        lane = tl.arange(0, QUARTER)
-        best_val = tl.full((QUARTER,), float("-inf"), tl.float32)
-        best_idx = tl.zeros((QUARTER,), tl.int32)
-        for start in range(first_col, first_col + CHUNK, BLOCK):
-            r0, r1, r2, r3 = best_idx, best_idx, best_idx, best_idx  # unused without noise
-            if NOISE:
-                r0, r1, r2, r3 = tl.randint4x(seed, start // 4 + lane)
-            for j in tl.static_range(4):
-                cols = start + j * QUARTER + lane
-                r = r0 if j == 0 else (r1 if j == 1 else (r2 if j == 2 else r3))
-                x = _scores(row_ptr, cols, vocab, inv_t_log2e, r, NOISE)
-                better = x > best_val
-                best_val = tl.where(better, x, best_val)
-                best_idx = tl.where(better, cols, best_idx)
-        return best_val, best_idx
-
-    @triton.jit
-    def _gumbel_chunk_kernel(logits_ptr, stride_row, temp_ptr, greedy_ptr, seed_ptr, best_val_ptr, best_idx_ptr,
-                             vocab, num_chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                             ALL_GREEDY: tl.constexpr):
-        """Program (row, c): the best (score, index) of columns [c * CHUNK, (c + 1) * CHUNK).
-        ``ALL_GREEDY``: a plain argmax; ``temp_ptr``, ``greedy_ptr`` and ``seed_ptr`` are not read."""
+    def _chunk_stats_kernel(logits_ptr, stride_row, temp_ptr, greedy_ptr, max_ptr, sum_ptr, idx_ptr, vocab,
+                            num_chunks, CHUNK: tl.constexpr, ALL_GREEDY: tl.constexpr):
+        """Program (row, c): max, first argmax and ``sum 2^(x - max)`` of the scores of columns
+        ``[c * CHUNK, (c + 1) * CHUNK)``. ``ALL_GREEDY``: no sum; ``temp_ptr``/``greedy_ptr`` unread."""
         row = tl.program_id(0)
         chunk = tl.program_id(1)
-        row_ptr = logits_ptr + row.to(tl.int64) * stride_row
-        if ALL_GREEDY:
-            best_val, best_idx = _chunk_best(row_ptr, chunk * CHUNK, vocab, 1.0, 0, CHUNK, BLOCK, False)
-        else:
-            inv_t_log2e = _LOG2E / tl.load(temp_ptr + row)
-            seed = tl.load(seed_ptr + row)
-            if tl.load(greedy_ptr + row) != 0:
-                best_val, best_idx = _chunk_best(row_ptr, chunk * CHUNK, vocab, inv_t_log2e, seed, CHUNK, BLOCK, False)
-            else:
-                best_val, best_idx = _chunk_best(row_ptr, chunk * CHUNK, vocab, inv_t_log2e, seed, CHUNK, BLOCK, True)
-        top = tl.max(best_val, axis=0)
-        # Lowest index among the maxima (argmax's tie rule).
-        cand = tl.where(best_val == top, best_idx, vocab)
-        tl.store(best_val_ptr + row * num_chunks + chunk, top)
-        tl.store(best_idx_ptr + row * num_chunks + chunk, tl.min(cand, axis=0))
+        cols = chunk * CHUNK + tl.arange(0, CHUNK)
+        x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < vocab, other=float("-inf"))
+        x = x.to(tl.float32) * _row_scale(temp_ptr, greedy_ptr, row, ALL_GREEDY)
+        top = tl.max(x, axis=0)
+        stat = row * num_chunks + chunk
+        tl.store(max_ptr + stat, top)
+        tl.store(idx_ptr + stat, tl.min(tl.where(x == top, cols, vocab), axis=0))
+        if not ALL_GREEDY:
+            top_safe = tl.where(top == float("-inf"), 0.0, top)  # a chunk of -inf only: its sum is 0
+            tl.store(sum_ptr + stat, tl.sum(tl.math.exp2(x - top_safe), axis=0))
 
     @triton.jit
-    def _gumbel_reduce_kernel(best_val_ptr, best_idx_ptr, out_ptr, host_out_ptr, vocab, num_chunks,
-                              CHUNKS_PAD: tl.constexpr, TO_HOST: tl.constexpr):
-        """Row ``row``'s winner over its chunks, stored to ``out`` and, ``TO_HOST``, to the pinned
-        ``host_out`` too (a zero-copy store: ``pagedllm/zero_copy.py``)."""
+    def _pick(weights, ids, u, fallback_id):
+        """Inverse CDF over one level: the first ``ids`` entry whose cumulative weight exceeds
+        ``u * total`` (``u`` in [0, 1)); where rounding leaves none, the last entry of positive
+        weight; ``fallback_id`` if no weight is positive."""
+        cum = tl.cumsum(weights, axis=0)
+        total = tl.max(cum, axis=0)
+        target = u * total
+        first = tl.min(tl.where(cum > target, ids, 2147483647), axis=0)
+        last_positive = tl.max(tl.where(weights > 0, ids, -1), axis=0)
+        chosen = tl.where(first == 2147483647, last_positive, first)
+        return tl.where(chosen < 0, fallback_id, chosen)
+
+    @triton.jit
+    def _uniform(word):
+        """uint32 word -> float32 uniform in [0, 1) (its top 24 bits)."""
+        return (word.to(tl.uint32, bitcast=True) >> 8).to(tl.float32) * 5.9604644775390625e-08
+
+    @triton.jit
+    def _draw_kernel(logits_ptr, stride_row, temp_ptr, greedy_ptr, seed_ptr, max_ptr, sum_ptr, idx_ptr, out_ptr,
+                     host_out_ptr, vocab, num_chunks, CHUNK: tl.constexpr, GROUP: tl.constexpr,
+                     CHUNKS_PAD: tl.constexpr, ALL_GREEDY: tl.constexpr, TO_HOST: tl.constexpr):
+        """Row ``row``'s token from its chunk stats (greedy: the first maximum; random: the three-level
+        inverse-CDF draw of the module doc), stored to ``out`` and, ``TO_HOST``, to ``host_out``."""
         row = tl.program_id(0)
         c = tl.arange(0, CHUNKS_PAD)
         valid = c < num_chunks
-        val = tl.load(best_val_ptr + row * num_chunks + c, mask=valid, other=float("-inf"))
-        idx = tl.load(best_idx_ptr + row * num_chunks + c, mask=valid, other=vocab)
-        top = tl.max(val, axis=0)
-        cand = tl.where(val == top, idx, vocab)
-        token = tl.min(cand, axis=0).to(tl.int64)
+        m = tl.load(max_ptr + row * num_chunks + c, mask=valid, other=float("-inf"))
+        best = tl.load(idx_ptr + row * num_chunks + c, mask=valid, other=vocab)
+        top = tl.max(m, axis=0)
+        argmax = tl.min(tl.where(m == top, best, vocab), axis=0)
+        if ALL_GREEDY:
+            token = argmax
+        else:
+            greedy = tl.load(greedy_ptr + row) != 0
+            token = argmax
+            if not greedy:
+                u1, u2, u3, _ = tl.randint4x(tl.load(seed_ptr + row), tl.zeros((1,), tl.int32))
+                top_safe = tl.where(top == float("-inf"), 0.0, top)
+                s = tl.load(sum_ptr + row * num_chunks + c, mask=valid, other=0.0)
+                chunk = _pick(s * tl.math.exp2(m - top_safe), c, tl.sum(_uniform(u1), axis=0), -1)
+                if chunk >= 0:
+                    m_c = tl.sum(tl.where(c == chunk, m, 0.0), axis=0)
+                    NUM_GROUPS: tl.constexpr = CHUNK // GROUP
+                    g = tl.arange(0, NUM_GROUPS)
+                    j = tl.arange(0, GROUP)
+                    cols = chunk * CHUNK + g[:, None] * GROUP + j[None, :]
+                    x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < vocab,
+                                other=float("-inf"))
+                    p = tl.math.exp2(x.to(tl.float32) * _row_scale(temp_ptr, greedy_ptr, row, False) - m_c)
+                    group = _pick(tl.sum(p, axis=1), g, tl.sum(_uniform(u2), axis=0), 0)
+                    in_group = tl.sum(tl.where(g[:, None] == group, p, 0.0), axis=0)
+                    col = _pick(in_group, j, tl.sum(_uniform(u3), axis=0), 0)
+                    token = chunk * CHUNK + group * GROUP + col
+        token = token.to(tl.int64)
         tl.store(out_ptr + row, token)
         if TO_HOST:
             tl.store(host_out_ptr + row, token)
 
 
-_CHUNK = 4096  # columns per program: a row of 152k logits is read by 38 programs in parallel
+_CHUNK = 4096  # columns per stats program: a row of 152k logits is read by 38 programs in parallel
+_GROUP = 64  # columns per group of the draw's second level (CHUNK // GROUP groups)
 
 
 def fused_available(logits: torch.Tensor) -> bool:
     return HAS_TRITON and logits.is_cuda
 
 
-def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor,
-                  seeds: torch.Tensor, host_out: torch.Tensor | None = None) -> torch.Tensor:
+def categorical_sample(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor,
+                       seeds: torch.Tensor, host_out: torch.Tensor | None = None) -> torch.Tensor:
     """Token ids [B] drawn from softmax(logits / T) per row (argmax on greedy rows).
 
     ``logits`` [B, V] (any float dtype, last dim contiguous), ``temperature`` float32 [B] (ignored
@@ -146,9 +149,8 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, greedy: torch
 
 
 def greedy_argmax(logits: torch.Tensor, host_out: torch.Tensor | None = None) -> torch.Tensor:
-    """``logits.argmax(-1)`` (ties: the lowest index) in the sampler's two launches. One row of
-    151,936 bf16 logits on an H200: 3.1-3.5 us + 1.2 us, where torch's argmax took 8.5 us after a
-    0.8 us memset (``benchmarks/gpu/timeline_decode.py``). ``host_out`` as in ``gumbel_argmax``."""
+    """``logits.argmax(-1)`` (ties: the lowest index) in the sampler's two launches. ``host_out`` as
+    in ``categorical_sample``."""
     return _launch(logits, None, host_out)
 
 
@@ -161,13 +163,16 @@ def _launch(logits: torch.Tensor, row_params: tuple[torch.Tensor, torch.Tensor, 
     assert host_out is None or (host_out.dtype == torch.int64 and host_out.shape == (num_rows,))
     assert logits.stride(-1) == 1
     num_chunks = triton.cdiv(vocab, _CHUNK)
-    best_val = torch.empty((num_rows, num_chunks), dtype=torch.float32, device=logits.device)
-    best_idx = torch.empty((num_rows, num_chunks), dtype=torch.int32, device=logits.device)
+    chunk_max = torch.empty((num_rows, num_chunks), dtype=torch.float32, device=logits.device)
+    chunk_sum = torch.empty_like(chunk_max) if row_params is not None else chunk_max  # unused when greedy
+    chunk_idx = torch.empty((num_rows, num_chunks), dtype=torch.int32, device=logits.device)
     temperature, greedy, seeds = row_params if row_params is not None else (logits, logits, logits)  # unread
-    _gumbel_chunk_kernel[(num_rows, num_chunks)](logits, logits.stride(0), temperature, greedy, seeds, best_val,
-                                                 best_idx, vocab, num_chunks, CHUNK=_CHUNK, BLOCK=1024,
-                                                 ALL_GREEDY=row_params is None, num_warps=4)
-    _gumbel_reduce_kernel[(num_rows,)](best_val, best_idx, out, out if host_out is None else host_out, vocab,
-                                       num_chunks, CHUNKS_PAD=triton.next_power_of_2(num_chunks),
-                                       TO_HOST=host_out is not None, num_warps=1)
+    all_greedy = row_params is None
+    _chunk_stats_kernel[(num_rows, num_chunks)](logits, logits.stride(0), temperature, greedy, chunk_max, chunk_sum,
+                                                chunk_idx, vocab, num_chunks, CHUNK=_CHUNK, ALL_GREEDY=all_greedy,
+                                                num_warps=4)
+    _draw_kernel[(num_rows,)](logits, logits.stride(0), temperature, greedy, seeds, chunk_max, chunk_sum, chunk_idx,
+                              out, out if host_out is None else host_out, vocab, num_chunks, CHUNK=_CHUNK,
+                              GROUP=_GROUP, CHUNKS_PAD=triton.next_power_of_2(num_chunks), ALL_GREEDY=all_greedy,
+                              TO_HOST=host_out is not None, num_warps=4)
     return out
