@@ -8,6 +8,7 @@ decode step that reads all weights once (shared by the batch) and the request's 
 from __future__ import annotations
 
 import datetime
+import os
 import subprocess
 from dataclasses import asdict, dataclass
 
@@ -123,11 +124,19 @@ def measure_matmul_rate(device, n: int = 8192, iters: int = 10) -> float:
 
 
 def git_commit() -> str:
+    """The commit measured: ``PAGEDLLM_COMMIT`` if set (a copy of the tree whose ``.git`` lags behind
+    it, as on a lent GPU machine), else ``git rev-parse --short HEAD``, suffixed ``+dirty`` when
+    tracked files differ from it."""
+    if os.environ.get("PAGEDLLM_COMMIT"):
+        return os.environ["PAGEDLLM_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                 text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+    return f"{head}+dirty" if changed else head
 
 
 def today() -> str:
