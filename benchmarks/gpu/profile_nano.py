@@ -28,7 +28,7 @@ KINDS = [  # (kind, substrings of the kernel name), first match wins
     ("attn decode", ("_decode_split_kernel",)),
     ("attn reduce", ("_decode_reduce_kernel",)),
     ("attn prefill", ("_unified_attention_kernel",)),
-    ("sampler", ("sampl", "gumbel", "argmax", "softmax")),
+    ("sampler", ("sampl", "gumbel", "argmax", "softmax")),  # "sampl": _sample_chunk_stats_kernel, _sample_draw_kernel
     ("gemv (triton)", ("gemv", "skinny")),
     ("gemm (cublas)", ("nvjet", "gemm", "xmma", "cutlass", "splitk", "splitK")),
     ("norm", ("norm",)),

@@ -1,11 +1,11 @@
 """Fused sampling on the GPU: one token per row from softmax(logits / T), reading the logits once.
 
-A row of ``V`` logits is cut into chunks of ``CHUNK`` columns. ``_chunk_stats_kernel`` (program per
-(row, chunk)) reads its chunk once, in the logits' own dtype, and stores the chunk's maximum ``m``
+A row of ``V`` logits is cut into chunks of ``CHUNK`` columns. ``_sample_chunk_stats_kernel``
+(program per (row, chunk)) reads its chunk once, in the logits' own dtype, and stores the chunk's maximum ``m``
 of the scores ``x = logits * log2(e) / T``, its first argmax, and ``s = sum 2^(x - m)`` (one
 hardware ``ex2`` per column; greedy rows score with ``T = 1`` and only their argmax is used).
-``_draw_kernel`` (program per row) then draws by inverting the distribution in three levels, each
-with its own uniform from one Philox call on the row's seed:
+``_sample_draw_kernel`` (program per row) then draws by inverting the distribution in three
+levels, each with its own uniform from one Philox call on the row's seed:
 
 1. a chunk, with probability ``s_c * 2^(m_c - max m) / total`` (cumulative sum over <= 64 chunks);
 2. within the chosen chunk, re-read (``CHUNK`` columns, ``CHUNK * 2`` bytes for bf16): a group of
@@ -52,7 +52,7 @@ if HAS_TRITON:
         return tl.where(greedy, 1.0, _LOG2E / tl.load(temp_ptr + row))
 
     @triton.jit
-    def _chunk_stats_kernel(logits_ptr, stride_row, temp_ptr, greedy_ptr, max_ptr, sum_ptr, idx_ptr, vocab,
+    def _sample_chunk_stats_kernel(logits_ptr, stride_row, temp_ptr, greedy_ptr, max_ptr, sum_ptr, idx_ptr, vocab,
                             num_chunks, CHUNK: tl.constexpr, ALL_GREEDY: tl.constexpr):
         """Program (row, c): max, first argmax and ``sum 2^(x - max)`` of the scores of columns
         ``[c * CHUNK, (c + 1) * CHUNK)``. ``ALL_GREEDY``: no sum; ``temp_ptr``/``greedy_ptr`` unread."""
@@ -88,7 +88,7 @@ if HAS_TRITON:
         return (word.to(tl.uint32, bitcast=True) >> 8).to(tl.float32) * 5.9604644775390625e-08
 
     @triton.jit
-    def _draw_kernel(logits_ptr, stride_row, temp_ptr, greedy_ptr, seed_ptr, max_ptr, sum_ptr, idx_ptr, out_ptr,
+    def _sample_draw_kernel(logits_ptr, stride_row, temp_ptr, greedy_ptr, seed_ptr, max_ptr, sum_ptr, idx_ptr, out_ptr,
                      host_out_ptr, vocab, num_chunks, CHUNK: tl.constexpr, GROUP: tl.constexpr,
                      CHUNKS_PAD: tl.constexpr, ALL_GREEDY: tl.constexpr, TO_HOST: tl.constexpr):
         """Row ``row``'s token from its chunk stats (greedy: the first maximum; random: the three-level
@@ -172,11 +172,12 @@ def _launch(logits: torch.Tensor, row_params: tuple[torch.Tensor, torch.Tensor, 
     chunk_idx = torch.empty((num_rows, num_chunks), dtype=torch.int32, device=logits.device)
     temperature, greedy, seeds = row_params if row_params is not None else (logits, logits, logits)  # unread
     all_greedy = row_params is None
-    _chunk_stats_kernel[(num_rows, num_chunks)](logits, logits.stride(0), temperature, greedy, chunk_max, chunk_sum,
-                                                chunk_idx, vocab, num_chunks, CHUNK=_CHUNK, ALL_GREEDY=all_greedy,
-                                                num_warps=_STATS_WARPS)
-    _draw_kernel[(num_rows,)](logits, logits.stride(0), temperature, greedy, seeds, chunk_max, chunk_sum, chunk_idx,
-                              out, out if host_out is None else host_out, vocab, num_chunks, CHUNK=_CHUNK,
-                              GROUP=_GROUP, CHUNKS_PAD=triton.next_power_of_2(num_chunks), ALL_GREEDY=all_greedy,
-                              TO_HOST=host_out is not None, num_warps=_DRAW_WARPS)
+    _sample_chunk_stats_kernel[(num_rows, num_chunks)](
+        logits, logits.stride(0), temperature, greedy, chunk_max, chunk_sum, chunk_idx, vocab, num_chunks,
+        CHUNK=_CHUNK, ALL_GREEDY=all_greedy, num_warps=_STATS_WARPS)
+    _sample_draw_kernel[(num_rows,)](
+        logits, logits.stride(0), temperature, greedy, seeds, chunk_max, chunk_sum, chunk_idx, out,
+        out if host_out is None else host_out, vocab, num_chunks, CHUNK=_CHUNK, GROUP=_GROUP,
+        CHUNKS_PAD=triton.next_power_of_2(num_chunks), ALL_GREEDY=all_greedy, TO_HOST=host_out is not None,
+        num_warps=_DRAW_WARPS)
     return out

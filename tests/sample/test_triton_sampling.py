@@ -11,16 +11,17 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def test_greedy_rows_are_argmax():
     logits = torch.randn(37, 50_000, device="cuda", dtype=torch.bfloat16)
     n = logits.shape[0]
-    out = triton_sampling.categorical_sample(logits, torch.ones(n, device="cuda"), torch.ones(n, dtype=torch.bool, device="cuda"),
-                                        torch.arange(n, device="cuda"))
+    out = triton_sampling.categorical_sample(logits, torch.ones(n, device="cuda"),
+                                             torch.ones(n, dtype=torch.bool, device="cuda"), torch.arange(n, device="cuda"))
     assert torch.equal(out, logits.float().argmax(-1))
 
 
 def test_ties_take_the_lowest_index():
     logits = torch.zeros(2, 10_000, device="cuda")
     logits[:, 7] = logits[:, 3000] = logits[:, 9000] = 5.0  # 9000 lies in another chunk
-    out = triton_sampling.categorical_sample(logits, torch.ones(2, device="cuda"), torch.ones(2, dtype=torch.bool, device="cuda"),
-                                        torch.zeros(2, dtype=torch.int64, device="cuda"))
+    out = triton_sampling.categorical_sample(logits, torch.ones(2, device="cuda"),
+                                             torch.ones(2, dtype=torch.bool, device="cuda"),
+                                             torch.zeros(2, dtype=torch.int64, device="cuda"))
     assert out.tolist() == [7, 7]
 
 
@@ -47,8 +48,8 @@ def test_winner_in_any_chunk_of_a_large_vocab():
     for row, col in enumerate([0, 4095, 4096, 100_000, vocab - 1]):
         logits[row, col] = 50.0
     n = logits.shape[0]
-    out = triton_sampling.categorical_sample(logits, torch.ones(n, device="cuda"), torch.ones(n, dtype=torch.bool, device="cuda"),
-                                        torch.arange(n, device="cuda"))
+    out = triton_sampling.categorical_sample(logits, torch.ones(n, device="cuda"),
+                                             torch.ones(n, dtype=torch.bool, device="cuda"), torch.arange(n, device="cuda"))
     assert out.tolist() == [0, 4095, 4096, 100_000, vocab - 1]
 
 
