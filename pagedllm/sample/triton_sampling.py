@@ -1,9 +1,10 @@
 """Fused sampling on the GPU: one token per row from softmax(logits / T), reading the logits once.
 
 A row of ``V`` logits is cut into chunks of ``CHUNK`` columns. ``_sample_chunk_stats_kernel``
-(program per (row, chunk)) reads its chunk once, in the logits' own dtype, and stores the chunk's maximum ``m``
-of the scores ``x = logits * log2(e) / T``, its first argmax, and ``s = sum 2^(x - m)`` (one
-hardware ``ex2`` per column; greedy rows score with ``T = 1`` and only their argmax is used).
+(program per (row, chunk)) reads its chunk once, in the logits' own dtype, and stores the chunk's
+maximum ``m`` of the scores ``x = logits * log2(e) / T``, its first argmax, and
+``s = sum 2^(x - m)`` (one hardware ``ex2`` per column; greedy rows score with ``T = 1`` and only
+their argmax is used).
 ``_sample_draw_kernel`` (program per row) then draws by inverting the distribution in three
 levels, each with its own uniform from one Philox call on the row's seed:
 
@@ -52,8 +53,8 @@ if HAS_TRITON:
         return tl.where(greedy, 1.0, _LOG2E / tl.load(temp_ptr + row))
 
     @triton.jit
-    def _sample_chunk_stats_kernel(logits_ptr, stride_row, temp_ptr, greedy_ptr, max_ptr, sum_ptr, idx_ptr, vocab,
-                            num_chunks, CHUNK: tl.constexpr, ALL_GREEDY: tl.constexpr):
+    def _sample_chunk_stats_kernel(logits_ptr, stride_row, temp_ptr, greedy_ptr, max_ptr, sum_ptr, idx_ptr,
+                                   vocab, num_chunks, CHUNK: tl.constexpr, ALL_GREEDY: tl.constexpr):
         """Program (row, c): max, first argmax and ``sum 2^(x - max)`` of the scores of columns
         ``[c * CHUNK, (c + 1) * CHUNK)``. ``ALL_GREEDY``: no sum; ``temp_ptr``/``greedy_ptr`` unread."""
         row = tl.program_id(0)
@@ -88,9 +89,9 @@ if HAS_TRITON:
         return (word.to(tl.uint32, bitcast=True) >> 8).to(tl.float32) * 5.9604644775390625e-08
 
     @triton.jit
-    def _sample_draw_kernel(logits_ptr, stride_row, temp_ptr, greedy_ptr, seed_ptr, max_ptr, sum_ptr, idx_ptr, out_ptr,
-                     host_out_ptr, vocab, num_chunks, CHUNK: tl.constexpr, GROUP: tl.constexpr,
-                     CHUNKS_PAD: tl.constexpr, ALL_GREEDY: tl.constexpr, TO_HOST: tl.constexpr):
+    def _sample_draw_kernel(logits_ptr, stride_row, temp_ptr, greedy_ptr, seed_ptr, max_ptr, sum_ptr, idx_ptr,
+                            out_ptr, host_out_ptr, vocab, num_chunks, CHUNK: tl.constexpr, GROUP: tl.constexpr,
+                            CHUNKS_PAD: tl.constexpr, ALL_GREEDY: tl.constexpr, TO_HOST: tl.constexpr):
         """Row ``row``'s token from its chunk stats (greedy: the first maximum; random: the three-level
         inverse-CDF draw of the module doc), stored to ``out`` and, ``TO_HOST``, to ``host_out``."""
         row = tl.program_id(0)
