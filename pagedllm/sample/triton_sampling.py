@@ -100,13 +100,9 @@ if HAS_TRITON:
         m = tl.load(max_ptr + row * num_chunks + c, mask=valid, other=float("-inf"))
         best = tl.load(idx_ptr + row * num_chunks + c, mask=valid, other=vocab)
         top = tl.max(m, axis=0)
-        argmax = tl.min(tl.where(m == top, best, vocab), axis=0)
-        if ALL_GREEDY:
-            token = argmax
-        else:
-            greedy = tl.load(greedy_ptr + row) != 0
-            token = argmax
-            if not greedy:
+        token = tl.min(tl.where(m == top, best, vocab), axis=0)  # the argmax: greedy rows keep it
+        if not ALL_GREEDY:
+            if tl.load(greedy_ptr + row) == 0:
                 u1, u2, u3, _ = tl.randint4x(tl.load(seed_ptr + row), tl.zeros((1,), tl.int32))
                 top_safe = tl.where(top == float("-inf"), 0.0, top)
                 s = tl.load(sum_ptr + row * num_chunks + c, mask=valid, other=0.0)
