@@ -285,7 +285,7 @@ class ModelRunner:
         else:
             with forward_context(inp.attn_metadata, self.backend):
                 hidden = self.model(inp.input_ids, inp.positions)
-        handle = StepHandle(self, inp.req_ids, inp.sample_req_idx)
+        handle = StepHandle(self.input_batch, inp.req_ids, inp.sample_req_idx)
         if inp.sample_req_idx:
             # Logits in the model dtype: the sampler upcasts where it needs float32.
             if graph_logits is not None:
@@ -535,10 +535,14 @@ class StepTrace:
 class StepHandle:
     """One launched step: the sampled ids (and logprobs) are being copied to pinned host memory;
     ``result()`` waits on an event for them, applies them to the InputBatch once, and returns the
-    ModelRunnerOutput. Rows that were freed (or freed and reused) meanwhile are skipped."""
+    ModelRunnerOutput. Rows that were freed (or freed and reused) meanwhile are skipped.
 
-    def __init__(self, runner: ModelRunner | None, req_ids: list[str], sample_req_idx: list[int]) -> None:
-        self.runner = runner
+    It holds the runner's InputBatch, not the runner: the runner keeps its last handle, and a
+    runner <-> handle cycle would outlive the engine (the engine core freezes the garbage collector's
+    view of everything built at start-up), keeping the model and the KV cache on the GPU."""
+
+    def __init__(self, batch: InputBatch | None, req_ids: list[str], sample_req_idx: list[int]) -> None:
+        self.batch = batch
         self.req_ids = req_ids
         self.sample_req_idx = sample_req_idx
         self.prompt_logprobs: dict = {}
@@ -556,7 +560,7 @@ class StepHandle:
         return handle
 
     def launch_copies(self, result: SamplerOutput, rows: list[int], params: list) -> None:
-        batch = self.runner.input_batch
+        batch = self.batch
         self._rows, self._params = rows, params
         self._gens = [int(batch.generation[r]) for r in rows]
         batch.num_pending[rows] += 1
@@ -580,7 +584,7 @@ class StepHandle:
             return self._output
         if self._event is not None:
             self._event.synchronize()
-        batch = self.runner.input_batch
+        batch = self.batch
         sampled: list[list[int]] = [[] for _ in self.req_ids]
         logprobs_out = None
         if self._host is not None:
