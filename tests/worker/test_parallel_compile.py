@@ -46,3 +46,26 @@ def test_launches_inside_compile_but_do_not_run():
     _add[(1,)](x, 100, 2.0, BLOCK=256)
     assert len(cache) == 2  # no new compilation
     assert bool((x == 3.0).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_launchers_are_built_inside_the_scope(monkeypatch):
+    """Each compiled kernel's host launcher (a C module) is built when the scope ends, into Triton's
+    cache, where the kernel's first launch then finds it."""
+    from triton.runtime.driver import driver
+
+    built = []
+    original = driver.active.launcher_cls
+
+    def counting_launcher(src, metadata):
+        built.append(src.fn.__name__)
+        return original(src, metadata)
+
+    monkeypatch.setattr(driver.active, "launcher_cls", counting_launcher)
+    x = torch.zeros(100, device="cuda")
+    with compile_only():
+        _add[(1,)](x, 100, 1.0, BLOCK=512)
+    assert built == ["_add"]
+    _add[(1,)](x, 100, 1.0, BLOCK=512)
+    assert bool((x == 1.0).all())
