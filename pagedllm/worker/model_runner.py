@@ -201,7 +201,8 @@ class ModelRunner:
         """A dry pass over every forward start-up runs (the memory profile, the eager warm-up shapes,
         one decode per CUDA-graph size, the sampler's greedy and random launches) that compiles their
         Triton kernels in parallel; the real passes then only launch (with the sampler in the dry
-        pass, a cold start on an H100 took 20.1-20.4 s to the first token instead of 22.1-22.4 s). Needs the (dummy) KV caches bound; see worker/parallel_compile.py."""
+        pass, a cold start on an H100 took 20.1-20.4 s to the first token instead of 22.1-22.4 s).
+        Needs the (dummy) KV caches bound; see worker/parallel_compile.py."""
         t0 = time.perf_counter()
         with compile_only() as active:
             if not active:

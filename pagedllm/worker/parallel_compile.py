@@ -12,8 +12,8 @@ without compiling anything.
 Inside the scope nothing computed by a Triton kernel is valid (its output buffer keeps whatever
 it held), so only passes whose results are thrown away may run there, and nothing may use such
 a result as an index. The sampler may run there on plain metadata (no logprobs, no processors):
-its token ids are then its whole result, used as nothing. Where this Triton has no ``AsyncCompileMode``
-the scope yields False and the caller skips the dry pass.
+its token ids are then its whole result, used as nothing. Where this Triton has no
+``AsyncCompileMode`` the scope yields False and the caller skips the dry pass.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ def test_start_up_objects_are_frozen(tmp_path):
     try:
         assert gc.get_freeze_count() > 10_000
     finally:
-        del engine  # hands the frozen objects back (the next test)
+        del engine  # its finalizer hands the frozen objects back to the collector
 
 
 def test_a_dropped_engine_frees_its_model_kv_cache_and_scheduler(tmp_path):
