@@ -5,7 +5,8 @@ the smallest captured size >= n; the graph ends with the LM head, so a replay re
 (model dtype) of every row, padding included, and the step samples from the first ``n``. Captured
 graphs read the runner's persistent device input buffers (DeviceInputs), so a replay needs no
 argument copies beyond the step's one input copy; padded rows carry slot -1 (KV store skipped)
-and seq_len 0 (attention writes zeros), and their outputs are discarded. All graphs share one memory pool; capture time is part of start-up.
+and seq_len 0 (attention writes zeros), and their outputs are discarded. All graphs share one
+memory pool; capture time is part of start-up.
 Graphs of ``pdl.MAX_TOKENS`` request are captured with programmatic dependent launch.
 
 Invariant: ``self.graphs[bs]`` was captured with ``AttentionMetadata`` built over

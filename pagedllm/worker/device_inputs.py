@@ -6,9 +6,9 @@ step's (padded) token and request counts (``step_layout``), and reach the device
 non-blocking copy into one device buffer, whose views the step then uses. On CUDA a decode-sized
 step's copy is a kernel that reads the pinned buffer itself (``pagedllm/zero_copy.py``: no
 copy-engine handoffs on the GPU's timeline). A CUDA graph for batch size ``bs`` captures the views
-of ``step_layout(bs, bs)``, so a replay finds its inputs where a step of that size copies them. (One copy instead of one per field: each small H2D copy costs about
-1 us of copy engine time plus a ~1.5 us gap on the GPU's timeline, which at decode batch 1 is
-a few percent of the step.)
+of ``step_layout(bs, bs)``, so a replay finds its inputs where a step of that size copies them.
+(One copy instead of one per field: each small H2D copy costs about 1 us of copy engine time plus
+a ~1.5 us gap on the GPU's timeline, which at decode batch 1 is a few percent of the step.)
 
 The block table lives on the device, indexed by InputBatch row, and is updated incrementally: a
 step sends only the (row, column, block id) triples of blocks added since the last step, then
@@ -24,8 +24,8 @@ behind the previous step's kernels on the same stream.
 
 Invariant: for every live InputBatch row, ``block_table[row, :n]`` on the device equals the
 host InputBatch's ``block_table[row, :n]`` once ``flush_block_updates`` has run for the step.
-Cost per step: one H2D copy (or zero-copy kernel) of O(tokens + requests) bytes, plus one of the new blocks' triples
-when a request gained blocks.
+Cost per step: one H2D copy (or zero-copy kernel) of O(tokens + requests) bytes, plus one of the
+new blocks' triples when a request gained blocks.
 """
 
 from __future__ import annotations

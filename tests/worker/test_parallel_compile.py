@@ -69,3 +69,28 @@ def test_launchers_are_built_inside_the_scope(monkeypatch):
     assert built == ["_add"]
     _add[(1,)](x, 100, 1.0, BLOCK=512)
     assert bool((x == 1.0).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_start_up_dry_pass_includes_the_sampler(monkeypatch, tmp_path):
+    """The engine's parallel dry pass runs the sampler too (its kernels compile with the others),
+    and the real warm-up runs it again outside the scope."""
+    from triton.runtime import _async_compile
+
+    from pagedllm import EngineArgs
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.sample.sampler import Sampler
+    from tests.helpers import make_tiny_model
+
+    inside_scope = []
+    original_call = Sampler.__call__
+
+    def recording_call(self, logits, meta):
+        inside_scope.append(_async_compile.active_mode.get() is not None)
+        return original_call(self, logits, meta)
+
+    monkeypatch.setattr(Sampler, "__call__", recording_call)
+    LLMEngine.from_engine_args(EngineArgs(model=make_tiny_model("qwen3", tmp_path), dtype="bfloat16",
+                                          gpu_memory_utilization=0.3, skip_tokenizer_init=True))
+    assert True in inside_scope and False in inside_scope
