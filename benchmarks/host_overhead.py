@@ -108,7 +108,7 @@ def make_config(num_blocks: int, max_model_len: int, skip_tokenizer_init: bool) 
         model_config=model,
         cache_config=CacheConfig(block_size=16, num_blocks=num_blocks, enable_prefix_caching=True),
         scheduler_config=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=max_model_len),
-        device="cuda", enforce_eager=False, attention_backend="triton", max_logprobs=20, log_stats=False,
+        device="cuda", enforce_eager=False, attention_backend="triton", max_logprobs=20,
     )
 
 

@@ -26,9 +26,55 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
+    """The paged KV cache. ``num_blocks`` is 0 until the worker has sized the cache; the engine core
+    then builds the final config with the number it allocated."""
+
     block_size: int
     num_blocks: int
     enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9  # CUDA: share of the device memory the engine may take
+    kv_cache_memory: int | None = None  # CPU: bytes for the KV cache (None: a default budget)
+    num_gpu_blocks_override: int | None = None  # a fixed number of blocks (tests, benchmarks)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is split across devices and processes. Sizes above 1 are refused until the
+    parallel executors exist; the layers are already written for a group of this size."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: str = "uni"  # "uni" (one process) | "mp" | "ray"
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Which kernel families the engine may use; read from the environment once, at config build
+    (``envs.py``), and fixed for the engine's life. The per-device thresholds that choose among the
+    allowed kernels live in ``layers/tuning.py``."""
+
+    fused_ops: bool = True  # fused Triton norm / RoPE / activation / small-batch GEMV kernels (CUDA)
+    pdl: bool = True  # programmatic dependent launch in batch-1 decode graphs (CUDA, sm90+)
+    fold_norms: bool = True  # fold RMSNorm weights into the next projection (CUDA)
+    gemm_tuning: bool = True  # time cuBLAS vs cuBLASLt per shape at start-up (CUDA)
+    cpu_kernels: bool = True  # the C kernels of the CPU path
+
+    @classmethod
+    def from_env(cls) -> KernelConfig:
+        from pagedllm import envs
+
+        return cls(fused_ops=envs.PAGEDLLM_FUSED_OPS, pdl=envs.PAGEDLLM_PDL, fold_norms=envs.PAGEDLLM_FOLD_NORMS,
+                   gemm_tuning=envs.PAGEDLLM_GEMM_TUNING, cpu_kernels=envs.PAGEDLLM_CPU_KERNELS)
+
+
+@dataclass(frozen=True)
+class ObservabilityConfig:
+    log_stats: bool = False  # the periodic stats line (vLLM's ``disable_log_stats=False``)
 
 
 @dataclass(frozen=True)
@@ -97,6 +143,10 @@ class EngineArgs:
     skip_tokenizer_init: bool = False
     # Overlap the CPU side of a step with the GPU's previous step (default: on for CUDA).
     async_scheduling: bool | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # "uni" | "mp" | "ray"; None: "uni" for one rank
 
     def __post_init__(self) -> None:
         self.validate()
@@ -124,6 +174,18 @@ class EngineArgs:
             raise ValueError(f"attention_backend must be 'auto', 'cpu', 'torch_ref' or 'triton', got {self.attention_backend!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+            if v != 1:
+                raise ValueError(f"{name}={v} is not supported yet: this build runs one rank (size 1)")
+        if self.distributed_executor_backend not in (None, "uni", "mp", "ray"):
+            raise ValueError("distributed_executor_backend must be 'uni', 'mp' or 'ray', "
+                             f"got {self.distributed_executor_backend!r}")
+        if self.distributed_executor_backend in ("mp", "ray"):
+            raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r} is not "
+                             "supported yet: this build runs one rank in one process ('uni')")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if (
@@ -143,6 +205,8 @@ class EngineArgs:
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """Everything the engine runs with, resolved and validated (``engine/config_builder.py``)."""
+
     model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
@@ -150,6 +214,12 @@ class EngineConfig:
     enforce_eager: bool
     attention_backend: str
     max_logprobs: int
-    log_stats: bool
-    extra: dict = field(default_factory=dict)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    kernel_config: KernelConfig = field(default_factory=KernelConfig)
+    observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    async_scheduling: bool = False  # one step in flight while the next is scheduled (CUDA default)
+
+    @property
+    def log_stats(self) -> bool:
+        return self.observability_config.log_stats
 

@@ -52,8 +52,9 @@ from collections.abc import Iterator
 
 import torch
 
+from pagedllm import envs
 MAX_TOKENS = 1
-ALLOWED = os.environ.get("PAGEDLLM_PDL", "1").lower() not in ("0", "false", "no", "off")
+ALLOWED = envs.PAGEDLLM_PDL
 
 
 class _Switch:

@@ -7,7 +7,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedllm.config import CacheConfig, EngineArgs, EngineConfig, ModelConfig, SchedulerConfig
+from pagedllm.config import (
+    CacheConfig,
+    EngineArgs,
+    EngineConfig,
+    KernelConfig,
+    ModelConfig,
+    ObservabilityConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 
 # Who builds the engine (vLLM's UsageContext): the offline ``LLM`` class, the OpenAI server, or
 # anything else that constructs an engine directly. Only the token budget default depends on it.
@@ -79,7 +88,14 @@ def create_engine_config(args: EngineArgs, usage_context: str = "ENGINE_CONTEXT"
     )
     return EngineConfig(
         model_config=model_config,
-        cache_config=CacheConfig(block_size=args.block_size, num_blocks=0, enable_prefix_caching=args.enable_prefix_caching),
+        cache_config=CacheConfig(
+            block_size=args.block_size,
+            num_blocks=0,
+            enable_prefix_caching=args.enable_prefix_caching,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            kv_cache_memory=args.kv_cache_memory,
+            num_gpu_blocks_override=args.num_gpu_blocks_override,
+        ),
         scheduler_config=SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_batched,
@@ -92,13 +108,15 @@ def create_engine_config(args: EngineArgs, usage_context: str = "ENGINE_CONTEXT"
         enforce_eager=args.enforce_eager or not on_gpu,
         attention_backend=args.attention_backend,
         max_logprobs=args.max_logprobs,
-        log_stats=not args.disable_log_stats,
-        extra={
-            "kv_cache_memory": args.kv_cache_memory,
-            "gpu_memory_utilization": args.gpu_memory_utilization,
-            "num_gpu_blocks_override": args.num_gpu_blocks_override,
-            "async_scheduling": on_gpu if args.async_scheduling is None else args.async_scheduling,
-        },
+        parallel_config=ParallelConfig(
+            tensor_parallel_size=args.tensor_parallel_size,
+            pipeline_parallel_size=args.pipeline_parallel_size,
+            data_parallel_size=args.data_parallel_size,
+            distributed_executor_backend=args.distributed_executor_backend or "uni",
+        ),
+        kernel_config=KernelConfig.from_env(),
+        observability_config=ObservabilityConfig(log_stats=not args.disable_log_stats),
+        async_scheduling=on_gpu if args.async_scheduling is None else args.async_scheduling,
     )
 
 

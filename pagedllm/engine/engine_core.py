@@ -12,6 +12,7 @@ already compute it, and the runner feeds its id to step N on the GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import time
@@ -19,7 +20,7 @@ import weakref
 
 import torch
 
-from pagedllm.config import CacheConfig, EngineConfig
+from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.request import Request, RequestStatus
@@ -34,11 +35,7 @@ class EngineCore:
         self.runner = ModelRunner(config)
         num_blocks = self.runner.determine_num_blocks()
         self.runner.initialize_kv_cache(num_blocks)
-        cache_config = CacheConfig(
-            block_size=config.cache_config.block_size,
-            num_blocks=num_blocks,
-            enable_prefix_caching=config.cache_config.enable_prefix_caching,
-        )
+        cache_config = dataclasses.replace(config.cache_config, num_blocks=num_blocks)
         self.config = config
         self.cache_config = cache_config
         self.scheduler = Scheduler(config.scheduler_config, cache_config)
@@ -52,7 +49,7 @@ class EngineCore:
         gc.collect()
         gc.freeze()
         weakref.finalize(self, gc.unfreeze)
-        self.async_scheduling = bool(config.extra.get("async_scheduling", config.device.startswith("cuda")))
+        self.async_scheduling = config.async_scheduling
         self._in_flight = None  # (SchedulerOutput, StepHandle) of the step still on the GPU
         # Cumulative wall time per phase (seconds), for profiling the CPU share of a step.
         self.step_timings: dict[str, float] = {"schedule": 0.0, "execute": 0.0, "update": 0.0, "steps": 0}

@@ -12,6 +12,7 @@ import os
 import subprocess
 from dataclasses import asdict, dataclass
 
+from pagedllm import envs
 
 @dataclass
 class Floor:
@@ -127,8 +128,8 @@ def git_commit() -> str:
     """The commit measured: ``PAGEDLLM_COMMIT`` if set (a copy of the tree whose ``.git`` lags behind
     it, as on a lent GPU machine), else ``git rev-parse --short HEAD``, suffixed ``+dirty`` when
     tracked files differ from it."""
-    if os.environ.get("PAGEDLLM_COMMIT"):
-        return os.environ["PAGEDLLM_COMMIT"]
+    if envs.PAGEDLLM_COMMIT:
+        return envs.PAGEDLLM_COMMIT
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()

@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 
+from pagedllm import envs
 from pagedllm.config import EngineArgs
 
 # Flags whose vLLM spelling is a boolean pair (--x / --no-x).
@@ -148,7 +149,7 @@ def _add_optional_bench(sub, name: str, module: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=os.environ.get("PAGEDLLM_LOG_LEVEL", "INFO"),
+    logging.basicConfig(level=envs.PAGEDLLM_LOG_LEVEL,
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     ns = build_parser().parse_args(argv)
     return int(ns.func(ns) or 0)

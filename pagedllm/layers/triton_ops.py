@@ -34,6 +34,7 @@ from collections.abc import Iterator
 
 import torch
 
+from pagedllm import envs
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -41,7 +42,7 @@ FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 class _Switch:
     """The process-wide on/off switch (a configuration flag, not per-batch state)."""
 
-    enabled = os.environ.get("PAGEDLLM_FUSED_OPS", "1").lower() not in ("0", "false", "no", "off")
+    enabled = envs.PAGEDLLM_FUSED_OPS
 
 
 @contextlib.contextmanager

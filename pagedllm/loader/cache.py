@@ -16,6 +16,8 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from pagedllm import envs
+
 logger = logging.getLogger(__name__)
 
 # Bump when the content of a cache entry changes meaning (e.g. a fix in the GGUF conversion).
@@ -24,7 +26,7 @@ CACHE_FORMAT_VERSION = 1
 
 def cache_root() -> Path:
     """``$PAGEDLLM_CACHE_DIR`` or ``~/.cache/pagedllm``."""
-    return Path(os.environ.get("PAGEDLLM_CACHE_DIR") or "~/.cache/pagedllm").expanduser()
+    return envs.PAGEDLLM_CACHE_DIR
 
 
 def gguf_cache_folder(gguf_path: str | os.PathLike) -> Path:

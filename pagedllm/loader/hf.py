@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from pagedllm import envs
 from pagedllm.loader.cache import gguf_cache_folder, write_atomically
 from pagedllm.loader.plain_config import read_plain_config
 from pagedllm.loader.source import ModelSource
@@ -28,7 +29,7 @@ def _transformers_tag() -> str:
 
 
 def _plain_config_enabled() -> bool:
-    return os.environ.get("PAGEDLLM_PLAIN_CONFIG", "1").strip().lower() not in ("0", "false", "no", "off")
+    return envs.PAGEDLLM_PLAIN_CONFIG
 
 
 def _read_config(folder: str | os.PathLike) -> Any:

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from pagedllm import envs
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
@@ -52,7 +53,7 @@ def _cpu_signature() -> str:
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("PAGEDLLM_CACHE_DIR") or Path.home() / ".cache" / "pagedllm") / "cpu_kernels"
+    return envs.PAGEDLLM_CACHE_DIR / "cpu_kernels"
 
 
 def _build(compiler: str) -> Path:
@@ -78,7 +79,7 @@ def _build(compiler: str) -> Path:
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The compiled kernels, or None (with one warning saying why) where they cannot be built."""
-    if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") == "0":
+    if not envs.PAGEDLLM_CPU_KERNELS:
         return None
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:

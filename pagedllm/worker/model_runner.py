@@ -9,7 +9,6 @@ compute logits only at positions that produce a token, sample, and copy the toke
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 
@@ -47,7 +46,6 @@ logger = logging.getLogger("pagedllm")
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # On CUDA the decoder layers' norm weights are folded into the projections after them, which lets
 # the model run its residual-stream forward (models/llama.py); PAGEDLLM_FOLD_NORMS=0 keeps them.
-FOLD_NORMS = os.environ.get("PAGEDLLM_FOLD_NORMS", "1").lower() not in ("0", "false", "no", "off")
 
 
 @dataclass
@@ -78,7 +76,7 @@ class ModelRunner:
         else:
             self.model = load_model(mc.source, mc.hf_config, self.dtype, self.device)
         self.model.eval()
-        if self.device.type == "cuda" and FOLD_NORMS and hasattr(self.model, "fold_norms"):
+        if self.device.type == "cuda" and config.kernel_config.fold_norms and hasattr(self.model, "fold_norms"):
             folded = self.model.fold_norms()
             logger.debug("norm weights %s into the projections", "folded" if folded else "not folded (biases)")
         if self.device.type == "cpu":
@@ -115,17 +113,17 @@ class ModelRunner:
     def determine_num_blocks(self) -> int:
         """How many KV blocks to allocate: a fixed byte budget on the CPU, a memory profile on CUDA."""
         cfg = self.config
-        if cfg.extra.get("num_gpu_blocks_override"):
-            return int(cfg.extra["num_gpu_blocks_override"])
+        if cfg.cache_config.num_gpu_blocks_override:
+            return cfg.cache_config.num_gpu_blocks_override
         sc = cfg.scheduler_config
         if self.device.type != "cuda":
-            return kvc.cpu_num_blocks(cfg.extra.get("kv_cache_memory"), self.block_bytes(), self.block_size,
+            return kvc.cpu_num_blocks(cfg.cache_config.kv_cache_memory, self.block_bytes(), self.block_size,
                                       sc.max_num_seqs, self.max_model_len)
         t0 = time.perf_counter()
         peak = self._profile_peak_memory()
         logger.info("memory profile (one forward of %d tokens) in %.1f s: peak %.2f GiB",
                     sc.max_num_batched_tokens, time.perf_counter() - t0, peak / 2**30)
-        num_blocks = kvc.cuda_num_blocks(self.device, cfg.extra.get("gpu_memory_utilization", 0.9), peak,
+        num_blocks = kvc.cuda_num_blocks(self.device, cfg.cache_config.gpu_memory_utilization, peak,
                                          self.block_bytes())
         return min(num_blocks, sc.max_num_seqs * self.max_blocks_per_req + 1)
 
@@ -181,7 +179,7 @@ class ModelRunner:
     def _tune_gemm_library(self, batch_sizes: list[int]) -> None:
         """Pick cuBLAS or cuBLASLt per weight shape and CUDA-graph batch size (``gemm_library``),
         before the graphs capture the choice. ``PAGEDLLM_GEMM_TUNING=0`` keeps cuBLAS everywhere."""
-        if os.environ.get("PAGEDLLM_GEMM_TUNING", "1").lower() in ("0", "false", "no", "off"):
+        if not self.config.kernel_config.gemm_tuning:
             return
         weights = [m.weight for m in self.model.modules() if isinstance(m, (Linear, LMHead))]
         with torch.inference_mode():

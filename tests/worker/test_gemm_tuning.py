@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from pagedllm.config import KernelConfig
 from pagedllm.layers import gemm_library, triton_ops
 from pagedllm.layers.embedding import LMHead
 from pagedllm.layers.linear import Linear, MergedLinear
@@ -31,7 +32,8 @@ def run(monkeypatch, env: str | None):
     else:
         monkeypatch.setenv("PAGEDLLM_GEMM_TUNING", env)
     model = TinyModel()
-    ModelRunner._tune_gemm_library(SimpleNamespace(model=model), [1, 2, 8, 16])
+    config = SimpleNamespace(kernel_config=KernelConfig.from_env())  # the switch is read at config build
+    ModelRunner._tune_gemm_library(SimpleNamespace(model=model, config=config), [1, 2, 8, 16])
     return model, calls
 
 

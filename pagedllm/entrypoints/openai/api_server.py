@@ -28,6 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 import pagedllm
+from pagedllm import envs
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pagedllm.entrypoints.openai.errors import OpenAIError, error_body, error_response, from_validation_errors
 from pagedllm.entrypoints.openai.protocol import (
@@ -50,7 +51,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="0.0.0.0", help="address to bind (default: all interfaces)")
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=os.environ.get("PAGEDLLM_API_KEY"),
+    g.add_argument("--api-key", default=envs.PAGEDLLM_API_KEY,
                    help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (env PAGEDLLM_API_KEY)")
     g.add_argument("--chat-template", default=None,
                    help="a Jinja chat template, or a file holding one (default: the tokenizer's)")
