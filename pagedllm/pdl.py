@@ -53,6 +53,7 @@ from collections.abc import Iterator
 import torch
 
 from pagedllm import envs
+
 MAX_TOKENS = 1
 ALLOWED = envs.PAGEDLLM_PDL
 

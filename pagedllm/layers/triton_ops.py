@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import os
 from collections.abc import Iterator
 
 import torch
 
 from pagedllm import envs
+
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

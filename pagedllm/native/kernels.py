@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from pagedllm import envs
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
