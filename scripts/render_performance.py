@@ -4,7 +4,7 @@
   nano-bench and latency run, the peers measured beside them, and an index of the other result files.
 - The performance table of ``README.md`` (between its ``performance`` markers), the same current
   figures as in ``docs/performance.md``.
-- ``docs/configuration.md`` from ``pagedllm.envs.VARIABLES``.
+- ``docs/configuration.md`` from ``pagedllm.config.EngineArgs`` and ``pagedllm.envs.VARIABLES``.
 
 ``python scripts/render_performance.py`` rewrites the three files; ``--check`` rewrites nothing and
 exits with status 1 when one of them differs from what would be rendered (tests/test_docs.py runs it).
@@ -413,21 +413,53 @@ def render_performance(results: Results) -> str:
 CONFIGURATION_INTRO = """\
 # Configuration
 
-Engine arguments (`EngineArgs`, the `pagedllm` command-line flags) are described in the
-[README](../README.md). A few switches are read from the environment instead; `pagedllm/envs.py` is
-the only module that reads them. Booleans accept `1/true/yes/on` and `0/false/no/off` in any case;
-any other value is an error that names the variable. The engine reads the kernel switches once,
-when it builds its configuration (`KernelConfig`), so they must be set before the engine starts.
+An engine is configured by `EngineArgs` (Python) or the matching command-line flags of `pagedllm
+generate`, `chat`, `serve` and `bench`; both have vLLM's names. A few switches are environment
+variables instead.
+"""
+
+ENGINE_ARGS_NOTES = """\
+Where the default is unset, the engine derives the value: `max_model_len` from the model's config
+(capped at a sliding window, where attention is exact); `max_num_seqs` 256; `max_num_batched_tokens`
+(the chunked-prefill budget per step) 2048 on the CPU and 8192 on a GPU, or 16384 for the offline
+`LLM` class on a GPU of at least 70 GiB other than an A100 (an offline batch then needs half as many
+prefill steps, while a server keeps 8192 so that a burst of prompts holds up running streams less);
+`kv_cache_memory` a default CPU budget; `async_scheduling` on for CUDA; `model` the embedded
+SmolLM2-135M-Instruct. `dtype="auto"` is float32 on the CPU and the model's half type on the GPU.
+"""
+
+ENV_NOTES = """\
+`pagedllm/envs.py` is the only module that reads them. Booleans accept `1/true/yes/on` and
+`0/false/no/off` in any case; any other value is an error that names the variable. The engine reads
+the kernel switches once, when it builds its configuration (`KernelConfig`), so they must be set
+before the engine starts.
 """
 
 
+def engine_args_table() -> str:
+    """EngineArgs' fields with their flags and defaults, in declaration order."""
+    import dataclasses
+
+    from pagedllm.config import EngineArgs
+
+    defaults = EngineArgs()
+    rows = []
+    for f in dataclasses.fields(EngineArgs):
+        value = getattr(defaults, f.name)
+        shown = "unset" if value is None else f"`{value!r}`" if isinstance(value, str) else f"`{value}`"
+        rows.append([f"`{f.name}`", f"`--{f.name.replace('_', '-')}`", shown])
+    return table(["argument", "flag", "default"], rows)
+
+
 def render_configuration() -> str:
-    sys.path.insert(0, str(ROOT))
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
     from pagedllm import envs
 
-    body = envs.markdown_table(escape=lambda text: text.replace("|", "\\|"))
-    parts = [GENERATED_NOTE.format(source="pagedllm/envs.py"), CONFIGURATION_INTRO,
-             "## Environment variables", body]
+    env_table = envs.markdown_table(escape=lambda text: text.replace("|", "\\|"))
+    parts = [GENERATED_NOTE.format(source="pagedllm/config.py and pagedllm/envs.py"), CONFIGURATION_INTRO,
+             "## Engine arguments", engine_args_table(), ENGINE_ARGS_NOTES,
+             "## Environment variables", ENV_NOTES, env_table]
     return "\n\n".join(part.strip("\n") for part in parts) + "\n"
 
 
