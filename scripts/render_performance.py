@@ -327,7 +327,7 @@ def current_table(results: Results) -> str:
             for p in results.peers if p.name.startswith("vLLM")]
     extra = []
     if libs:
-        extra.append("Versions: " + "; ".join(libs) + ".")
+        extra.append("Versions recorded in the results: " + "; ".join(libs) + ".")
     if vllm:
         extra.append("Reference: " + "; ".join(vllm) + ".")
     return "\n\n".join([text, *extra])
