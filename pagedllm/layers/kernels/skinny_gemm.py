@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.layers.tuning import for_device
 from pagedllm.pdl import launch_kwargs
 from pagedllm.triton_pdl import allow_dependents, wait_for_inputs
 
@@ -106,30 +107,22 @@ def pick_block_n(n: int, num_sms: int) -> int:
     return block
 
 
-# Weights above this many elements (Llama-8B's gate_up and down projections) stream best in wider
-# blocks than ``pick_block_n`` gives (H200 sweep, benchmarks/results/h200-skinny-gemm-*.json:
-# gate_up 66.9 -> 54.4 us, down 35.5 -> 28.9 us at M=1).
-LARGE_WEIGHT_ELEMENTS = 32 * 2**20
-# From this many elements up to LARGE (Llama-8B's qkv and o projections) 8-column blocks beat the 4
-# that ``pick_block_n`` gives (H200, benchmarks/kernels/bench_gemv_grid.py: o 11.55 -> 10.31 us with
-# 1024-element chunks and 8 warps; qkv behind the RMSNorm prologue 16.84 -> 15.72 us with 512 and 4).
-MEDIUM_WEIGHT_ELEMENTS = 16 * 2**20
-
-
 def launch_config(device: torch.device, n: int, k: int, block_n: int | None = None, block_k: int | None = None,
                   num_warps: int | None = None, norm_prologue: bool = False) -> tuple[int, int, int]:
     """``(block_n, block_k, num_warps)``, each the given value or the default for an ``[n, k]`` weight
-    (``norm_prologue``: for ``fused_gemv.rms_norm_linear``). Defaults from the H200 sweeps: long rows
-    stream in 1024-element chunks with 8 warps; ``block_n`` from ``pick_block_n``; weights from
-    ``MEDIUM_WEIGHT_ELEMENTS``: 8 columns, in 512-element chunks with 4 warps behind the norm
-    prologue, else in 1024-element chunks with 8 warps; over ``LARGE_WEIGHT_ELEMENTS``: 16 columns in 512-element chunks with 4 warps for rows
-    up to 4096, else 8 columns in 1024-element chunks with 8 warps. (The fused decode GEMVs of
+    (``norm_prologue``: for ``fused_gemv.rms_norm_linear``). Defaults (the size thresholds are the
+    device's ``layers/tuning.py`` row): long rows stream in 1024-element chunks with 8 warps;
+    ``block_n`` from ``pick_block_n``; weights from ``gemv_medium_weight_elements``: 8 columns, in
+    512-element chunks with 4 warps behind the norm prologue, else in 1024-element chunks with 8
+    warps; over ``gemv_large_weight_elements``: 16 columns in 512-element chunks with 4 warps for
+    rows up to 4096, else 8 columns in 1024-element chunks with 8 warps. (The fused decode GEMVs of
     ``fused_gemv.py`` use the same defaults.)"""
-    if n * k > LARGE_WEIGHT_ELEMENTS:
+    tuning = for_device(device)
+    if n * k > tuning.gemv_large_weight_elements:
         short_rows = k <= 4096
         large = (16, 512, 4) if short_rows else (8, 1024, 8)
         return block_n or large[0], block_k or large[1], num_warps or large[2]
-    if n * k >= MEDIUM_WEIGHT_ELEMENTS:
+    if n * k >= tuning.gemv_medium_weight_elements:
         medium = (8, 512, 4) if norm_prologue else (8, 1024, 8)
         return block_n or medium[0], block_k or medium[1], num_warps or medium[2]
     if block_k is None:
