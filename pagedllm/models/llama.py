@@ -155,15 +155,9 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The causal LM. Public surface used by the runner:
-
-    - ``forward(input_ids [T], positions [T]) -> hidden [T, hidden_size]`` (inside ``forward_context``)
-    - ``compute_logits(hidden [N, hidden_size], upcast=True) -> [N, vocab_size]`` float32 (model dtype
-      with ``upcast=False``)
-    - ``num_attention_layers``, ``kv_cache_shape_per_layer(num_blocks, block_size)``,
-      ``bind_kv_caches(caches)``, ``max_supported_len`` (None or the sliding window; see module doc)
-    - ``load_weights(iterable of (HF name, tensor))``
-    """
+    """The causal LM; provides ``models/interface.CausalLM`` (what the runner may call: forward,
+    compute_logits, the attention layers and their KV caches, load_weights, config,
+    max_supported_len: None or the sliding window, see the module doc)."""
 
     def __init__(self, hf_config: Any) -> None:
         super().__init__()
