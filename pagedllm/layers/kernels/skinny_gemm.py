@@ -1,15 +1,15 @@
 """``y = x W^T`` for a handful of rows (decode at batch 1..4): a weight-streaming GEMV in Triton.
 
 At M <= 4 a linear layer is a pure read of W; cuBLAS picks GEMM tiles for these shapes that reach
-only 25-50% of the copy bandwidth on an H200 (e.g. 12 us for Qwen3-0.6B's 12.6 MB gate_up
-projection at M=1, see benchmarks/kernels/bench_skinny_gemm.py). Here each program owns
+only a fraction of the copy bandwidth (benchmarks/kernels/bench_skinny_gemm.py measures it; where
+the GEMV wins is the device's ``layers/tuning.py`` row). Here each program owns
 ``BLOCK_N`` output columns and streams their ``[BLOCK_N, K]`` slice of W once, in ``BLOCK_K``
 chunks, for all M rows at once (M, 1..4, is a compile-time constant), accumulating in fp32.
 Grid ``cdiv(N, BLOCK_N)``; ``BLOCK_N`` is chosen so that there are >= ~4 programs per SM.
 
 With PDL (``pagedllm/pdl.py``) a program waits for the kernel that wrote x before its loop and lets
-the next kernel launch after it. Starting the first weight chunk's reads before the wait did not
-pay (into registers: Llama-8B's batch-1 step 1.8% slower on an H200; an L2 prefetch: 2% slower).
+the next kernel launch after it. The first weight chunk's reads are not started before the wait:
+into registers or as an L2 prefetch, that made the batch-1 step slower (benchmarks/results/).
 
 Cost: N*K weight elements read once, M*K input elements per program (L2 hits), M*N written.
 """
