@@ -73,7 +73,9 @@ class LlamaAttention(nn.Module):
 
     ``input_layernorm`` is the decoder layer's (registered there, under its checkpoint name).
     ``rotary_emb`` is the model's one shared table (a submodule of every layer, stored once).
-    q/k/v stay views of the merged qkv output where no kernel copies them.
+    Cost: the qkv and o projections, one (q/k norm +) RoPE + K/V store launch on CUDA, and the
+    attention backend's launches; which of them fuse with the norm or the residual add, and where,
+    is the compound modules' business (``layers/compound.py``).
     """
 
     def __init__(self, cfg: Any, rotary_emb: RotaryEmbedding, input_layernorm: RMSNorm) -> None:
@@ -102,7 +104,8 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     """(residual add +) post-attention norm -> ``down(silu(gate) * up)``; ``post_attention_layernorm``
-    is the decoder layer's."""
+    is the decoder layer's. Cost: the gate_up and down projections and one activation launch on
+    CUDA (fused with them where ``layers/compound.py`` says)."""
 
     def __init__(self, cfg: Any, post_attention_layernorm: RMSNorm) -> None:
         super().__init__()
@@ -137,6 +140,9 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """Embedding -> decoder layers -> final norm. The residual stream travels as a ``ResidualState``
+    whose form ``self.residual`` chooses per forward (``layers/residual.py``)."""
+
     def __init__(self, cfg: Any) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
