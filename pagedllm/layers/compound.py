@@ -138,6 +138,7 @@ class NormQKVRope(nn.Module):
         super().__init__()
         self.norm_qkv = NormLinear(norm, qkv_proj)
         self.rope_write = RopeKVWrite(rotary_emb, attn, q_norm, k_norm)
+        self._parts = (norm, qkv_proj, rotary_emb, attn)
         self._one_launch = q_norm is None and rotary_emb.rotary_dim == attn.head_dim
 
     def forward(self, positions: torch.Tensor, state: ResidualState) -> AttentionInputs:
@@ -148,13 +149,12 @@ class NormQKVRope(nn.Module):
         return self.rope_write(positions, self.norm_qkv(state), state.take_row_scale())
 
     def _norm_qkv_rope_store(self, positions: torch.Tensor, state: ResidualState) -> AttentionInputs | None:
-        rotary_emb, attn = self.rope_write._parts[:2]
+        norm, qkv_proj, rotary_emb, attn = self._parts
         target = attn.kv_store_target()
         if target is None:
             return None
-        fused = self.norm_qkv.linear.forward_norm_rope_store(
-            state.hidden, state.residual, self.norm_qkv.norm, positions, rotary_emb.cos_cache,
-            rotary_emb.sin_cache, *target)
+        fused = qkv_proj.forward_norm_rope_store(state.hidden, state.residual, norm, positions,
+                                                 rotary_emb.cos_cache, rotary_emb.sin_cache, *target)
         if fused is None:
             return None
         q_rot, state.residual = fused
@@ -187,13 +187,13 @@ class SiluAndMulLinear(nn.Module):
 
     def __init__(self, act: SiluAndMul, linear: Linear) -> None:
         super().__init__()
-        self._act = (act,)
+        self._parts = (act, linear)
         self.output = LinearAdd(linear)
 
     def forward(self, x: torch.Tensor, state: ResidualState) -> ResidualState:
-        (act,) = self._act
+        act, linear = self._parts
         if state.stream is None and act.fuses_kernels:
-            y = self.output._parts[0].forward_act_prologue(x)
+            y = linear.forward_act_prologue(x)
             if y is not None:
                 state.hidden = y
                 return state
