@@ -27,7 +27,8 @@ from transformers import AutoConfig
 
 from pagedllm.attention.backend import forward_context
 from pagedllm.attention.triton_backend import TritonBackend
-from pagedllm.layers import triton_ops
+from pagedllm.config import KernelConfig
+from pagedllm.layers import prepare_model_kernels
 from pagedllm.models import build_model, init_dummy_weights
 from tests.helpers import build_metadata
 
@@ -101,12 +102,12 @@ def main() -> None:
 
         outs = {}
         for fused in (False, True):
-            with triton_ops.fused_ops(fused):
-                outs[fused] = forward().float()
-                eager = time_ms(forward, iters=10)
-                replay = graphed(forward)
-                graph = time_ms(replay, iters=50)
-                n_kernels, names = count_kernels(forward)
+            prepare_model_kernels(model, torch.device("cuda"), KernelConfig(fused_ops=fused, fold_norms=False))
+            outs[fused] = forward().float()
+            eager = time_ms(forward, iters=10)
+            replay = graphed(forward)
+            graph = time_ms(replay, iters=50)
+            n_kernels, names = count_kernels(forward)
             rows.append((batch, "fused" if fused else "torch ops", eager, graph, n_kernels))
             print(f"batch {batch:4d} {'fused' if fused else 'torch':6s}: eager {eager:7.3f} ms, graph {graph:7.3f} ms, "
                   f"{n_kernels} kernels/forward ({n_kernels / cfg.num_hidden_layers:.1f}/layer); top: "

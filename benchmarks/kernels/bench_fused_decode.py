@@ -8,10 +8,10 @@ against the two launches it replaces, on Qwen3-0.6B and Llama-3.1-8B shapes, M =
 Each timing replays a CUDA graph of ``--copies`` calls on as many weight copies (W read from HBM, not
 L2; the small inputs stay in L2 as in a decode step) and reports microseconds per call. ``today`` is
 what the model ran before the fusion (the norm / activation kernel, then the Triton GEMV where
-``triton_ops.use_skinny_gemm`` picks it, else cuBLAS); ``fused`` the fused kernel with its default
+``triton_ops.skinny_gemm_fits`` picks it, else cuBLAS); ``fused`` the fused kernel with its default
 launch parameters, ``best`` the fastest of a small sweep (block_n, block_k, num_warps); ``taken``
-whether the model takes the fused kernel there (``triton_ops.use_fused_norm_linear`` /
-``use_fused_silu_and_mul_linear``). Run on the device from the repo root:
+whether the model takes the fused kernel there (``triton_ops.norm_prologue_fits`` /
+``act_prologue_fits``). Run on the device from the repo root:
 ``python benchmarks/kernels/bench_fused_decode.py --out $OUT/fused_decode.json``.
 """
 
@@ -78,6 +78,7 @@ def bench_norm_linear(name: str, m: int, n: int, hidden: int, args) -> dict:
     from pagedllm.layers.kernels.fused_gemv import rms_norm_linear
     from pagedllm.layers.kernels.rms_norm import rms_norm
     from pagedllm.layers.kernels.skinny_gemm import skinny_linear
+    from pagedllm.layers.tuning import for_device
 
     dev, dtype, eps = torch.device(args.device), torch.bfloat16, 1e-6
     g = (torch.randn(hidden, device=dev) * 0.1 + 1).to(dtype)
@@ -89,8 +90,8 @@ def bench_norm_linear(name: str, m: int, n: int, hidden: int, args) -> dict:
         return rms_norm_linear(x, res, g, eps, ws[i], **kw)[0]
 
     row = {
-        "skinny_taken": triton_ops.use_skinny_gemm(normed, ws[0]),
-        "taken": triton_ops.use_fused_norm_linear(x, res, g, ws[0]),
+        "skinny_taken": triton_ops.skinny_gemm_fits(normed, ws[0], for_device(dev)),
+        "taken": triton_ops.norm_prologue_fits(x, res, g, ws[0], for_device(dev)),
         "separate_gemv_us": time_us(lambda i: skinny_linear(rms_norm(x, g, eps, res)[0], ws[i]), args.copies),
         "separate_cublas_us": time_us(lambda i: F.linear(rms_norm(x, g, eps, res)[0], ws[i]), args.copies),
         "fused_us": time_us(fused, args.copies),
@@ -107,6 +108,7 @@ def bench_silu_and_mul_linear(name: str, m: int, n: int, inter: int, args) -> di
     from pagedllm.layers.kernels.activation import silu_and_mul
     from pagedllm.layers.kernels.fused_gemv import silu_and_mul_linear
     from pagedllm.layers.kernels.skinny_gemm import skinny_linear
+    from pagedllm.layers.tuning import for_device
 
     dev, dtype = torch.device(args.device), torch.bfloat16
     gate_up = torch.randn(m, 2 * inter, device=dev, dtype=dtype)
@@ -117,8 +119,8 @@ def bench_silu_and_mul_linear(name: str, m: int, n: int, inter: int, args) -> di
         return silu_and_mul_linear(gate_up, ws[i], **kw)
 
     row = {
-        "skinny_taken": triton_ops.use_skinny_gemm(act, ws[0]),
-        "taken": triton_ops.use_fused_silu_and_mul_linear(gate_up, ws[0]),
+        "skinny_taken": triton_ops.skinny_gemm_fits(act, ws[0], for_device(dev)),
+        "taken": triton_ops.act_prologue_fits(gate_up, ws[0], for_device(dev)),
         "separate_gemv_us": time_us(lambda i: skinny_linear(silu_and_mul(gate_up), ws[i]), args.copies),
         "separate_cublas_us": time_us(lambda i: F.linear(silu_and_mul(gate_up), ws[i]), args.copies),
         "fused_us": time_us(fused, args.copies),

@@ -1,31 +1,54 @@
-"""pagedllm.layers: the building blocks of our models (not transformers' classes)."""
+"""pagedllm.layers: the building blocks of our models (not transformers' classes).
 
-from pagedllm.layers import triton_ops
+Ops (``CustomOp``: one implementation per device, chosen once by ``prepare_model_kernels``), the
+compound modules that fuse an op with the linear layer next to it, and the residual state that
+says which form a forward runs in.
+"""
+
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import Attention
+from pagedllm.layers.compound import (
+    AttentionInputs,
+    LinearAdd,
+    NormLinear,
+    NormQKVRope,
+    RopeKVWrite,
+    SiluAndMulLinear,
+    fold_norms,
+)
+from pagedllm.layers.custom_op import CustomOp
+from pagedllm.layers.dispatch import KernelPlan, prepare_model_kernels
 from pagedllm.layers.embedding import LMHead, VocabEmbedding
-from pagedllm.layers.fused import fused_norm_linear, fused_norm_qkv_rope, fused_silu_and_mul_linear
 from pagedllm.layers.linear import Linear, MergedLinear, QKVLinear, default_weight_loader
 from pagedllm.layers.norm import RMSNorm, rms_scale
+from pagedllm.layers.residual import ResidualForm, ResidualState
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary, compute_inv_freq, get_rope_parameters
 
 __all__ = [
     "Attention",
+    "AttentionInputs",
+    "CustomOp",
+    "KernelPlan",
     "LMHead",
     "Linear",
+    "LinearAdd",
     "MergedLinear",
+    "NormLinear",
+    "NormQKVRope",
     "QKVLinear",
     "RMSNorm",
+    "ResidualForm",
+    "ResidualState",
+    "RopeKVWrite",
     "RotaryEmbedding",
     "SiluAndMul",
+    "SiluAndMulLinear",
     "VocabEmbedding",
     "apply_rotary",
     "compute_inv_freq",
     "default_weight_loader",
-    "fused_norm_linear",
-    "fused_norm_qkv_rope",
-    "fused_silu_and_mul_linear",
+    "fold_norms",
     "get_rope_parameters",
+    "prepare_model_kernels",
     "rms_scale",
-    "triton_ops",
 ]

@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers import cpu_gemm, gemm_library, triton_ops
+from pagedllm.layers import cpu_gemm, triton_ops
+from pagedllm.layers.custom_op import CustomOp
 from pagedllm.layers.linear import default_weight_loader
 
+if TYPE_CHECKING:
+    from pagedllm.layers.dispatch import KernelPlan
+    from pagedllm.layers.gemm_library import GemmLibrary
 
-class VocabEmbedding(nn.Module):
-    """``[T] token ids -> [T, hidden]``."""
+
+class VocabEmbedding(CustomOp):
+    """``[T] token ids -> [T, hidden]``: one gather (``F.embedding``) on every device."""
+
+    fuses_kernels = True
 
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
@@ -19,16 +28,22 @@ class VocabEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
         self.weight.weight_loader = default_weight_loader
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward_native(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.weight)
 
 
-class LMHead(nn.Module):
+class LMHead(CustomOp):
     """``[N, hidden] -> [N, vocab]`` logits in float32 (computed in the model dtype, then upcast, as HF;
-    ``upcast=False`` leaves them in the model dtype).
+    ``upcast=False`` leaves them in the model dtype: one kernel and a vocab-wide copy fewer per step,
+    for a consumer that upcasts itself, like the sampler).
 
     With ``tied_to`` the head shares the embedding's weight: one Parameter, loaded once.
+    Implementations as ``Linear``'s: ``cuda`` (at one row the Triton GEMV with the tuning row's
+    ``lm_head_gemv_config``, else the plan's cuBLAS / cuBLASLt choice), ``cublas``, ``cpu`` (oneDNN
+    once packed), ``native``.
     """
+
+    fuses_kernels = True
 
     def __init__(self, vocab_size: int, hidden_size: int, tied_to: VocabEmbedding | None = None) -> None:
         super().__init__()
@@ -39,6 +54,13 @@ class LMHead(nn.Module):
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
             self.weight.weight_loader = default_weight_loader
         self.cpu_packed_weight: torch.Tensor | None = None  # as in ``Linear``: the oneDNN-blocked copy
+        self.gemms: GemmLibrary | None = None
+
+    def choose_impl(self, plan: KernelPlan) -> str:
+        if plan.device.type == "cuda":
+            self.gemms = plan.gemms
+            return "cuda" if plan.fused_kernels else "cublas"
+        return "cpu" if plan.device.type == "cpu" else "native"
 
     def pack_cpu_weight(self) -> bool:
         """Prepack the head for the CPU (``cpu_gemm``): a tied head gets its own packed copy."""
@@ -46,12 +68,21 @@ class LMHead(nn.Module):
         return self.cpu_packed_weight is not None
 
     def forward(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
-        """Logits, upcast to float32 unless ``upcast=False`` (then in the model dtype: one kernel and
-        a vocab-wide copy fewer per step, for a consumer that upcasts itself, like the sampler)."""
-        if self.cpu_packed_weight is not None and hidden.device.type == "cpu" and hidden.dtype == self.weight.dtype:
-            logits = cpu_gemm.packed_linear(hidden, self.cpu_packed_weight, None)
-        elif triton_ops.use_skinny_lm_head(hidden, self.weight):
-            logits = triton_ops.lm_head_linear(hidden, self.weight)
-        else:
-            logits = gemm_library.linear(hidden, self.weight)
+        logits = self._forward(hidden)
         return logits.float() if upcast else logits
+
+    def forward_native(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.weight)
+
+    def forward_cpu(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.cpu_packed_weight is not None and hidden.device.type == "cpu" and hidden.dtype == self.weight.dtype:
+            return cpu_gemm.packed_linear(hidden, self.cpu_packed_weight, None)
+        return F.linear(hidden, self.weight)
+
+    def forward_cublas(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.gemms.linear(hidden, self.weight)
+
+    def forward_cuda(self, hidden: torch.Tensor) -> torch.Tensor:
+        if triton_ops.skinny_lm_head_fits(hidden, self.weight):
+            return triton_ops.lm_head_linear(hidden, self.weight, self.tuning)
+        return self.gemms.linear(hidden, self.weight)

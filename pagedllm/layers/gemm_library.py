@@ -1,18 +1,21 @@
 """Per-shape choice between cuBLAS and cuBLASLt for the decode GEMMs on CUDA.
 
 torch sends a half-precision ``F.linear`` to cuBLAS unless ``preferred_blas_library`` says
-cuBLASLt, and the two pick different kernels. At 8-256 rows neither wins everywhere: on an H200,
-Llama-8B's down projection (4096 x 14336) at 64 rows takes 31-32 us on cuBLASLt and 35-36 us on
-cuBLAS (which splits K and adds a reduce kernel), while at 128 rows cuBLAS is the faster one. So the
-model runner times both on the model's own weights, for each weight shape and each CUDA-graph
-batch size, before the graphs are captured (``tune``), and ``linear`` then calls the faster one.
+cuBLASLt, and the two pick different kernels. At 8-256 rows neither wins everywhere (cuBLAS may
+split K and add a reduce kernel where cuBLASLt does not, and the other way round at other row
+counts). So start-up times both on the model's own weights, for each weight shape and each
+CUDA-graph batch size, before the graphs are captured (``GemmLibrary.tune``, called by
+``KernelPlan.tune_gemms``), and the model's linear layers then call the faster one.
+
+A ``GemmLibrary`` is the choice table of one engine (its ``KernelPlan``); every linear layer that
+plan prepared for CUDA holds the same one. Nothing here is process-global.
 
 Invariant: ``linear(x, w, b)`` is ``F.linear(x, w, b)`` up to the GEMM kernel's summation order;
 ``linear_add_(x, w, r)`` (the residual-stream forward's o_proj and down_proj) is ``r += F.linear(x, w)``
 with one rounding, on the library chosen for ``F.linear`` (the add reads r in the same kernel).
-The table holds only ``(N, K, rows)`` keys where cuBLASLt was measured faster by more than
-``MARGIN`` (or that ``set_cublaslt_choices`` put there); every other call (other shapes, other
-row counts, prefill, the CPU) is plain F.linear under the process's default library.
+The table holds only ``(N, K, rows)`` keys where cuBLASLt was measured faster by more than the
+margin (or that ``set_choices`` put there); every other call (other shapes, other row counts,
+prefill, the CPU) is plain F.linear under the process's default library.
 Cost: one dict lookup per call; a hit sets the global preferred library around the call, which
 matters only on the host and only for eager calls (in a CUDA graph the choice is captured).
 ``tune`` costs about one GPU pass over the weights per (shape, rows) pair and library, plus a short
@@ -28,30 +31,84 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 import torch.nn.functional as F
 
-MARGIN = 0.03  # cuBLASLt is chosen when its time is below (1 - MARGIN) x cuBLAS's
 _REPS = 2  # timed passes per library, interleaved; the minimum counts
 _QUEUE_CYCLES = 4_000_000  # ~2 ms idle kernel (at ~2 GHz) while the timed launches are queued
 
-_cublaslt: set[tuple[int, int, int]] = set()
 
+class GemmLibrary:
+    """The ``(N, K, rows)`` calls that go to cuBLASLt, and the GEMM calls that follow that table.
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` on the library ``tune`` measured faster for this weight shape and row count."""
-    if _cublaslt and x.dim() == 2 and (weight.shape[0], weight.shape[1], x.shape[0]) in _cublaslt and x.is_cuda:
-        with blas_library("cublaslt"):
-            return F.linear(x, weight, bias)
-    return F.linear(x, weight, bias)
+    ``margin``: cuBLASLt is chosen where ``tune`` timed it below ``(1 - margin)`` x cuBLAS's time
+    (the device's ``DeviceTuning.cublaslt_margin``)."""
 
+    def __init__(self, margin: float) -> None:
+        self.margin = margin
+        self._cublaslt: set[tuple[int, int, int]] = set()
 
-def linear_add_(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """``residual += F.linear(x, weight)`` as one GEMM with the add in its epilogue (``addmm_``, beta =
-    1, in place: an out-of-place addmm first copies ``residual`` to its output, one more kernel);
-    the sum is rounded once, where the two ops round the product first. On the library ``tune``
-    measured faster for ``F.linear`` at this weight shape and row count. Returns ``residual``."""
-    if _cublaslt and x.dim() == 2 and (weight.shape[0], weight.shape[1], x.shape[0]) in _cublaslt and x.is_cuda:
-        with blas_library("cublaslt"):
-            return residual.addmm_(x, weight.t())
-    return residual.addmm_(x, weight.t())
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``F.linear`` on the library ``tune`` measured faster for this weight shape and row count."""
+        if self._uses_cublaslt(x, weight):
+            with blas_library("cublaslt"):
+                return F.linear(x, weight, bias)
+        return F.linear(x, weight, bias)
+
+    def linear_add_(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual += F.linear(x, weight)`` as one GEMM with the add in its epilogue (``addmm_``, beta =
+        1, in place: an out-of-place addmm first copies ``residual`` to its output, one more kernel);
+        the sum is rounded once, where the two ops round the product first. On the library ``tune``
+        measured faster for ``F.linear`` at this weight shape and row count. Returns ``residual``."""
+        if self._uses_cublaslt(x, weight):
+            with blas_library("cublaslt"):
+                return residual.addmm_(x, weight.t())
+        return residual.addmm_(x, weight.t())
+
+    def _uses_cublaslt(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        return (bool(self._cublaslt) and x.dim() == 2
+                and (weight.shape[0], weight.shape[1], x.shape[0]) in self._cublaslt and x.is_cuda)
+
+    def choices(self) -> frozenset[tuple[int, int, int]]:
+        """The ``(N, K, rows)`` calls that go to cuBLASLt."""
+        return frozenset(self._cublaslt)
+
+    def set_choices(self, keys: Iterable[tuple[int, int, int]]) -> None:
+        """Replace the table (tests, or choices measured elsewhere)."""
+        self._cublaslt.clear()
+        self._cublaslt.update((int(n), int(k), int(m)) for n, k, m in keys)
+
+    def tune(
+        self,
+        weights: Iterable[torch.Tensor],
+        rows: Iterable[int],
+        skip: Callable[[torch.Tensor, torch.Tensor], bool] | None = None,
+    ) -> dict:
+        """Time cuBLAS against cuBLASLt for every weight shape among ``weights`` (CUDA, 2-D) at every
+        row count in ``rows`` and record where cuBLASLt wins. All weights of one shape are run in turn
+        (a model's layers: distinct memory, so each GEMM streams its weight from HBM as in a step).
+        ``skip(x, weight)``, if given, leaves out calls that never reach cuBLAS (e.g. the Triton GEMV).
+        Returns a summary for the log. No-op where the default library is already cuBLASLt."""
+        t0 = time.perf_counter()
+        groups: dict[tuple[int, int, torch.dtype], list[torch.Tensor]] = {}
+        for w in weights:
+            if w.is_cuda and w.dim() == 2:
+                groups.setdefault((w.shape[0], w.shape[1], w.dtype), []).append(w)
+        measured = chosen = 0
+        if not groups or str(torch.backends.cuda.preferred_blas_library()).lower().endswith("cublaslt"):
+            return {"measured": 0, "cublaslt": 0, "seconds": 0.0}
+        for (n, k, dtype), ws in groups.items():
+            device = ws[0].device
+            for m in sorted(set(rows)):
+                x = torch.randn(m, k, device=device, dtype=dtype)
+                if skip is not None and skip(x, ws[0]):
+                    continue
+                t_default, t_lt = _time_pair(x, ws)
+                measured += 1
+                key = (n, k, m)
+                if t_lt < (1.0 - self.margin) * t_default:
+                    self._cublaslt.add(key)
+                    chosen += 1
+                else:
+                    self._cublaslt.discard(key)
+        return {"measured": measured, "cublaslt": chosen, "seconds": time.perf_counter() - t0}
 
 
 @contextlib.contextmanager
@@ -62,52 +119,6 @@ def blas_library(name: str) -> Iterator[None]:
         yield
     finally:
         torch.backends.cuda.preferred_blas_library(previous)
-
-
-def cublaslt_choices() -> frozenset[tuple[int, int, int]]:
-    """The ``(N, K, rows)`` calls that go to cuBLASLt."""
-    return frozenset(_cublaslt)
-
-
-def set_cublaslt_choices(keys: Iterable[tuple[int, int, int]]) -> None:
-    """Replace the table (tests, or choices measured elsewhere)."""
-    _cublaslt.clear()
-    _cublaslt.update((int(n), int(k), int(m)) for n, k, m in keys)
-
-
-def tune(
-    weights: Iterable[torch.Tensor],
-    rows: Iterable[int],
-    skip: Callable[[torch.Tensor, torch.Tensor], bool] | None = None,
-) -> dict:
-    """Time cuBLAS against cuBLASLt for every weight shape among ``weights`` (CUDA, 2-D) at every
-    row count in ``rows`` and record where cuBLASLt wins. All weights of one shape are run in turn
-    (a model's layers: distinct memory, so each GEMM streams its weight from HBM as in a step).
-    ``skip(x, weight)``, if given, leaves out calls that never reach cuBLAS (e.g. the Triton GEMV).
-    Returns a summary for the log. No-op where the default library is already cuBLASLt."""
-    t0 = time.perf_counter()
-    groups: dict[tuple[int, int, torch.dtype], list[torch.Tensor]] = {}
-    for w in weights:
-        if w.is_cuda and w.dim() == 2:
-            groups.setdefault((w.shape[0], w.shape[1], w.dtype), []).append(w)
-    measured = chosen = 0
-    if not groups or str(torch.backends.cuda.preferred_blas_library()).lower().endswith("cublaslt"):
-        return {"measured": 0, "cublaslt": 0, "seconds": 0.0}
-    for (n, k, dtype), ws in groups.items():
-        device = ws[0].device
-        for m in sorted(set(rows)):
-            x = torch.randn(m, k, device=device, dtype=dtype)
-            if skip is not None and skip(x, ws[0]):
-                continue
-            t_default, t_lt = _time_pair(x, ws)
-            measured += 1
-            key = (n, k, m)
-            if t_lt < (1.0 - MARGIN) * t_default:
-                _cublaslt.add(key)
-                chosen += 1
-            else:
-                _cublaslt.discard(key)
-    return {"measured": measured, "cublaslt": chosen, "seconds": time.perf_counter() - t0}
 
 
 def _time_pair(x: torch.Tensor, ws: list[torch.Tensor]) -> tuple[float, float]:

@@ -10,11 +10,19 @@ Weights are allocated with ``torch.empty``: they are meant to be loaded (or dumm
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers import cpu_gemm, gemm_library, triton_ops
+from pagedllm.layers import cpu_gemm, triton_ops
+from pagedllm.layers.custom_op import CustomOp
+
+if TYPE_CHECKING:
+    from pagedllm.layers.dispatch import KernelPlan
+    from pagedllm.layers.gemm_library import GemmLibrary
+    from pagedllm.layers.norm import RMSNorm
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
@@ -24,8 +32,25 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shar
         param.copy_(loaded_weight)
 
 
-class Linear(nn.Module):
-    """``y = x W^T (+ b)`` with W ``[out_features, in_features]``, loaded from one checkpoint tensor."""
+class Linear(CustomOp):
+    """``y = x W^T (+ b)`` with W ``[out_features, in_features]``, loaded from one checkpoint tensor.
+
+    Implementations: ``cuda`` (the Triton GEMV at 1-2 rows where the device's tuning row says it
+    beats cuBLAS, else cuBLAS / cuBLASLt as the plan's ``GemmLibrary`` timed faster for the shape),
+    ``cublas`` (CUDA without the fused kernels: the library choice only), ``cpu`` (oneDNN with the
+    prepacked weight once ``pack_cpu_weight`` ran, else ``F.linear``), ``native`` (``F.linear``).
+
+    Fused methods, for the compound modules of ``layers/compound.py``; each returns None (or, for
+    ``forward_add_``, runs the two ops) where its kernel does not apply, so a caller can always fall
+    back to ``forward``: ``forward_norm_prologue`` (residual add + RMSNorm in the GEMV's prologue),
+    ``forward_act_prologue`` (SiLU-and-mul in the GEMV's prologue), ``forward_add_`` (the residual
+    add in the GEMM's epilogue), and the load-time ``fold_input_scale_``. A subclass that computes
+    something else than ``F.linear(x, self.weight, self.bias)`` (LoRA, quantized) sets
+    ``fuses_kernels = False`` (automatic when it overrides ``forward`` or an implementation) and the
+    fused methods then run its plain ``forward``.
+    """
+
+    fuses_kernels = True
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -37,9 +62,18 @@ class Linear(nn.Module):
             p.weight_loader = self.weight_loader
         # oneDNN-blocked copy of ``weight`` for the CPU (``pack_cpu_weight``); None: not packed.
         self.cpu_packed_weight: torch.Tensor | None = None
+        self.gemms: GemmLibrary | None = None  # the plan's cuBLAS / cuBLASLt table (CUDA)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         default_weight_loader(param, loaded_weight)
+
+    def choose_impl(self, plan: KernelPlan) -> str:
+        """``cuda`` or ``cublas`` on CUDA (with or without the Triton GEMV), ``cpu`` on the CPU (the
+        oneDNN GEMM is no C kernel of ours: ``KernelConfig.cpu_kernels`` does not turn it off)."""
+        if plan.device.type == "cuda":
+            self.gemms = plan.gemms
+            return "cuda" if plan.fused_kernels else "cublas"
+        return "cpu" if plan.device.type == "cpu" else "native"
 
     def pack_cpu_weight(self) -> bool:
         """Make the prepacked CPU copy (``cpu_gemm``); call once the weights are final (a later
@@ -47,23 +81,61 @@ class Linear(nn.Module):
         self.cpu_packed_weight = cpu_gemm.pack_weight(self.weight)
         return self.cpu_packed_weight is not None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """cuBLAS or cuBLASLt (``gemm_library``: whichever start-up timed faster for this shape and
-        row count), or on CUDA at 1-2 rows the Triton GEMV where it is faster
-        (``triton_ops.use_skinny_gemm``); on the CPU the prepacked oneDNN GEMM once packed."""
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu_packed_weight is not None and x.device.type == "cpu" and x.dtype == self.weight.dtype:
             return cpu_gemm.packed_linear(x, self.cpu_packed_weight, self.bias)
-        if triton_ops.use_skinny_gemm(x, self.weight):
+        return F.linear(x, self.weight, self.bias)
+
+    def forward_cublas(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gemms.linear(x, self.weight, self.bias)
+
+    def forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
+        if triton_ops.skinny_gemm_fits(x, self.weight, self.tuning):
             return triton_ops.skinny_linear(x, self.weight, self.bias)
-        return gemm_library.linear(x, self.weight, self.bias)
+        return self.gemms.linear(x, self.weight, self.bias)
+
+    def _fused(self) -> bool:
+        return self.impl == "cuda" and self.fuses_kernels
 
     def forward_add_(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``residual += self(x)``, in place; returns ``residual``. On CUDA, without a bias and where
-        cuBLAS runs the layer, one GEMM with the add in its epilogue (``gemm_library.linear_add_``);
+        cuBLAS runs the layer, one GEMM with the add in its epilogue (``GemmLibrary.linear_add_``);
         elsewhere the two ops."""
-        if self.bias is None and x.is_cuda and x.dim() == 2 and not triton_ops.use_skinny_gemm(x, self.weight):
-            return gemm_library.linear_add_(x, self.weight, residual)
+        if (self.impl in ("cuda", "cublas") and self.fuses_kernels and self.bias is None and x.is_cuda
+                and x.dim() == 2 and not (self.impl == "cuda" and triton_ops.skinny_gemm_fits(x, self.weight, self.tuning))):
+            return self.gemms.linear_add_(x, self.weight, residual)
         return residual.add_(self(x))
+
+    def forward_norm_prologue(self, x: torch.Tensor, residual: torch.Tensor | None,
+                              norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(self(norm(x + residual)), x + residual)`` in one launch (the GEMV with the residual add
+        and the norm in its prologue; without a residual ``(self(norm(x)), x)``), or None where that
+        kernel does not apply (it applies exactly where ``forward`` takes the Triton GEMV)."""
+        if not (self._fused() and norm.fuses_kernels
+                and triton_ops.norm_prologue_fits(x, residual, norm.weight, self.weight, self.tuning)):
+            return None
+        return triton_ops.rms_norm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias)
+
+    def forward_act_prologue(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``self(silu(gate) * up)`` for ``x = [gate | up]`` in one launch (the GEMV with the activation
+        in its prologue), or None where that kernel does not apply."""
+        if not (self._fused() and triton_ops.act_prologue_fits(x, self.weight, self.tuning)):
+            return None
+        return triton_ops.silu_and_mul_linear(x, self.weight, self.bias)
+
+    def can_fold_input_scale(self) -> bool:
+        """Whether ``fold_input_scale_`` can move a per-input-column scale into this layer: no bias
+        (the scale would have to go between the product and the bias) and a plain linear."""
+        return self.bias is None and self.fuses_kernels
+
+    @torch.no_grad()
+    def fold_input_scale_(self, scale: torch.Tensor) -> None:
+        """``W[:, k] *= scale[k]`` in float32, rounded to W's dtype (load time: norm folding). Call
+        before ``pack_cpu_weight``. Precondition: ``can_fold_input_scale()``."""
+        self.weight.copy_(self.weight.float() * scale.float()[None, :])
 
 
 class MergedLinear(Linear):
@@ -90,9 +162,28 @@ class MergedLinear(Linear):
 
 
 class QKVLinear(MergedLinear):
-    """q, k and v projections in one GEMM: output ``[T, (H + 2*Hkv) * D]``, shards "q", "k", "v"."""
+    """q, k and v projections in one GEMM: output ``[T, (H + 2*Hkv) * D]``, shards "q", "k", "v".
+
+    ``forward_norm_rope_store`` is its fused method at one token row: residual add + RMSNorm + this
+    projection + RoPE of q and k + the K/V store, in one launch."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         super().__init__(hidden_size, [q_size, kv_size, kv_size], bias, shard_names=("q", "k", "v"))
         self.q_size, self.kv_size = q_size, kv_size
+        self.head_dim, self.num_heads, self.num_kv_heads = head_dim, num_heads, num_kv_heads
+
+    def forward_norm_rope_store(
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, positions: torch.Tensor,
+        cos_cache: torch.Tensor, sin_cache: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(q rotated [1, Hq * D], x + residual)`` with the row's rotated k and its v written to cache
+        slot ``slot_mapping[0]``, in one launch (no q/k norm: the caller's check); None where that
+        kernel does not apply (not one row on the fused GEMV path, a RoPE table not over the whole
+        head, or a cache it does not take)."""
+        if not (self._fused() and norm.fuses_kernels and triton_ops.norm_qkv_rope_fits(
+                x, residual, norm.weight, self.weight, cos_cache, kv_cache, self.tuning)):
+            return None
+        return triton_ops.rms_norm_qkv_rope(x, residual, norm.weight, norm.eps, self.weight, self.bias, positions,
+                                            cos_cache, sin_cache, self.num_heads, self.num_kv_heads, kv_cache,
+                                            slot_mapping)

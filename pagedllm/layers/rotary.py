@@ -6,9 +6,10 @@ lists it). Position-dependent variants ("dynamic", "longrope") rescale with the 
 which a paged cache cannot follow, so they are refused.
 
 Cost: a float32 cos/sin table ``[max_position, rotary_dim]`` built once on the model's device
-(8 MiB for 32k positions x 64), shared by all layers. Per layer on CUDA, one fused Triton launch
-(``triton_ops.qk_norm_rope``) rotates q and k, reading cos/sin rows by position; elsewhere the torch
-path gathers the rows and rotates with ``apply_rotary`` (the oracle).
+(``max_position * rotary_dim * 4`` bytes), shared by all layers. Per layer, CUDA: one fused Triton
+launch (``triton_ops.qk_norm_rope``) rotates q and k, reading cos/sin rows by position; CPU in
+float32: one C pass per tensor; native: the torch path gathers the rows and rotates with
+``apply_rotary`` (the oracle).
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
 from pagedllm.layers import triton_ops
+from pagedllm.layers.custom_op import CustomOp
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.native import kernels as native
 
@@ -55,14 +56,19 @@ def compute_inv_freq(hf_config: Any, rotary_dim: int, device: torch.device | Non
     return inv_freq.float(), float(attention_scaling)
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(CustomOp):
     """``forward(positions, q, k, q_norm=None, k_norm=None)`` -> rotated (q, k); ``cos_sin(positions)``
-    -> (cos, sin) ``[T, rotary_dim // 2]`` for ``apply_rotary``.
+    -> (cos, sin) ``[T, rotary_dim // 2]`` for ``apply_rotary``; ``forward_and_store`` (CUDA) also
+    writes k and v into the paged KV cache in the same launch.
 
     The table is computed like HF's forward (``position * inv_freq`` in float32, then cos/sin), so
     in float32 the result is bit-identical; in half precision cos/sin are cast to the input dtype,
-    again as HF does.
+    again as HF does. ``forward`` rotates ``q`` ``[T, H, head_dim]`` and ``k`` ``[T, Hkv, head_dim]``
+    (strided views are fine) at ``positions`` ``[T]``; with ``q_norm``/``k_norm`` (``RMSNorm`` over
+    head_dim, Qwen3) each head is normed first. It returns new tensors; the inputs are not modified.
     """
+
+    fuses_kernels = True
 
     def __init__(self, hf_config: Any, head_dim: int, max_position: int, rotary_dim: int | None = None) -> None:
         super().__init__()
@@ -78,26 +84,33 @@ class RotaryEmbedding(nn.Module):
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos_cache[positions], self.sin_cache[positions]
 
-    def forward(
+    def forward_native(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate ``q`` ``[T, H, head_dim]`` and ``k`` ``[T, Hkv, head_dim]`` (strided views are fine) at
-        ``positions`` ``[T]``; with ``q_norm``/``k_norm`` (``RMSNorm`` over head_dim, Qwen3) each head is
-        normed first. Returns new tensors; the inputs are not modified."""
-        if self._fusable(q, k, q_norm, k_norm):
-            return triton_ops.qk_norm_rope(positions, q, k, self.cos_cache, self.sin_cache,
-                                           _norm_args(q_norm), _norm_args(k_norm))
-        if q_norm is not None:
-            q = q_norm(q)
-        if k_norm is not None:
-            k = k_norm(k)
+        q, k = _normed(q, k, q_norm, k_norm)
+        cos, sin = self.cos_sin(positions)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+    def forward_cpu(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+        q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k = _normed(q, k, q_norm, k_norm)
         if q.dim() == 3 and k.dim() == 3 and native.applies(q, k, self.cos_cache, self.sin_cache):
             # CPU float32: one pass per tensor in C instead of ~8 torch ops.
             return (native.rotary_embedding(q, positions, self.cos_cache, self.sin_cache),
                     native.rotary_embedding(k, positions, self.cos_cache, self.sin_cache))
-        cos, sin = self.cos_sin(positions)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return self.forward_native(positions, q, k)
+
+    def forward_cuda(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+        q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._fusable(q, k, q_norm, k_norm):
+            return triton_ops.qk_norm_rope(positions, q, k, self.cos_cache, self.sin_cache,
+                                           _norm_args(q_norm), _norm_args(k_norm))
+        return self.forward_native(positions, q, k, q_norm, k_norm)
 
     def forward_and_store(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -105,14 +118,15 @@ class RotaryEmbedding(nn.Module):
         kv_store: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         row_scale: tuple[torch.Tensor, float] | None = None,
     ) -> torch.Tensor | None:
-        """``forward`` with the attention's KV store folded into the same launch: the rotated k and
-        the value go straight into the cache (``kv_store = Attention.fused_kv_store(v)``); returns the
-        rotated q. None when the fused kernel does not apply (the caller then uses ``forward`` and
-        lets the backend store): one launch per layer instead of two. ``row_scale = (s, eps)``: q, k
-        and v are first scaled by each token's RMS of ``s`` (``norm.rms_scale``) in the same launch."""
+        """``forward`` with the attention's KV store folded into the same launch (CUDA): the rotated k
+        and the value go straight into the cache (``kv_store = Attention.fused_kv_store(v)``); returns
+        the rotated q. None when the fused kernel does not apply (another implementation, or inputs it
+        does not take: the caller then uses ``forward`` and lets the backend store): one launch per
+        layer instead of two. ``row_scale = (s, eps)``: q, k and v are first scaled by each token's
+        RMS of ``s`` (``norm.rms_scale``) in the same launch."""
         value, kv_cache = kv_store[0], kv_store[1]
-        if not (self._fusable(q, k, q_norm, k_norm) and kv_cache.dtype == k.dtype and value.stride(-1) == 1
-                and triton_ops.row_scale_fits(q, row_scale)):
+        if not (self.impl == "cuda" and self.fuses_kernels and self._fusable(q, k, q_norm, k_norm)
+                and kv_cache.dtype == k.dtype and value.stride(-1) == 1 and triton_ops.row_scale_fits(q, row_scale)):
             return None
         q_rot, _ = triton_ops.qk_norm_rope(positions, q, k, self.cos_cache, self.sin_cache, _norm_args(q_norm),
                                            _norm_args(k_norm), kv_store, row_scale)
@@ -122,7 +136,7 @@ class RotaryEmbedding(nn.Module):
         """The fused kernel's preconditions: CUDA, one dtype, full rotary, unit last stride, norms both
         or neither with weights in q's dtype."""
         return (
-            triton_ops.use_fused(q)
+            triton_ops.fusable(q)
             and k.dtype == q.dtype
             and q.dim() == 3
             and k.dim() == 3
@@ -131,8 +145,15 @@ class RotaryEmbedding(nn.Module):
             and k.stride(-1) == 1
             and self.cos_cache.dtype == torch.float32
             and (q_norm is None) == (k_norm is None)
-            and (q_norm is None or q_norm.weight.dtype == k_norm.weight.dtype == q.dtype)
+            and (q_norm is None or (q_norm.weight.dtype == k_norm.weight.dtype == q.dtype
+                                    and q_norm.fuses_kernels and k_norm.fuses_kernels))
         )
+
+
+def _normed(q: torch.Tensor, k: torch.Tensor, q_norm: RMSNorm | None,
+            k_norm: RMSNorm | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q`` and ``k`` through their per-head norms, where given."""
+    return (q_norm(q) if q_norm is not None else q), (k_norm(k) if k_norm is not None else k)
 
 
 def _norm_args(norm: RMSNorm | None) -> tuple[torch.Tensor, float] | None:

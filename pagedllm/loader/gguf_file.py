@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pagedllm.loader.architectures import gguf_permutes_qk
 from pagedllm.loader.cache import gguf_cache_folder, write_atomically
 
 logger = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ def _read_gguf(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     arch = read_field(reader, "general.architecture")
     num_heads = read_field(reader, f"{arch}.attention.head_count")
     num_kv_heads = read_field(reader, f"{arch}.attention.head_count_kv", num_heads)
-    permuted = arch == "llama"  # llama.cpp permutes Q/K only for its llama architecture
+    permuted = gguf_permutes_qk(arch)
     for t in reader.tensors:
         name = gguf_to_hf_name(t.name)
         if name is None:

@@ -13,13 +13,13 @@ Covered exactly (anything else returns None):
   - default RoPE: no ``rope_scaling``/``rope_parameters``, or one whose only keys are ``rope_type``,
     ``type`` and ``rope_theta`` with type "default"; no top-level ``partial_rotary_factor``;
   - values of the types transformers' strict config classes demand for every field we read
-    (``_TYPES``: e.g. positive int sizes, a float ``rms_norm_eps``, a bool ``tie_word_embeddings``),
+    (``Architecture.config_types``: e.g. positive int sizes, a float ``rms_norm_eps``, a bool ``tie_word_embeddings``),
     a ``dtype``/``torch_dtype`` naming a torch dtype, llama's hidden size a multiple of its heads,
     no ``layer_types`` or one known type per layer: where transformers' validation could complain,
     AutoConfig is left to do it. Fields we do not read are not checked (AutoConfig would reject,
     e.g., a string ``use_cache``; we ignore it).
 
-The defaults (``_DEFAULTS``) and post-processing (``num_key_value_heads`` / ``head_dim`` filled
+The defaults (``Architecture.config_defaults`` in ``loader/architectures.py``) and post-processing (``num_key_value_heads`` / ``head_dim`` filled
 in, Qwen's ``sliding_window`` cleared unless ``use_sliding_window``, ``rope_theta`` folded into
 ``rope_parameters``, ``torch_dtype`` read as ``dtype`` and made a ``torch.dtype``) are those of
 transformers 5.17-5.23 (``models/<type>/configuration_<type>.py`` and ``configuration_utils``);
@@ -37,7 +37,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+from pagedllm.loader.architectures import ARCHITECTURES
 
 # Every config attribute pagedllm reads (models/llama.py, models/registry.py, config.py,
 # engine/config_builder.py, engine/llm_engine.py, layers/rotary.py, entrypoints/bench_roofline.py).
@@ -54,80 +54,6 @@ READ_ATTRIBUTES = (
 _DEFAULT_ROPE_THETA = 10000.0  # transformers' RotaryEmbeddingConfigMixin.default_theta
 _ROPE_KEYS = frozenset({"rope_type", "type", "rope_theta"})
 _LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
-
-# transformers' class defaults, per model type, for the attributes we read. A key a class does not
-# define is absent here too (so ``getattr(c, key, default)`` sees the same thing through both).
-# ``head_dim`` None / ``num_key_value_heads`` None are filled in by ``_post_process`` as
-# transformers' ``__post_init__`` does.
-_COMMON = dict(
-    architectures=None,  # PreTrainedConfig's
-    hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, hidden_act="silu",
-    initializer_range=0.02, rms_norm_eps=1e-6, tie_word_embeddings=False, pad_token_id=None,
-)
-_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": dict(
-        _COMMON, vocab_size=32000, intermediate_size=11008, num_key_value_heads=None, head_dim=None,
-        max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, attention_bias=False, mlp_bias=False,
-    ),
-    "mistral": dict(
-        _COMMON, vocab_size=32000, intermediate_size=14336, num_key_value_heads=8, head_dim=None,
-        max_position_embeddings=4096 * 32, bos_token_id=1, eos_token_id=2, sliding_window=4096,
-    ),
-    "qwen2": dict(
-        _COMMON, vocab_size=151936, intermediate_size=22016, num_key_value_heads=32, max_position_embeddings=32768,
-        bos_token_id=None, eos_token_id=None, use_sliding_window=False, sliding_window=4096,
-    ),
-    "qwen3": dict(
-        _COMMON, vocab_size=151936, intermediate_size=22016, num_key_value_heads=32, head_dim=128,
-        max_position_embeddings=32768, bos_token_id=None, eos_token_id=None, attention_bias=False,
-        use_sliding_window=False, sliding_window=4096,
-    ),
-}
-
-
-def _size(v: Any) -> bool:
-    return type(v) is int and v > 0  # not bool (an int subclass): transformers says no too
-
-
-def _optional_size(v: Any) -> bool:
-    return v is None or _size(v)
-
-
-def _optional_int(v: Any) -> bool:
-    return v is None or type(v) is int
-
-
-def _token_ids(v: Any) -> bool:
-    return _optional_int(v) or (type(v) is list and all(type(x) is int for x in v))
-
-
-def _of_type(kind: type) -> Any:
-    return lambda v: type(v) is kind
-
-
-# The type each class field we read must have. transformers' config classes are strict dataclasses
-# that reject e.g. ``rms_norm_eps: 1`` (an int) or ``tie_word_embeddings: null``; a value failing
-# these checks (which are at least as strict) goes to AutoConfig, to be judged there. Keys that are
-# not fields of the class (e.g. ``head_dim`` in a qwen2 config) are kept as they are, as transformers does.
-_COMMON_TYPES = dict(
-    architectures=lambda v: v is None or (type(v) is list and all(type(x) is str for x in v)),
-    vocab_size=_size, hidden_size=_size, intermediate_size=_size, num_hidden_layers=_size,
-    num_attention_heads=_size, max_position_embeddings=_size, hidden_act=_of_type(str),
-    initializer_range=lambda v: type(v) is float and 0.0 <= v <= 1.0,
-    rms_norm_eps=_of_type(float), tie_word_embeddings=_of_type(bool),
-    pad_token_id=_optional_int, bos_token_id=_optional_int, eos_token_id=_token_ids,
-)
-_QWEN_TYPES = dict(
-    _COMMON_TYPES, num_key_value_heads=_optional_size, use_sliding_window=_of_type(bool), sliding_window=_optional_int,
-)
-_TYPES: dict[str, dict[str, Any]] = {
-    "llama": dict(_COMMON_TYPES, num_key_value_heads=_optional_size, head_dim=_optional_size,
-                  attention_bias=_of_type(bool), mlp_bias=_of_type(bool)),
-    "mistral": dict(_COMMON_TYPES, num_key_value_heads=_size, head_dim=_optional_size, sliding_window=_optional_int),
-    "qwen2": _QWEN_TYPES,
-    "qwen3": dict(_QWEN_TYPES, head_dim=_size, attention_bias=_of_type(bool)),
-}
-
 
 class PlainConfig:
     """A model config read from config.json without transformers, standing in for its ``PretrainedConfig``.
@@ -184,12 +110,13 @@ def read_plain_config(folder: str | os.PathLike) -> PlainConfig | None:
     if not isinstance(raw, dict):
         return None
     model_type = raw.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES or "auto_map" in raw or "quantization_config" in raw:
+    arch = ARCHITECTURES.get(model_type)
+    if arch is None or "auto_map" in raw or "quantization_config" in raw:
         return None
     if "partial_rotary_factor" in raw:
         return None
-    values = {**_DEFAULTS[model_type], **raw}
-    if not all(ok(values[key]) for key, ok in _TYPES[model_type].items()):
+    values = {**arch.config_defaults, **raw}
+    if not all(ok(values[key]) for key, ok in arch.config_types.items()):
         return None
     if model_type == "llama" and values["hidden_size"] % values["num_attention_heads"]:
         return None  # LlamaConfig.validate_architecture refuses it

@@ -1,5 +1,6 @@
 """pagedllm.models: our model implementations and the registry that picks one for a config."""
 
+from pagedllm.models.interface import CausalLM
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.registry import (
     build_model,
@@ -11,6 +12,7 @@ from pagedllm.models.registry import (
 )
 
 __all__ = [
+    "CausalLM",
     "LlamaForCausalLM",
     "build_model",
     "get_model_class",

@@ -1,5 +1,9 @@
 """Which model class serves a config, and how a model is built and loaded.
 
+The architectures and the class serving each are the table of ``loader/architectures.py``; every
+class is checked against the runner's interface (``models/interface.py``) when it is looked up and
+every model when it is built.
+
 ``build_model`` constructs directly on the target device in the target dtype with uninitialized
 weights (``torch.empty``: nothing is computed twice); ``load_model`` then fills them from the
 checkpoint, and ``init_dummy_weights`` fills them with random values instead (benchmarks).
@@ -8,46 +12,41 @@ checkpoint, and ``init_dummy_weights`` fills them with random values instead (be
 from __future__ import annotations
 
 import contextlib
+import importlib
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from pagedllm.models.llama import LlamaForCausalLM, sliding_window_of
-
-# HF ``architectures`` entry -> our class; ``model_type`` is the fallback (GGUF configs have no architectures).
-MODEL_CLASSES: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-    "Qwen3ForCausalLM": LlamaForCausalLM,
-}
-MODEL_TYPES: dict[str, type[nn.Module]] = {
-    "llama": LlamaForCausalLM,
-    "mistral": LlamaForCausalLM,
-    "qwen2": LlamaForCausalLM,
-    "qwen3": LlamaForCausalLM,
-}
+from pagedllm.loader.architectures import ARCHITECTURES, Architecture, architecture_for
+from pagedllm.models.interface import check_model, check_model_class
+from pagedllm.models.llama import sliding_window_of
 
 
 def supported_architectures() -> list[str]:
-    return sorted(MODEL_CLASSES)
+    return sorted(arch.hf_class for arch in ARCHITECTURES.values())
+
+
+def model_class_of(arch: Architecture) -> type[nn.Module]:
+    """The class implementing ``arch`` (its ``implementation``, imported), checked against ``CausalLM``."""
+    module_name, class_name = arch.implementation.split(":")
+    cls = getattr(importlib.import_module(module_name), class_name)
+    check_model_class(cls)
+    return cls
 
 
 def get_model_class(hf_config: Any) -> type[nn.Module]:
     """The class for ``hf_config.architectures`` (first match), else for ``hf_config.model_type``."""
-    for arch in getattr(hf_config, "architectures", None) or []:
-        if arch in MODEL_CLASSES:
-            return MODEL_CLASSES[arch]
     model_type = getattr(hf_config, "model_type", None)
-    if model_type in MODEL_TYPES:
-        return MODEL_TYPES[model_type]
     archs = getattr(hf_config, "architectures", None)
-    raise ValueError(
-        f"model: architecture {archs} (model_type={model_type!r}) is not supported; "
-        f"supported: {', '.join(supported_architectures())}"
-    )
+    arch = architecture_for(archs, model_type)
+    if arch is None:
+        raise ValueError(
+            f"model: architecture {archs} (model_type={model_type!r}) is not supported; "
+            f"supported: {', '.join(supported_architectures())}"
+        )
+    return model_class_of(arch)
 
 
 def max_supported_len(hf_config: Any) -> int | None:
@@ -72,6 +71,7 @@ def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device | str) 
     cls = get_model_class(hf_config)
     with torch.device(device), _default_dtype(dtype):
         model = cls(hf_config)
+    check_model(model)
     return model.eval()
 
 

@@ -18,10 +18,7 @@ import torch
 from pagedllm.attention.backend import AttentionMetadata, forward_context, get_attention_backend
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
-from pagedllm.layers import gemm_library, triton_ops
-from pagedllm.layers.cpu_gemm import pack_linear_weights
-from pagedllm.layers.embedding import LMHead
-from pagedllm.layers.linear import Linear
+from pagedllm.layers.dispatch import prepare_model_kernels
 from pagedllm.sample.history import TokenHistory
 from pagedllm.sample.logprobs import prompt_logprobs
 from pagedllm.sample.sampler import Sampler, SamplerOutput, build_sampling_metadata
@@ -76,12 +73,7 @@ class ModelRunner:
         else:
             self.model = load_model(mc.source, mc.hf_config, self.dtype, self.device)
         self.model.eval()
-        if self.device.type == "cuda" and config.kernel_config.fold_norms and hasattr(self.model, "fold_norms"):
-            folded = self.model.fold_norms()
-            logger.debug("norm weights %s into the projections", "folded" if folded else "not folded (biases)")
-        if self.device.type == "cpu":
-            packed = pack_linear_weights(self.model)  # oneDNN-blocked weights: see layers/cpu_gemm.py
-            logger.debug("prepacked %d linear weights for the CPU", packed)
+        self.kernel_plan = prepare_model_kernels(self.model, self.device, config.kernel_config)
         logger.info("model loaded in %.1f s", time.perf_counter() - t0)
         self.backend = get_attention_backend(config.attention_backend, self.device)
         self.sampler = Sampler(seed=mc.seed, device=self.device)
@@ -177,15 +169,11 @@ class ModelRunner:
             graphs.capture_all()
 
     def _tune_gemm_library(self, batch_sizes: list[int]) -> None:
-        """Pick cuBLAS or cuBLASLt per weight shape and CUDA-graph batch size (``gemm_library``),
-        before the graphs capture the choice. ``PAGEDLLM_GEMM_TUNING=0`` keeps cuBLAS everywhere."""
+        """Pick cuBLAS or cuBLASLt per weight shape and CUDA-graph batch size (``KernelPlan.tune_gemms``),
+        before the graphs capture the choice. ``KernelConfig.gemm_tuning`` off keeps cuBLAS everywhere."""
         if not self.config.kernel_config.gemm_tuning:
             return
-        weights = [m.weight for m in self.model.modules() if isinstance(m, (Linear, LMHead))]
-        with torch.inference_mode():
-            lm_head = self.model.lm_head.weight
-            summary = gemm_library.tune(weights, batch_sizes, skip=lambda x, w: triton_ops.use_skinny_gemm(x, w) or (
-                w.shape == lm_head.shape and triton_ops.use_skinny_lm_head(x, w)))
+        summary = self.kernel_plan.tune_gemms(self.model, batch_sizes)
         logger.info("GEMM library: cuBLASLt for %d of %d (weight shape, batch size) pairs, timed in %.1f s",
                     summary["cublaslt"], summary["measured"], summary["seconds"])
 

@@ -1,4 +1,4 @@
-"""The decode GEMVs with a fused prologue (layers/kernels/fused_gemv.py, layers/fused.py).
+"""The decode GEMVs with a fused prologue (layers/kernels/fused_gemv.py, layers/compound.py).
 
 GPU tests (marked ``gpu``; on CUDA, or on the CPU under ``TRITON_INTERPRET=1 python -m pytest
 --noconftest tests/layers``), as in test_triton_ops.py: each kernel on random inputs with strided
@@ -10,8 +10,8 @@ launch parameters; then capture in a CUDA graph, and a tiny random Llama / Qwen2
 decoding at batch 1 and 2 with and without the fusions (also under the interpreter, with the fused
 ops let onto CPU tensors).
 
-CPU tests (CI): the dispatch predicates follow ``use_skinny_gemm``, and on the CPU the helpers are
-the unfused modules, bit for bit.
+CPU tests (CI): the dispatch predicates follow ``skinny_gemm_fits``, and on the CPU the compound
+modules are the unfused modules, bit for bit.
 """
 
 from __future__ import annotations
@@ -20,14 +20,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pagedllm.config import KernelConfig
 from pagedllm.layers import (
     Linear,
+    NormLinear,
+    ResidualState,
     RMSNorm,
     SiluAndMul,
-    fused_norm_linear,
-    fused_silu_and_mul_linear,
+    SiluAndMulLinear,
+    prepare_model_kernels,
     triton_ops,
 )
+from pagedllm.layers.tuning import HOPPER
 from tests.layers.test_triton_ops import (
     DEVICE,
     DTYPES,
@@ -39,6 +43,8 @@ from tests.layers.test_triton_ops import (
     kernel_test,
     make_norm,
     make_rope,
+    native_ops,
+    on_cuda_kernels,
     poisoned_like,
     randn,
 )
@@ -90,12 +96,11 @@ def test_rms_norm_linear_kernel(dtype, shape, with_residual, bias):
     residual = randn(m, k + 8, dtype=dtype, gen=gen)[:, :k] if with_residual else None
     x_before = x.clone()
     res_before = residual.clone() if with_residual else None
-    with triton_ops.fused_ops(False):
-        if with_residual:
-            normed, ref_res = norm(x, residual)
-        else:
-            normed, ref_res = norm(x), x
-        ref = F.linear(normed, linear.weight, linear.bias)
+    if with_residual:
+        normed, ref_res = norm(x, residual)
+    else:
+        normed, ref_res = norm(x), x
+    ref = F.linear(normed, linear.weight, linear.bias)
     out = torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)
     res_out = poisoned_like(x) if with_residual else None
     # explicit blocks: the sum of squares also accumulates over several K chunks (with a tail)
@@ -125,8 +130,7 @@ def test_silu_and_mul_linear_kernel(dtype, shape, bias):
     linear = make_linear(n, k, dtype, gen, bias)
     x = randn(m, 2 * k + 8, dtype=dtype, scale=2.0, gen=gen)[:, 8:]  # strided rows, [gate | up]
     x_before = x.clone()
-    with triton_ops.fused_ops(False):
-        ref = F.linear(SiluAndMul()(x), linear.weight, linear.bias)
+    ref = F.linear(SiluAndMul()(x), linear.weight, linear.bias)
     out = torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)
     got = silu_and_mul_linear(x, linear.weight, linear.bias, out=out, block_n=block_n, block_k=block_k)
     assert got is out and torch.equal(x, x_before)
@@ -168,13 +172,12 @@ def test_rms_norm_qkv_rope_kernel(dtype, case, with_residual, bias, slot):
     positions = torch.tensor([300], device=DEVICE)
     slots = torch.tensor([slot], dtype=torch.int64, device=DEVICE)
     x_before = x.clone()
-    with triton_ops.fused_ops(False):
-        normed, ref_res = norm(x, residual) if with_residual else (norm(x), x)
-        q, kk, v = F.linear(normed, qkv.weight, qkv.bias).split([num_q * head_dim, num_kv * head_dim,
-                                                                  num_kv * head_dim], dim=-1)
-        cos, sin = rope.cos_sin(positions)
-        q_ref = apply_rotary(q.view(1, num_q, head_dim), cos, sin).view(1, -1)
-        k_ref = apply_rotary(kk.view(1, num_kv, head_dim), cos, sin)
+    normed, ref_res = norm(x, residual) if with_residual else (norm(x), x)
+    q, kk, v = F.linear(normed, qkv.weight, qkv.bias).split([num_q * head_dim, num_kv * head_dim,
+                                                              num_kv * head_dim], dim=-1)
+    cos, sin = rope.cos_sin(positions)
+    q_ref = apply_rotary(q.view(1, num_q, head_dim), cos, sin).view(1, -1)
+    k_ref = apply_rotary(kk.view(1, num_kv, head_dim), cos, sin)
     cache_ref = torch.full((2, 4, 16, num_kv, head_dim), float("nan"), dtype=dtype, device=DEVICE)
     if slot >= 0:
         store_kv_cache(k_ref, v.reshape(1, num_kv, head_dim), cache_ref, slots)
@@ -247,6 +250,13 @@ def test_fused_kernels_allocate_their_outputs(with_residual):
     assert z.shape == (m, n) and z.dtype == dtype
 
 
+def pair_state(hidden: torch.Tensor, residual: torch.Tensor | None = None) -> ResidualState:
+    """A residual state in the pair form: ``hidden`` not yet added to ``residual``."""
+    state = ResidualState(hidden)
+    state.residual = residual
+    return state
+
+
 @pytest.mark.parametrize("m", [1, 2])
 @cuda_test
 def test_fused_gemvs_capture_in_cuda_graph(m):
@@ -256,18 +266,21 @@ def test_fused_gemvs_capture_in_cuda_graph(m):
     dtype, hidden, inter = torch.bfloat16, 1024, 3072
     norm, act = make_norm(hidden, dtype, gen), SiluAndMul()
     qkv, down = make_linear(4096, hidden, dtype, gen, True), make_linear(hidden, inter, dtype, gen, False)
+    on_cuda_kernels(norm, act, qkv, down)
+    norm_qkv, act_down = NormLinear(norm, qkv), SiluAndMulLinear(act, down)
     x, residual = (torch.empty(m, hidden, dtype=dtype, device=DEVICE) for _ in range(2))
     gate_up = torch.empty(m, 2 * inter, dtype=dtype, device=DEVICE)
 
     def step():
-        return (*fused_norm_linear(norm, qkv, x, residual), fused_norm_linear(norm, qkv, x, None)[0],
-                fused_silu_and_mul_linear(act, down, gate_up))
+        state = pair_state(x, residual)
+        y = norm_qkv(state)
+        return y, state.residual, norm_qkv(pair_state(x)), act_down(gate_up, pair_state(None)).hidden
 
     def fill():
         for t in (x, residual, gate_up):
             t.copy_(randn(*t.shape, dtype=dtype, gen=gen))
 
-    assert_graph_replay_matches(fill, step)
+    assert_graph_replay_matches(fill, step, (norm, act, qkv, down))
 
 
 # ---- the model, fused vs unfused -----------------------------------------------------------------
@@ -310,19 +323,18 @@ def _decode_logits(model, steps: int = 3) -> torch.Tensor:
 
 
 def _fused_ops_on_cpu_tensors(monkeypatch) -> None:
-    """Let ``use_fused`` accept CPU tensors (the switch still applies): the dispatch as on CUDA."""
-    monkeypatch.setattr(triton_ops, "use_fused",
-                        lambda x: x.dtype in triton_ops.FUSED_DTYPES and triton_ops._Switch.enabled)
+    """Let the fused kernels take CPU tensors (the interpreter): the CUDA implementations' dispatch."""
+    monkeypatch.setattr(triton_ops, "fusable", lambda x: x.dtype in triton_ops.FUSED_DTYPES)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-# Relative logit error (fused vs the same model with separate launches, fused vs fused_ops(False)).
+# Relative logit error (fused vs the same model with separate launches, fused vs the native ops).
 # The norm GEMVs never round the normed row (one pass, fused_gemv.py), which the separate launches do:
-# on an H200, bf16 1.4-1.6e-2 against them. Under the interpreter: fp16 <= 2e-4; bf16 1-2e-2 /
-# 3-7e-2, from the interpreter's truncating bf16 casts (which the cuBLAS stand-in does not make).
+# in bf16 about one rounding of the linear's input. Under the interpreter bf16 is looser still, from
+# its truncating bf16 casts (which the cuBLAS stand-in does not make).
 MODEL_TOL = {
     torch.float16: (2e-3, 1e-2),
     torch.bfloat16: (4e-2, 1e-1) if INTERPRET else (3e-2, 5e-2),
@@ -340,12 +352,13 @@ def test_model_fused_decode_matches_unfused(arch, dtype, monkeypatch):
         # skinny_gemm's K loop has a runtime bound, which the interpreter cannot run with numpy 2.4
         # (it converts the 1-element bound with int()): the plain GEMV is F.linear there.
         monkeypatch.setattr(triton_ops, "skinny_linear", F.linear)
-        monkeypatch.setattr(triton_ops, "lm_head_linear", F.linear)
+        monkeypatch.setattr(triton_ops, "lm_head_linear", lambda x, w, tuning: F.linear(x, w))
     calls: list[str] = []
     for name in ("rms_norm_linear", "silu_and_mul_linear", "rms_norm_qkv_rope"):
         fn = getattr(triton_ops, name)
         monkeypatch.setattr(triton_ops, name, lambda *a, _fn=fn, _name=name: calls.append(_name) or _fn(*a))
     model = _tiny_model(arch, dtype)
+    on_cuda_kernels(model)
     fused = _decode_logits(model)
     layers = len(model.model.layers)
     # M=1 steps: every layer's qkv and gate_up take the norm GEMV, down the activation GEMV; M=2 steps:
@@ -358,11 +371,11 @@ def test_model_fused_decode_matches_unfused(arch, dtype, monkeypatch):
     assert calls.count("silu_and_mul_linear") == 3 * layers + 3 * layers
     calls.clear()
     with monkeypatch.context() as m:
-        m.setattr(triton_ops, "use_fused_norm_linear", lambda *a: False)
-        m.setattr(triton_ops, "use_fused_silu_and_mul_linear", lambda *a: False)
+        m.setattr(triton_ops, "norm_prologue_fits", lambda *a: False)
+        m.setattr(triton_ops, "act_prologue_fits", lambda *a: False)
         separate = _decode_logits(model)
     assert not calls
-    with triton_ops.fused_ops(False):
+    with native_ops(model):
         unfused = _decode_logits(model)
     assert not calls
     assert torch.isfinite(fused).all()
@@ -376,51 +389,54 @@ def test_model_fused_decode_matches_unfused(arch, dtype, monkeypatch):
 # ---- CPU: dispatch and the unfused path ------------------------------------------------------------
 
 
-def test_dispatch_follows_use_skinny_gemm(monkeypatch):
+def test_dispatch_follows_skinny_gemm_fits(monkeypatch):
     """The fused prologues are taken exactly where the linear alone takes the Triton GEMV (checked
     with CPU tensors standing in for CUDA ones)."""
     _fused_ops_on_cpu_tensors(monkeypatch)
-    bf16 = torch.bfloat16
+    bf16, tuning = torch.bfloat16, HOPPER
     for m in (1, 2, 3):
         for n, k in [(4096, 1024), (6144, 1024), (1024, 3072), (1024, 2048), (6144, 4096), (28672, 4096),
                      (4096, 14336)]:
             x = torch.zeros(m, k, dtype=bf16)
             w = torch.zeros(n, k, dtype=bf16)
             g = torch.ones(k, dtype=bf16)
-            skinny = triton_ops.use_skinny_gemm(x, w)
-            assert triton_ops.use_fused_norm_linear(x, None, g, w) == skinny
-            assert triton_ops.use_fused_norm_linear(x, torch.zeros_like(x), g, w) == skinny
+            skinny = triton_ops.skinny_gemm_fits(x, w, tuning)
+            assert triton_ops.norm_prologue_fits(x, None, g, w, tuning) == skinny
+            assert triton_ops.norm_prologue_fits(x, torch.zeros_like(x), g, w, tuning) == skinny
             gate_up = torch.zeros(m, 2 * k, dtype=bf16)
-            assert triton_ops.use_fused_silu_and_mul_linear(gate_up, w) == skinny
+            assert triton_ops.act_prologue_fits(gate_up, w, tuning) == skinny
     # Qwen3-0.6B at M=1: qkv, gate_up and down; at M=2 only down. Llama-8B at M=1: only qkv.
     x1, x2 = torch.zeros(1, 1024, dtype=bf16), torch.zeros(2, 1024, dtype=bf16)
     g = torch.ones(1024, dtype=bf16)
-    assert triton_ops.use_fused_norm_linear(x1, None, g, torch.zeros(4096, 1024, dtype=bf16))
-    assert not triton_ops.use_fused_norm_linear(x2, x2, g, torch.zeros(4096, 1024, dtype=bf16))
-    assert triton_ops.use_fused_silu_and_mul_linear(torch.zeros(2, 6144, dtype=bf16), torch.zeros(1024, 3072, dtype=bf16))
+    assert triton_ops.norm_prologue_fits(x1, None, g, torch.zeros(4096, 1024, dtype=bf16), tuning)
+    assert not triton_ops.norm_prologue_fits(x2, x2, g, torch.zeros(4096, 1024, dtype=bf16), tuning)
+    assert triton_ops.act_prologue_fits(torch.zeros(2, 6144, dtype=bf16), torch.zeros(1024, 3072, dtype=bf16), tuning)
     # Mismatched dtypes or shapes keep the two-launch path.
     w = torch.zeros(4096, 1024, dtype=bf16)
-    assert not triton_ops.use_fused_norm_linear(x1, None, g.float(), w)
-    assert not triton_ops.use_fused_norm_linear(x1, x1.half(), g, w)
-    assert not triton_ops.use_fused_norm_linear(x1, torch.zeros(1, 512, dtype=bf16), g, w)
-    assert not triton_ops.use_fused_silu_and_mul_linear(torch.zeros(1, 2048, dtype=bf16), torch.zeros(1024, 3072, dtype=bf16))
-    with triton_ops.fused_ops(False):
-        assert not triton_ops.use_fused_norm_linear(x1, None, g, w)
+    assert not triton_ops.norm_prologue_fits(x1, None, g.float(), w, tuning)
+    assert not triton_ops.norm_prologue_fits(x1, x1.half(), g, w, tuning)
+    assert not triton_ops.norm_prologue_fits(x1, torch.zeros(1, 512, dtype=bf16), g, w, tuning)
+    assert not triton_ops.act_prologue_fits(torch.zeros(1, 2048, dtype=bf16), torch.zeros(1024, 3072, dtype=bf16),
+                                            tuning)
+    # A linear prepared without the fused kernels never takes a prologue.
+    linear = Linear(1024, 4096).to(bf16)
+    prepare_model_kernels(linear, torch.device("cuda"), KernelConfig(fused_ops=False))
+    assert linear.impl == "cublas" and linear.forward_norm_prologue(x1, None, RMSNorm(1024).to(bf16)) is None
     # Norm + qkv + RoPE + KV store: one row where the norm GEMV applies, a float32 table, a cache of x's dtype.
     cos = torch.zeros(64, 64)
     cache = torch.zeros(2, 4, 16, 8, 128, dtype=bf16)
-    assert triton_ops.use_fused_norm_qkv_rope(x1, x1, g, w, cos, cache)
-    assert not triton_ops.use_fused_norm_qkv_rope(x2, x2, g, w, cos, cache)  # two rows
-    assert not triton_ops.use_fused_norm_qkv_rope(x1, x1, g, torch.zeros(28672, 4096, dtype=bf16)[:, :1024], cos,
-                                                  cache)  # not the GEMV (a strided weight)
-    assert not triton_ops.use_fused_norm_qkv_rope(x1, x1, g, w, cos.half(), cache)
-    assert not triton_ops.use_fused_norm_qkv_rope(x1, x1, g, w, cos, cache.float())
-    assert not triton_ops.use_fused_norm_qkv_rope(x1, x1, g, w, cos[:, :32], cache)  # partial rotary
+    assert triton_ops.norm_qkv_rope_fits(x1, x1, g, w, cos, cache, tuning)
+    assert not triton_ops.norm_qkv_rope_fits(x2, x2, g, w, cos, cache, tuning)  # two rows
+    assert not triton_ops.norm_qkv_rope_fits(x1, x1, g, torch.zeros(28672, 4096, dtype=bf16)[:, :1024], cos,
+                                             cache, tuning)  # not the GEMV (a strided weight)
+    assert not triton_ops.norm_qkv_rope_fits(x1, x1, g, w, cos.half(), cache, tuning)
+    assert not triton_ops.norm_qkv_rope_fits(x1, x1, g, w, cos, cache.float(), tuning)
+    assert not triton_ops.norm_qkv_rope_fits(x1, x1, g, w, cos[:, :32], cache, tuning)  # partial rotary
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m", [1, 2, 5])
-def test_cpu_helpers_are_the_unfused_modules(dtype, m):
+def test_cpu_compound_modules_are_the_unfused_modules(dtype, m):
     gen = torch.Generator().manual_seed(m)
     norm = RMSNorm(48, 1e-5).to(dtype)
     norm.weight.data.copy_(torch.randn(48, generator=gen) * 0.2 + 1)
@@ -428,10 +444,14 @@ def test_cpu_helpers_are_the_unfused_modules(dtype, m):
     for p in (*qkv.parameters(), *down.parameters()):
         p.data.copy_(torch.randn(p.shape, generator=gen).to(dtype))
     x, residual = torch.randn(m, 48, generator=gen).to(dtype), torch.randn(m, 48, generator=gen).to(dtype)
-    y, new_res = fused_norm_linear(norm, qkv, x, residual)
+    norm_qkv = NormLinear(norm, qkv)
+    state = pair_state(x, residual)
+    y = norm_qkv(state)
     normed, ref_res = norm(x, residual)
-    assert torch.equal(y, qkv(normed)) and torch.equal(new_res, ref_res)
-    y, new_res = fused_norm_linear(norm, qkv, x, None)
-    assert torch.equal(y, qkv(norm(x))) and new_res is x
+    assert torch.equal(y, qkv(normed)) and torch.equal(state.residual, ref_res)
+    state = pair_state(x)
+    y = norm_qkv(state)
+    assert torch.equal(y, qkv(norm(x))) and state.residual is x
     gate_up = torch.randn(m, 48, generator=gen).to(dtype)
-    assert torch.equal(fused_silu_and_mul_linear(SiluAndMul(), down, gate_up), down(SiluAndMul()(gate_up)))
+    out = SiluAndMulLinear(SiluAndMul(), down)(gate_up, pair_state(None)).hidden
+    assert torch.equal(out, down(SiluAndMul()(gate_up)))

@@ -39,17 +39,19 @@ def test_strided_rows_are_read_by_stride():
 
 @pytest.mark.parametrize("rows", [1, 2])
 def test_lm_head_takes_the_gemv_at_one_row(rows, monkeypatch):
-    """One row: the Triton GEMV with the LM-head launch config (triton_ops.LM_HEAD_GEMV_CONFIG); more
-    rows: cuBLAS. Both give F.linear's logits within bf16 noise."""
-    from pagedllm.layers import triton_ops
+    """One row: the Triton GEMV with the LM-head launch config (``DeviceTuning.lm_head_gemv_config``);
+    more rows: cuBLAS. Both give F.linear's logits within bf16 noise."""
+    from pagedllm.config import KernelConfig
+    from pagedllm.layers import prepare_model_kernels, triton_ops
     from pagedllm.layers.embedding import LMHead
 
     head = LMHead(32_000 + 5, 512).to(device="cuda", dtype=torch.bfloat16)
+    prepare_model_kernels(head, torch.device("cuda"), KernelConfig())
     head.weight.data.normal_(0, 512**-0.5)
     hidden = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
     calls = []
     real = triton_ops.lm_head_linear
-    monkeypatch.setattr(triton_ops, "lm_head_linear", lambda x, w: calls.append(x.shape[0]) or real(x, w))
+    monkeypatch.setattr(triton_ops, "lm_head_linear", lambda x, w, t: calls.append(x.shape[0]) or real(x, w, t))
     logits = head(hidden, upcast=False)
     assert calls == ([1] if rows == 1 else [])
     ref = F.linear(hidden.float(), head.weight.float())

@@ -13,6 +13,7 @@ CPU tests (CI, no Triton needed): the torch paths equal HF's formulas, and nothi
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import subprocess
@@ -24,7 +25,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary, triton_ops
+from pagedllm.config import KernelConfig
+from pagedllm.layers import (
+    CustomOp,
+    RMSNorm,
+    RotaryEmbedding,
+    SiluAndMul,
+    apply_rotary,
+    prepare_model_kernels,
+    triton_ops,
+)
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 HAS_CUDA = torch.cuda.is_available()
@@ -65,10 +75,29 @@ def assert_matches(out: torch.Tensor, ref: torch.Tensor) -> None:
     assert rel < REL_TOL[out.dtype], f"relative error {rel:.3g} (tolerance {REL_TOL[out.dtype]:.0e}, {out.dtype})"
 
 
-def assert_graph_replay_matches(fill, step) -> None:
+def on_cuda_kernels(*modules: torch.nn.Module) -> None:
+    """Choose the CUDA implementations (the fused kernels) for ``modules`` and their submodules, as
+    the engine's ``prepare_model_kernels`` does (norms not folded)."""
+    prepare_model_kernels(torch.nn.ModuleList(modules), torch.device("cuda"), KernelConfig(fold_norms=False))
+
+
+@contextlib.contextmanager
+def native_ops(*modules: torch.nn.Module):
+    """Inside the block, ``modules`` and their submodules run their native (torch) implementation."""
+    ops = {m: m.impl for root in modules for m in root.modules() if isinstance(m, CustomOp)}
+    for op in ops:
+        op.use_impl("native")
+    try:
+        yield
+    finally:
+        for op, impl in ops.items():
+            op.use_impl(impl)
+
+
+def assert_graph_replay_matches(fill, step, modules) -> None:
     """Capture ``step()`` (the fused kernels) in a CUDA graph after a warm-up outside the capture,
     then twice: ``fill()`` the static inputs anew, replay, and compare every output with the unfused
-    torch path run eagerly on the same inputs."""
+    torch path of ``modules`` run eagerly on the same inputs."""
     fill()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -81,7 +110,7 @@ def assert_graph_replay_matches(fill, step) -> None:
     for _ in range(2):
         fill()
         graph.replay()
-        with triton_ops.fused_ops(False):
+        with native_ops(*modules):
             ref = step()
         for out, r in zip(outs, ref):
             assert_matches(out, r)
@@ -121,8 +150,7 @@ def test_rms_norm_kernel(dtype, rows, hidden, with_residual, max_block):
     x = randn(rows, hidden + 64, dtype=dtype, scale=3.0, gen=gen)[:, 32 : 32 + hidden]
     residual = randn(rows, hidden + 16, dtype=dtype, gen=gen)[:, :hidden] if with_residual else None
     out, res_out = poisoned_like(x), poisoned_like(x)
-    with triton_ops.fused_ops(False):
-        ref = norm(x, residual)
+    ref = norm(x, residual)  # a fresh module: the torch path on CUDA tensors
     got = rms_norm(x, norm.weight, norm.eps, residual, out=out, residual_out=res_out, max_block=max_block)
     if with_residual:
         assert got[0] is out and got[1] is res_out
@@ -166,8 +194,7 @@ def test_qk_norm_rope_kernel(dtype, shape, with_norm, layout):
     q_norm = make_norm(head_dim, dtype, gen) if with_norm else None
     k_norm = make_norm(head_dim, dtype, gen) if with_norm else None
     q_before, k_before = q.clone(), k.clone()
-    with triton_ops.fused_ops(False):
-        ref_q, ref_k = rope(positions, q, k, q_norm, k_norm)
+    ref_q, ref_k = rope(positions, q, k, q_norm, k_norm)  # fresh modules: the torch path
     q_out, k_out = poisoned_like(ref_q), poisoned_like(ref_k)
     norms = ((q_norm.weight, q_norm.eps), (k_norm.weight, k_norm.eps)) if with_norm else (None, None)
     got_q, got_k = qk_norm_rope(positions, q, k, rope.cos_cache, rope.sin_cache, *norms, q_out=q_out, k_out=k_out)
@@ -190,8 +217,7 @@ def test_silu_and_mul_kernel(dtype, rows, size):
 
     gen = torch.Generator(DEVICE).manual_seed(rows + size)
     x = randn(rows, 2 * size + 8, dtype=dtype, scale=3.0, gen=gen)[:, 8:]  # strided rows
-    with triton_ops.fused_ops(False):
-        ref = SiluAndMul()(x)
+    ref = SiluAndMul()(x)  # a fresh module: the torch path
     out = poisoned_like(ref)
     assert silu_and_mul(x, out=out) is out
     assert_matches(out, ref)
@@ -208,8 +234,7 @@ def test_silu_and_mul_kernel_with_row_scale(dtype, rows, size, hidden):
     gen = torch.Generator(DEVICE).manual_seed(rows + size)
     x = randn(rows, 2 * size, dtype=dtype, scale=3.0, gen=gen)
     s = randn(rows, hidden + 8, dtype=dtype, scale=5.0, gen=gen)[:, 8:]  # strided rows
-    with triton_ops.fused_ops(False):
-        ref = SiluAndMul()(x, (s, 1e-6))
+    ref = SiluAndMul()(x, (s, 1e-6))
     out = poisoned_like(ref)
     assert silu_and_mul(x, out=out, row_scale=(s, 1e-6)) is out
     assert_matches(out, ref)
@@ -228,6 +253,7 @@ def test_layers_take_the_fused_path_on_cuda(monkeypatch):
     dtype, tokens, heads, kv_heads, head_dim, hidden = torch.bfloat16, 9, 16, 8, 128, 1024
     norm, q_norm, k_norm = make_norm(hidden, dtype, gen), make_norm(head_dim, dtype, gen), make_norm(head_dim, dtype, gen)
     rope, act = make_rope(head_dim), SiluAndMul()
+    on_cuda_kernels(norm, q_norm, k_norm, rope, act)
     x, residual = randn(tokens, hidden, dtype=dtype, gen=gen), randn(tokens, hidden, dtype=dtype, gen=gen)
     qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, gen=gen)
     q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
@@ -240,9 +266,9 @@ def test_layers_take_the_fused_path_on_cuda(monkeypatch):
 
     fused = run_all()
     assert calls == ["rms_norm", "rms_norm", "qk_norm_rope", "qk_norm_rope", "silu_and_mul"]
-    with triton_ops.fused_ops(False):
+    with native_ops(norm, q_norm, k_norm, rope, act):
         ref = run_all()
-    assert len(calls) == 5, "fused_ops(False) must route to the torch path"
+    assert len(calls) == 5, "the native implementation must be the torch path"
     for out, r in zip(fused, ref):
         assert_matches(out, r)
 
@@ -254,6 +280,7 @@ def test_fused_ops_capture_in_cuda_graph():
     dtype, tokens, heads, kv_heads, head_dim, hidden = torch.bfloat16, 64, 16, 8, 128, 1024
     norm, q_norm, k_norm = make_norm(hidden, dtype, gen), make_norm(head_dim, dtype, gen), make_norm(head_dim, dtype, gen)
     rope, act = make_rope(head_dim), SiluAndMul()
+    on_cuda_kernels(norm, q_norm, k_norm, rope, act)
     x, residual = torch.empty(tokens, hidden, dtype=dtype, device=DEVICE), torch.empty(tokens, hidden, dtype=dtype, device=DEVICE)
     qkv = torch.empty(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, device=DEVICE)
     gate_up = torch.empty(tokens, 2 * 3072, dtype=dtype, device=DEVICE)
@@ -269,7 +296,7 @@ def test_fused_ops_capture_in_cuda_graph():
             t.copy_(randn(*t.shape, dtype=dtype, gen=gen))
         positions.copy_(torch.randint(0, rope.max_position, (tokens,), generator=gen, device=DEVICE))
 
-    assert_graph_replay_matches(fill, step)
+    assert_graph_replay_matches(fill, step, (norm, q_norm, k_norm, rope, act))
 
 
 # ---- CPU: the torch paths (what CI runs) ------------------------------------------------------------
@@ -284,10 +311,8 @@ def torch_path(monkeypatch):
 
 
 def test_cpu_tensors_take_the_torch_path():
-    x = torch.randn(3, 8)
-    assert not triton_ops.use_fused(x)
-    with triton_ops.fused_ops(False):
-        assert not triton_ops.fused_ops_enabled()
+    assert not triton_ops.fusable(torch.randn(3, 8))
+    assert RMSNorm(8).impl == "cpu"  # a fresh module: the CPU form (C kernel where it applies, else torch)
 
 
 def test_layers_import_and_run_without_triton_kernels():

@@ -126,20 +126,27 @@ def test_model_surface(tiny):
 
 
 def test_folded_norms_and_residual_stream_match_the_unfolded_model(tiny, monkeypatch):
-    """``fold_norms`` moves the layers' norm weights into qkv / gate_up; the residual-stream forward
-    (CUDA-only in the engine, forced here on the CPU from 3 tokens up, so the 1-token decodes below
-    still take the pair path on the folded weights) then matches the unfolded model and HF."""
-    from pagedllm.layers import triton_ops
+    """``fold_norms`` moves the layers' norm weights into qkv / gate_up; the residual-stream form
+    (CUDA-only in the engine, turned on here on the CPU from 3 tokens up, so the 1-token decodes
+    below still take the pair form on the folded weights) then matches the unfolded model and HF."""
+    from pagedllm.layers import ResidualForm, ResidualState, fold_norms
 
     model = load_model(tiny.source, tiny.hf_config, torch.float32, "cpu")
-    folded = model.fold_norms()
+    folded = fold_norms(model)
     assert folded == (tiny.arch != "qwen2")  # Qwen2's q/k/v biases: nothing folded
     if not folded:
         return
-    assert model.model.norms_folded
     assert all(bool((layer.input_layernorm.weight == 1).all()) for layer in model.model.layers)
-    calls = []
-    monkeypatch.setattr(triton_ops, "use_residual_stream", lambda x: calls.append(x.shape[0]) or x.shape[0] >= 3)
+    model.model.residual.use_stream_from(3)
+    forms = []
+    real_forward = ResidualForm.forward
+
+    def spy(self, hidden: torch.Tensor) -> ResidualState:
+        state = real_forward(self, hidden)
+        forms.append((hidden.shape[0], state.is_stream))
+        return state
+
+    monkeypatch.setattr(ResidualForm, "forward", spy)
     runner = PagedTestRunner(model, num_blocks=256, block_size=4)
     outs = runner.step([(i, p) for i, p in enumerate(tiny.prompts)])
     for out, p in zip(outs, tiny.prompts):
@@ -153,9 +160,9 @@ def test_folded_norms_and_residual_stream_match_the_unfolded_model(tiny, monkeyp
         decode.append(out[0])
         token = int(out[0].argmax())
     assert_logits_close(torch.stack(decode), tiny.ref_logits(seq)[-3:])
-    assert calls[0] == sum(map(len, tiny.prompts)) and calls[1:] == [1, 1, 1]
+    assert forms == [(sum(map(len, tiny.prompts)), True)] + [(1, False)] * 3
     model.load_weights(tiny.source.iter_weights())  # the checkpoint's norm weights come back
-    assert not model.model.norms_folded
+    assert model.model.residual.stream_min_tokens is None
 
 
 def test_load_weights_reports_missing_and_unexpected(tiny):

@@ -1,6 +1,7 @@
-"""The model runner's start-up GEMM library choice (ModelRunner._tune_gemm_library): which weights
-and batch sizes it hands to layers/gemm_library.tune, and the PAGEDLLM_GEMM_TUNING switch. CPU only:
-the timing itself is covered by the GPU tests in tests/layers/test_gemm_library.py."""
+"""The model runner's start-up GEMM library choice (ModelRunner._tune_gemm_library ->
+KernelPlan.tune_gemms): which weights and batch sizes it hands to the plan's GemmLibrary.tune, and
+the gemm-tuning switch. CPU only: the timing itself is covered by the GPU tests in
+tests/layers/test_gemm_library.py."""
 
 from types import SimpleNamespace
 
@@ -8,8 +9,9 @@ import torch
 from torch import nn
 
 from pagedllm.config import KernelConfig
-from pagedllm.layers import gemm_library, triton_ops
+from pagedllm.layers import prepare_model_kernels, triton_ops
 from pagedllm.layers.embedding import LMHead
+from pagedllm.layers.gemm_library import GemmLibrary
 from pagedllm.layers.linear import Linear, MergedLinear
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -25,15 +27,17 @@ class TinyModel(nn.Module):
 
 def run(monkeypatch, env: str | None):
     calls = []
-    monkeypatch.setattr(gemm_library, "tune", lambda weights, rows, skip=None: calls.append(
+    monkeypatch.setattr(GemmLibrary, "tune", lambda self, weights, rows, skip=None: calls.append(
         (list(weights), list(rows), skip)) or {"measured": 0, "cublaslt": 0, "seconds": 0.0})
+    monkeypatch.setattr(triton_ops, "HAS_TRITON", True)
     if env is None:
         monkeypatch.delenv("PAGEDLLM_GEMM_TUNING", raising=False)
     else:
         monkeypatch.setenv("PAGEDLLM_GEMM_TUNING", env)
     model = TinyModel()
     config = SimpleNamespace(kernel_config=KernelConfig.from_env())  # the switch is read at config build
-    ModelRunner._tune_gemm_library(SimpleNamespace(model=model, config=config), [1, 2, 8, 16])
+    plan = prepare_model_kernels(model, torch.device("cuda"), config.kernel_config)
+    ModelRunner._tune_gemm_library(SimpleNamespace(model=model, config=config, kernel_plan=plan), [1, 2, 8, 16])
     return model, calls
 
 
@@ -45,10 +49,10 @@ def test_every_linear_and_the_lm_head_are_timed_at_the_graph_sizes(monkeypatch):
     assert rows == [1, 2, 8, 16]
     # Calls that never reach cuBLAS are skipped: the Triton GEMV's, and the LM head's where it takes one.
     x = torch.zeros(1, 8)
-    monkeypatch.setattr(triton_ops, "use_skinny_gemm", lambda x, w: w is model.proj.weight)
-    monkeypatch.setattr(triton_ops, "use_skinny_lm_head", lambda x, w: True)
+    monkeypatch.setattr(triton_ops, "skinny_gemm_fits", lambda x, w, tuning: w is model.proj.weight)
+    monkeypatch.setattr(triton_ops, "skinny_lm_head_fits", lambda x, w: True)
     assert skip(x, model.proj.weight) and skip(x, model.lm_head.weight) and not skip(x, model.gate_up.weight)
-    monkeypatch.setattr(triton_ops, "use_skinny_lm_head", lambda x, w: False)
+    monkeypatch.setattr(triton_ops, "skinny_lm_head_fits", lambda x, w: False)
     assert not skip(x, model.lm_head.weight)
 
 

@@ -12,6 +12,14 @@ import triton.language as tl
 
 
 @triton.jit
+def slot_offset(slot, stride_c_blk, stride_c_slot, BLOCK_SIZE: tl.constexpr):
+    """Element offset of cache slot ``slot`` (``block * BLOCK_SIZE + offset``) in one half (K or V) of
+    the paged cache ``[num_blocks, BLOCK_SIZE, Hkv, D]``: the layout, for kernels of other modules that
+    store K/V themselves (the fused RoPE and qkv GEMV kernels); add ``head * stride_c_head + dim``."""
+    return (slot // BLOCK_SIZE) * stride_c_blk + (slot % BLOCK_SIZE) * stride_c_slot
+
+
+@triton.jit
 def _store_kv_kernel(
     key_ptr,
     value_ptr,

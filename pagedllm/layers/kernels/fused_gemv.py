@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.attention.triton_kernels.kv_store import slot_offset
 from pagedllm.layers.kernels.rms_norm import _load_sum
 from pagedllm.layers.kernels.rotary import _rotate, _rounded
 from pagedllm.layers.kernels.skinny_gemm import _column_block, _store_rows, _weight_chunk, launch_config
@@ -256,7 +257,7 @@ def _rms_norm_qkv_rope_kernel(x_ptr, res_ptr, g_ptr, w_ptr, b_ptr, q_out_ptr, re
     # The projection's output as the two-launch path rounds it, then that path's RoPE roundings.
     y1 = _rounded(acc_a, io_dtype)
     y2 = _rounded(acc_b, io_dtype)
-    slot_dst = (slot // BLOCK_SIZE) * stride_c_blk + (slot % BLOCK_SIZE) * stride_c_slot
+    slot_dst = slot_offset(slot, stride_c_blk, stride_c_slot, BLOCK_SIZE)
     if rotated:
         o1, o2 = _rotate(y1, y2, cos, sin, io_dtype)
         if head < NUM_Q_HEADS:

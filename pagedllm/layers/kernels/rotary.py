@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.attention.triton_kernels.kv_store import slot_offset
 from pagedllm.pdl import launch_kwargs
 from pagedllm.triton_pdl import allow_dependents, wait_for_inputs
 
@@ -224,7 +225,7 @@ def _qk_norm_rope_kernel(
             v = (v.to(tl.float32) * row_scale).to(io_dtype)
         cos, sin = _cos_sin(cos_ptr, sin_ptr, pos, stride_cache, io_dtype, HALF, HALF_PAD)
         if slot >= 0:
-            dst = (slot // BLOCK_SIZE) * stride_c_blk + (slot % BLOCK_SIZE) * stride_c_slot
+            dst = slot_offset(slot, stride_c_blk, stride_c_slot, BLOCK_SIZE)
             _norm_rope_store(
                 x1, x2, k_cache_ptr + dst, kw_ptr, stride_c_head, first_head, NUM_KV_HEADS, cos, sin, k_eps,
                 io_dtype, HALF, HALF_PAD, BLOCK_H, HAS_NORM,

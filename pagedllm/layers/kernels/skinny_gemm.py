@@ -1,15 +1,15 @@
 """``y = x W^T`` for a handful of rows (decode at batch 1..4): a weight-streaming GEMV in Triton.
 
 At M <= 4 a linear layer is a pure read of W; cuBLAS picks GEMM tiles for these shapes that reach
-only 25-50% of the copy bandwidth on an H200 (e.g. 12 us for Qwen3-0.6B's 12.6 MB gate_up
-projection at M=1, see benchmarks/kernels/bench_skinny_gemm.py). Here each program owns
+only a fraction of the copy bandwidth (benchmarks/kernels/bench_skinny_gemm.py measures it; where
+the GEMV wins is the device's ``layers/tuning.py`` row). Here each program owns
 ``BLOCK_N`` output columns and streams their ``[BLOCK_N, K]`` slice of W once, in ``BLOCK_K``
 chunks, for all M rows at once (M, 1..4, is a compile-time constant), accumulating in fp32.
 Grid ``cdiv(N, BLOCK_N)``; ``BLOCK_N`` is chosen so that there are >= ~4 programs per SM.
 
 With PDL (``pagedllm/pdl.py``) a program waits for the kernel that wrote x before its loop and lets
-the next kernel launch after it. Starting the first weight chunk's reads before the wait did not
-pay (into registers: Llama-8B's batch-1 step 1.8% slower on an H200; an L2 prefetch: 2% slower).
+the next kernel launch after it. The first weight chunk's reads are not started before the wait:
+into registers or as an L2 prefetch, that made the batch-1 step slower (benchmarks/results/).
 
 Cost: N*K weight elements read once, M*K input elements per program (L2 hits), M*N written.
 """
@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.layers.tuning import for_device
 from pagedllm.pdl import launch_kwargs
 from pagedllm.triton_pdl import allow_dependents, wait_for_inputs
 
@@ -106,30 +107,22 @@ def pick_block_n(n: int, num_sms: int) -> int:
     return block
 
 
-# Weights above this many elements (Llama-8B's gate_up and down projections) stream best in wider
-# blocks than ``pick_block_n`` gives (H200 sweep, benchmarks/results/h200-skinny-gemm-*.json:
-# gate_up 66.9 -> 54.4 us, down 35.5 -> 28.9 us at M=1).
-LARGE_WEIGHT_ELEMENTS = 32 * 2**20
-# From this many elements up to LARGE (Llama-8B's qkv and o projections) 8-column blocks beat the 4
-# that ``pick_block_n`` gives (H200, benchmarks/kernels/bench_gemv_grid.py: o 11.55 -> 10.31 us with
-# 1024-element chunks and 8 warps; qkv behind the RMSNorm prologue 16.84 -> 15.72 us with 512 and 4).
-MEDIUM_WEIGHT_ELEMENTS = 16 * 2**20
-
-
 def launch_config(device: torch.device, n: int, k: int, block_n: int | None = None, block_k: int | None = None,
                   num_warps: int | None = None, norm_prologue: bool = False) -> tuple[int, int, int]:
     """``(block_n, block_k, num_warps)``, each the given value or the default for an ``[n, k]`` weight
-    (``norm_prologue``: for ``fused_gemv.rms_norm_linear``). Defaults from the H200 sweeps: long rows
-    stream in 1024-element chunks with 8 warps; ``block_n`` from ``pick_block_n``; weights from
-    ``MEDIUM_WEIGHT_ELEMENTS``: 8 columns, in 512-element chunks with 4 warps behind the norm
-    prologue, else in 1024-element chunks with 8 warps; over ``LARGE_WEIGHT_ELEMENTS``: 16 columns in 512-element chunks with 4 warps for rows
-    up to 4096, else 8 columns in 1024-element chunks with 8 warps. (The fused decode GEMVs of
+    (``norm_prologue``: for ``fused_gemv.rms_norm_linear``). Defaults (the size thresholds are the
+    device's ``layers/tuning.py`` row): long rows stream in 1024-element chunks with 8 warps;
+    ``block_n`` from ``pick_block_n``; weights from ``gemv_medium_weight_elements``: 8 columns, in
+    512-element chunks with 4 warps behind the norm prologue, else in 1024-element chunks with 8
+    warps; over ``gemv_large_weight_elements``: 16 columns in 512-element chunks with 4 warps for
+    rows up to 4096, else 8 columns in 1024-element chunks with 8 warps. (The fused decode GEMVs of
     ``fused_gemv.py`` use the same defaults.)"""
-    if n * k > LARGE_WEIGHT_ELEMENTS:
+    tuning = for_device(device)
+    if n * k > tuning.gemv_large_weight_elements:
         short_rows = k <= 4096
         large = (16, 512, 4) if short_rows else (8, 1024, 8)
         return block_n or large[0], block_k or large[1], num_warps or large[2]
-    if n * k >= MEDIUM_WEIGHT_ELEMENTS:
+    if n * k >= tuning.gemv_medium_weight_elements:
         medium = (8, 512, 4) if norm_prologue else (8, 1024, 8)
         return block_n or medium[0], block_k or medium[1], num_warps or medium[2]
     if block_k is None:
