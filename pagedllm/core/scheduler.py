@@ -175,6 +175,9 @@ class Scheduler:
         # First sequence id -> its n / best_of siblings, queued once it has computed the prompt.
         self._held_siblings: dict[str, list[Request]] = {}
         self.stop_checker = stop_checker
+        # Set once a runner returns drafts: until then the hot loops skip every draft test.
+        self._drafts_seen = False
+        self._num_with_stop_strings = 0  # unfinished requests with stop strings
         # Finished since the previous schedule(): sent to the runner in the next SchedulerOutput.
         self.finished_req_ids: set[str] = set()
         # Finished inside schedule() (could never fit): reported by the next update_from_output.
@@ -207,6 +210,7 @@ class Scheduler:
                 raise ValueError(f"request_id {r.request_id!r} is already in use")
         for r in group:
             self.requests[r.request_id] = r
+            self._num_with_stop_strings += r.has_stop_strings
             self._insertion_number[r.request_id] = self._num_added
             self._num_added += 1
             r.status = RequestStatus.WAITING
@@ -261,6 +265,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         del self._insertion_number[request.request_id]
+        self._num_with_stop_strings -= request.has_stop_strings
         self.finished_req_ids.add(request.request_id)
         if self._held_siblings and request.request_id in self._held_siblings:
             self._queue_siblings(request.request_id)
@@ -290,116 +295,109 @@ class Scheduler:
     def _budget_left(self, out: SchedulerOutput) -> int:
         return self.scheduler_config.max_num_batched_tokens - out.total_num_scheduled_tokens
 
-    def _record(self, out: SchedulerOutput, request: Request, num_new_tokens: int, drafts: list[int] | tuple[()] = ()) -> None:
-        """Count ``num_new_tokens`` plus ``drafts`` for ``request`` in ``out`` and advance its
-        ``num_computed_tokens`` (after its New/CachedRequestData captured the value before the step).
-
-        A step that brings the request level with its tokens samples for it: 1 + len(drafts)
-        placeholders, of which the result keeps the accepted ones.
-        """
-        req_id = request.request_id
-        num_drafts = len(drafts)
-        num_tokens = num_new_tokens + num_drafts
-        out.num_scheduled_tokens[req_id] = num_tokens
-        out.total_num_scheduled_tokens += num_tokens
-        num_computed = request.num_computed_tokens + num_tokens
-        request.num_computed_tokens = num_computed
-        pending = request.num_output_placeholders
-        if num_computed == len(request.all_token_ids) + pending + num_drafts:
-            request.num_output_placeholders = pending + 1 + num_drafts
-        if num_drafts:
-            out.scheduled_spec_decode_tokens[req_id] = drafts
-            request.spec_token_ids = []
-            request.num_drafts_in_flight = num_drafts
-
     def _schedule_running(self, out: SchedulerOutput) -> None:
-        """Running requests in policy order, each ``min(uncomputed tokens, budget left)``.
+        self._schedule_tokens(out, self.running.snapshot(), out.scheduled_cached_reqs)
 
-        The hot loop of every decode step, so attributes are read into locals. Decode fast path:
-        tokens that fit in the blocks a request already holds need no call to ``allocate_slots``
-        (it would return no new blocks and change nothing).
+    def _schedule_tokens(self, out: SchedulerOutput, requests: list[Request], records: list[CachedRequestData]) -> None:
+        """Give each running request of ``requests``, in order, ``min(uncomputed tokens, budget
+        left)`` tokens (plus its drafts when they fit), appending its CachedRequestData to
+        ``records`` and advancing its ``num_computed_tokens`` (the record carries the value
+        before the step). A step that brings a request level with its tokens samples for it:
+        1 + d placeholders (d drafts), of which the result keeps the accepted ones.
+
+        The one place that counts scheduled tokens (admission calls it too), and the hot loop of
+        every decode step: attributes are read into locals. Decode fast path: tokens that fit in
+        the blocks a request already holds need no call to ``allocate_slots`` (it would return
+        no new blocks and change nothing).
         """
         config = self.scheduler_config
-        max_model_len = config.max_model_len
+        max_batched, max_model_len = config.max_num_batched_tokens, config.max_model_len
         chunked = config.enable_chunked_prefill
         block_size = self.block_size
         req_to_blocks = self.kv_cache_manager.req_to_blocks
-        cached_reqs = out.scheduled_cached_reqs
-        record = self._record
-        running = self.running.snapshot()
-        end = len(running)  # preemption pops victims from the back: the loop stops before them
-        budget = self._budget_left(out)
-        i = 0
-        while i < end and budget > 0:
-            request = running[i]
-            i += 1
+        num_scheduled = out.num_scheduled_tokens
+        budget = max_batched - out.total_num_scheduled_tokens
+        drafts_seen = self._drafts_seen
+        for request in requests:
+            if budget <= 0:
+                break
             # Tokens whose KV is still to be computed, counting sampled-but-unseen tokens (async
             # scheduling); none when the token in flight is the request's last (length limits).
             pending = request.num_output_placeholders
             num_tokens = len(request.all_token_ids)
             if pending and (
-                request.num_drafts_in_flight  # how many tokens that step returns is unknown
-                or request.spec_token_ids  # they guess where the token in flight goes: wait for it
+                # Drafts in flight: how many tokens that step returns is unknown. Drafts waiting:
+                # they guess where the token in flight goes. Either way, wait for that step.
+                (drafts_seen and (request.num_drafts_in_flight or request.spec_token_ids))
                 or len(request.output_token_ids) + pending >= request.max_tokens
                 or num_tokens + pending >= max_model_len
             ):
                 continue
-            num_remaining = num_tokens + pending - request.num_computed_tokens
-            if num_remaining == 1 and request.spec_token_ids:
-                num_scheduled = self._schedule_with_drafts(request, budget, out)
-                if num_scheduled:
-                    budget -= num_scheduled
-                    continue  # else its drafts were dropped: a plain decode
+            num_drafts = self._num_drafts_that_fit(request, budget) if drafts_seen and request.spec_token_ids else 0
+            # Computed tokens catch up with this: known + in flight + drafts (all fit, or none).
+            level = num_tokens + pending + num_drafts
+            num_computed = request.num_computed_tokens
+            num_remaining = level - num_computed
             num_new_tokens = num_remaining if num_remaining < budget else budget
             if num_new_tokens <= 0 or (not chunked and num_new_tokens < num_remaining):
                 continue  # nothing to do, or a prefill that must not be split: it waits
             req_id = request.request_id
-            num_computed = request.num_computed_tokens
             if num_computed + num_new_tokens <= len(req_to_blocks[req_id]) * block_size:
                 new_block_ids: list[int] = []
             else:
-                allocated = self._allocate_or_preempt(request, num_new_tokens, out)
+                allocated = self._allocate_or_preempt(request, num_new_tokens - num_drafts, num_drafts, out)
                 if allocated is None:
                     break  # it preempted itself: it was the back of the queue, nobody is left
                 new_block_ids = allocated
-                end = min(end, len(self.running))
-            cached_reqs.append(CachedRequestData(req_id, new_block_ids, num_computed))
-            record(out, request, num_new_tokens)
+                if num_drafts and not request.spec_token_ids:  # the pool had no room for them
+                    num_new_tokens, level, num_drafts = num_new_tokens - num_drafts, level - num_drafts, 0
+                del requests[len(self.running):]  # preempted victims (the back): stop before them
+            records.append(CachedRequestData(req_id, new_block_ids, num_computed))
+            num_scheduled[req_id] = num_new_tokens
             budget -= num_new_tokens
+            num_computed += num_new_tokens
+            request.num_computed_tokens = num_computed
+            if num_computed == level:  # this step samples for it: 1 + drafts tokens, at most
+                request.num_output_placeholders = level - num_tokens + 1
+                if num_drafts:
+                    out.scheduled_spec_decode_tokens[req_id] = request.spec_token_ids
+                    request.spec_token_ids = []
+                    request.num_drafts_in_flight = num_drafts
+        out.total_num_scheduled_tokens = max_batched - budget
 
-    def _schedule_with_drafts(self, request: Request, budget: int, out: SchedulerOutput) -> int:
-        """Schedule a decode (its last known token) plus its drafts, all or none.
-
-        The drafts are dropped (returns 0; the caller schedules a plain decode) when they do not
-        fit the budget, when accepting all of them could pass ``max_tokens`` or ``max_model_len``,
-        or when the KV pool has no room for their slots: they are a guess, not worth a preemption.
-        Returns the number of tokens scheduled.
-        """
-        drafts = request.spec_token_ids
-        request.spec_token_ids = []  # consumed either way: the step samples at their place
-        num_tokens = 1 + len(drafts)  # at most this many tokens come back
+    def _num_drafts_that_fit(self, request: Request, budget: int) -> int:
+        """How many drafts to schedule with the request's last token: all of them, or none (they
+        are dropped) when the request is not one token behind, or they do not fit the budget, or
+        accepting all of them could pass ``max_tokens`` or ``max_model_len``."""
+        num_tokens = 1 + len(request.spec_token_ids)  # computed, and at most returned, this step
         if (
-            num_tokens > budget
-            or len(request.output_token_ids) + num_tokens > request.max_tokens
-            or len(request.all_token_ids) + num_tokens > self.scheduler_config.max_model_len
+            request.num_computed_tokens + 1 != request.num_tokens
+            or num_tokens > budget
+            or request.num_output_tokens + num_tokens > request.max_tokens
+            or request.num_tokens + num_tokens > self.scheduler_config.max_model_len
         ):
+            request.spec_token_ids = []
             return 0
-        num_computed = request.num_computed_tokens
-        new_block_ids = self.kv_cache_manager.allocate_slots(request, 1, num_lookahead_tokens=len(drafts))
-        if new_block_ids is None:
-            return 0
-        out.scheduled_cached_reqs.append(CachedRequestData(request.request_id, new_block_ids, num_computed))
-        self._record(out, request, 1, drafts)
-        return num_tokens
+        return num_tokens - 1
 
-    def _allocate_or_preempt(self, request: Request, num_new_tokens: int, out: SchedulerOutput) -> list[int] | None:
+    def _allocate_or_preempt(
+        self, request: Request, num_new_tokens: int, num_drafts: int, out: SchedulerOutput
+    ) -> list[int] | None:
         """Allocate, preempting from the back of the running queue until it fits.
 
-        Returns the new block ids, or None if ``request`` itself had to be preempted. Victims
-        always come after ``request`` in the running queue, so none was scheduled this step.
+        Drafts get lookahead slots when the pool has room; otherwise they are dropped (a guess is
+        not worth a preemption). Returns the new block ids, or None if ``request`` itself had to
+        be preempted. Victims always come after ``request`` in the running queue, so none was
+        scheduled this step.
         """
+        kv = self.kv_cache_manager
+        if num_drafts:
+            new_block_ids = kv.allocate_slots(request, num_new_tokens, num_lookahead_tokens=num_drafts)
+            if new_block_ids is not None:
+                return new_block_ids
+            request.spec_token_ids = []
         while True:
-            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            new_block_ids = kv.allocate_slots(request, num_new_tokens)
             if new_block_ids is not None:
                 return new_block_ids
             victim = self.running.pop()
@@ -438,7 +436,7 @@ class Scheduler:
             if new_block_ids is None:
                 break  # no skipping ahead: the head waits for blocks, and so does everyone behind
             self.waiting.popleft()
-            self._admit(request, num_hit_tokens, num_new_tokens, out)
+            self._admit(request, num_hit_tokens, out)
 
     def _can_never_run(self, request: Request, num_new_tokens: int) -> bool:
         if cdiv(request.num_tokens, self.block_size) > self.kv_cache_manager.num_blocks:
@@ -456,7 +454,9 @@ class Scheduler:
             )
         )
 
-    def _admit(self, request: Request, num_hit_tokens: int, num_new_tokens: int, out: SchedulerOutput) -> None:
+    def _admit(self, request: Request, num_hit_tokens: int, out: SchedulerOutput) -> None:
+        """Start running ``request`` (its blocks are allocated) and schedule its tokens. Its
+        CachedRequestData is not sent: the runner learns of it from the NewRequestData."""
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_hit_tokens
         if request.num_cached_tokens < 0:
@@ -474,7 +474,7 @@ class Scheduler:
                 num_computed_tokens=num_hit_tokens,
             )
         )
-        self._record(out, request, num_new_tokens)
+        self._schedule_tokens(out, [request], [])
 
     # -- results -------------------------------------------------------------------------------
     def update_from_output(
@@ -500,7 +500,10 @@ class Scheduler:
         prompt_logprobs = model_runner_output.prompt_logprobs
         scheduled_drafts = scheduler_output.scheduled_spec_decode_tokens
         new_drafts = model_runner_output.draft_token_ids
-        stop_checker = self.stop_checker
+        stop_checker = self.stop_checker if self._num_with_stop_strings else None
+        held_siblings = self._held_siblings
+        if new_drafts is not None:
+            self._drafts_seen = True
         kv = self.kv_cache_manager
         num_cached_blocks = kv.num_cached_blocks if kv.enable_caching else None
         block_size = self.block_size
@@ -512,10 +515,9 @@ class Scheduler:
             new_token_ids: list[int] = []
             finished = False
             if i is not None and (sampled := sampled_rows[i]):
+                request.num_output_placeholders -= 1
                 if scheduled_drafts and req_id in scheduled_drafts:
                     self._settle_drafts(request, len(scheduled_drafts[req_id]), len(sampled))
-                else:
-                    request.num_output_placeholders -= 1
                 if request.first_token_time is None:
                     request.first_token_time = time.time()
                 # Append tokens one by one until a stop condition; tokens after a stop are dropped.
@@ -531,7 +533,7 @@ class Scheduler:
                         request.status = _FINISHED_LENGTH
                         finished = True
                         break
-                if request.has_stop_strings and stop_checker is not None:
+                if stop_checker is not None and request.has_stop_strings:
                     finished = self._check_stop_strings(request, new_token_ids, finished) or finished
                 if new_drafts is not None and not finished:
                     request.spec_token_ids = new_drafts.get(req_id) or []
@@ -559,7 +561,7 @@ class Scheduler:
             if finished:
                 self.running.remove(request)
                 self._release(request)
-            elif new_token_ids and self._held_siblings and req_id in self._held_siblings:
+            elif held_siblings and new_token_ids and req_id in held_siblings:
                 self._queue_siblings(req_id)  # its prompt is computed (and its full blocks cached)
         return outputs
 
@@ -571,7 +573,7 @@ class Scheduler:
         the step is settled."""
         num_rejected = num_drafts + 1 - num_sampled
         request.num_computed_tokens -= num_rejected
-        request.num_output_placeholders -= num_drafts + 1
+        request.num_output_placeholders -= num_drafts  # the caller took the sampled token's one
         request.num_drafts_in_flight = 0
 
     def _check_stop_strings(self, request: Request, new_token_ids: list[int], finished: bool) -> bool:

@@ -718,7 +718,7 @@ def run_async(scheduler: Scheduler, runner: FakeRunner, max_steps: int = 10_000)
         out = scheduler.schedule()
         scheduler.check_integrity()
         assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
-        launched = (out, runner.execute(out)) if not out.is_empty or out.finished_req_ids else None
+        launched = (out, runner.execute(out)) if not out.is_empty or out.finished_req_ids or out.preempted_req_ids else None
         if in_flight is not None:
             for o in scheduler.update_from_output(*in_flight):
                 r = results.setdefault(o.req_id, Result())
