@@ -19,8 +19,8 @@ One step, in order:
 Semantics fixed here:
 - ``num_computed_tokens`` advances in ``schedule()`` (as in vLLM): the output carries each
   request's value *before* the step; ``update_from_output`` only appends accepted tokens (and
-  takes rejected drafts back). A step
-  that ends inside the prompt (partial prefill) returns an empty sampled list for that request.
+  takes rejected drafts back). A step that ends inside the prompt (partial prefill) returns an
+  empty sampled list for that request.
 - Full blocks enter the prefix cache in ``update_from_output``, after the runner wrote their KV,
   so a hit never depends on KV being written in the same forward pass.
 - Ids of requests that finished or were aborted (``finish_requests``) since the
@@ -39,7 +39,8 @@ Semantics fixed here:
   goes, waits for that step's result (it is skipped for one step).
 - Stop strings are decided in ``update_from_output`` too: for requests with stop strings the
   engine's ``stop_checker`` (which owns the detokenizer state) is asked about each step's tokens,
-  so a stopped request is freed before its next step is scheduled.
+  so a stopped request is freed in the update that sees its tokens; with async scheduling the
+  result of the step still in flight for it is then ignored (its token is never emitted).
 - Sequences of an n > 1 request are added together (``add_request(first, siblings)``); the
   siblings wait until the first has computed the prompt, so that they hit its prefix cache.
 - A request whose tokens need more blocks than the whole pool holds (or, without chunked prefill,
@@ -205,9 +206,10 @@ class Scheduler:
         siblings wait until ``request`` has computed the prompt, so that they find its full blocks
         in the prefix cache and share them instead of each computing the prompt again."""
         group = [request, *siblings]
-        for r in group:
-            if r.request_id in self.requests or sum(x.request_id == r.request_id for x in group) > 1:
-                raise ValueError(f"request_id {r.request_id!r} is already in use")
+        ids = [r.request_id for r in group]
+        for req_id in ids:
+            if req_id in self.requests or ids.count(req_id) > 1:
+                raise ValueError(f"request_id {req_id!r} is already in use")
         for r in group:
             self.requests[r.request_id] = r
             self._num_with_stop_strings += r.has_stop_strings
@@ -274,7 +276,7 @@ class Scheduler:
         return self.requests.get(req_id)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.requests)  # == len(waiting) + len(running) (check_integrity)
+        return len(self.requests)  # waiting + running + held siblings (check_integrity)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
