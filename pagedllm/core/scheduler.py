@@ -643,6 +643,10 @@ class Scheduler:
             assert num_blocks * self.block_size >= request.num_computed_tokens, request
             # A token in flight (async scheduling) may already be computed: it has a placeholder.
             assert request.num_computed_tokens <= request.num_tokens + request.num_output_placeholders, request
+            # Drafts in flight came with their last token's placeholder; none wait while they fly.
+            assert request.num_output_placeholders >= request.num_drafts_in_flight + bool(request.num_drafts_in_flight)
+            assert not (request.num_drafts_in_flight and request.spec_token_ids), request
         for request in [*self.waiting, *held]:
             assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), request
             assert request.num_computed_tokens == 0, request
+            assert not request.spec_token_ids and not request.num_drafts_in_flight, request
