@@ -289,16 +289,13 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
         self.finished_req_ids = set()
-        self._schedule_running(out)
+        self._schedule_tokens(out, self.running.snapshot(), out.scheduled_cached_reqs)  # running requests
         if not out.preempted_req_ids and len(self.waiting):
             self._schedule_waiting(out)
         return out
 
     def _budget_left(self, out: SchedulerOutput) -> int:
         return self.scheduler_config.max_num_batched_tokens - out.total_num_scheduled_tokens
-
-    def _schedule_running(self, out: SchedulerOutput) -> None:
-        self._schedule_tokens(out, self.running.snapshot(), out.scheduled_cached_reqs)
 
     def _schedule_tokens(self, out: SchedulerOutput, requests: list[Request], records: list[CachedRequestData]) -> None:
         """Give each running request of ``requests``, in order, ``min(uncomputed tokens, budget
@@ -506,6 +503,7 @@ class Scheduler:
         held_siblings = self._held_siblings
         if new_drafts is not None:
             self._drafts_seen = True
+        any_extras = bool(scheduled_drafts or held_siblings) or new_drafts is not None or stop_checker is not None
         kv = self.kv_cache_manager
         num_cached_blocks = kv.num_cached_blocks if kv.enable_caching else None
         block_size = self.block_size
@@ -518,8 +516,6 @@ class Scheduler:
             finished = False
             if i is not None and (sampled := sampled_rows[i]):
                 request.num_output_placeholders -= 1
-                if scheduled_drafts and req_id in scheduled_drafts:
-                    self._settle_drafts(request, len(scheduled_drafts[req_id]), len(sampled))
                 if request.first_token_time is None:
                     request.first_token_time = time.time()
                 # Append tokens one by one until a stop condition; tokens after a stop are dropped.
@@ -535,10 +531,15 @@ class Scheduler:
                         request.status = _FINISHED_LENGTH
                         finished = True
                         break
-                if stop_checker is not None and request.has_stop_strings:
-                    finished = self._check_stop_strings(request, new_token_ids, finished) or finished
-                if new_drafts is not None and not finished:
-                    request.spec_token_ids = new_drafts.get(req_id) or []
+                if any_extras:  # one test per request without drafts, stop strings or sibling groups
+                    if scheduled_drafts and req_id in scheduled_drafts:
+                        self._settle_drafts(request, len(scheduled_drafts[req_id]), len(sampled))
+                    if stop_checker is not None and request.has_stop_strings:
+                        finished = self._check_stop_strings(request, new_token_ids, finished) or finished
+                    if new_drafts is not None and not finished:
+                        request.spec_token_ids = new_drafts.get(req_id) or []
+                    if held_siblings and not finished and req_id in held_siblings:
+                        self._queue_siblings(req_id)  # its prompt is computed (and cached, below)
             if num_cached_blocks is not None:
                 # Only tokens whose ids are known can be hashed into the prefix cache. Most steps
                 # fill no block: this test (cache_blocks' own) then saves the call.
@@ -563,8 +564,6 @@ class Scheduler:
             if finished:
                 self.running.remove(request)
                 self._release(request)
-            elif held_siblings and new_token_ids and req_id in held_siblings:
-                self._queue_siblings(req_id)  # its prompt is computed (and its full blocks cached)
         return outputs
 
     @staticmethod
