@@ -497,13 +497,10 @@ class Scheduler:
         sampled_rows = model_runner_output.sampled_token_ids
         logprob_rows = model_runner_output.logprobs
         prompt_logprobs = model_runner_output.prompt_logprobs
-        scheduled_drafts = scheduler_output.scheduled_spec_decode_tokens
-        new_drafts = model_runner_output.draft_token_ids
-        stop_checker = self.stop_checker if self._num_with_stop_strings else None
-        held_siblings = self._held_siblings
-        if new_drafts is not None:
+        if model_runner_output.draft_token_ids is not None:
             self._drafts_seen = True
-        any_extras = bool(scheduled_drafts or held_siblings) or new_drafts is not None or stop_checker is not None
+        any_extras = bool(scheduler_output.scheduled_spec_decode_tokens or self._held_siblings or (
+            self._num_with_stop_strings and self.stop_checker)) or model_runner_output.draft_token_ids is not None
         kv = self.kv_cache_manager
         num_cached_blocks = kv.num_cached_blocks if kv.enable_caching else None
         block_size = self.block_size
@@ -532,14 +529,9 @@ class Scheduler:
                         finished = True
                         break
                 if any_extras:  # one test per request without drafts, stop strings or sibling groups
-                    if scheduled_drafts and req_id in scheduled_drafts:
-                        self._settle_drafts(request, len(scheduled_drafts[req_id]), len(sampled))
-                    if stop_checker is not None and request.has_stop_strings:
-                        finished = self._check_stop_strings(request, new_token_ids, finished) or finished
-                    if new_drafts is not None and not finished:
-                        request.spec_token_ids = new_drafts.get(req_id) or []
-                    if held_siblings and not finished and req_id in held_siblings:
-                        self._queue_siblings(req_id)  # its prompt is computed (and cached, below)
+                    finished = self._settle_extras(
+                        request, len(sampled), new_token_ids, finished, scheduler_output, model_runner_output
+                    )
             if num_cached_blocks is not None:
                 # Only tokens whose ids are known can be hashed into the prefix cache. Most steps
                 # fill no block: this test (cache_blocks' own) then saves the call.
@@ -565,6 +557,27 @@ class Scheduler:
                 self.running.remove(request)
                 self._release(request)
         return outputs
+
+    def _settle_extras(
+        self, request: Request, num_sampled: int, new_token_ids: list[int], finished: bool,
+        scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput,
+    ) -> bool:
+        """The rest of applying a request's sampled tokens, for steps with drafts, stop strings or
+        sibling groups: settle its scheduled drafts, check its stop strings, store its new drafts,
+        queue the siblings it held back. Returns whether it is finished."""
+        req_id = request.request_id
+        drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+        if drafts:
+            self._settle_drafts(request, len(drafts), num_sampled)
+        if request.has_stop_strings and self.stop_checker is not None:
+            finished = self._check_stop_strings(request, new_token_ids, finished) or finished
+        if finished:
+            return True
+        if model_runner_output.draft_token_ids is not None:
+            request.spec_token_ids = model_runner_output.draft_token_ids.get(req_id) or []
+        if req_id in self._held_siblings:
+            self._queue_siblings(req_id)  # its prompt is computed (its full blocks are cached next)
+        return False
 
     @staticmethod
     def _settle_drafts(request: Request, num_drafts: int, num_sampled: int) -> None:
