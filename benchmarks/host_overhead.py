@@ -91,11 +91,11 @@ class InstantRunner:
 class FakeEngineCore(EngineCore):
     """The real EngineCore.step() with an instant runner: no model, no torch work."""
 
-    def __init__(self, config: EngineConfig) -> None:  # no super().__init__(): it would build a model
+    def __init__(self, config: EngineConfig, stop_checker=None) -> None:  # no super().__init__(): it builds a model
         self.config = config
         self.cache_config = config.cache_config
         self.runner = InstantRunner()
-        self.scheduler = Scheduler(config.scheduler_config, config.cache_config)
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, stop_checker)
         self.async_scheduling = True
         self._in_flight = None
         self.step_timings = {"schedule": 0.0, "execute": 0.0, "update": 0.0, "steps": 0}

@@ -1,8 +1,10 @@
 """Request: the engine's record of one sequence being generated (pure Python, no torch).
 
 Invariant: ``all_token_ids == prompt_token_ids + output_token_ids`` and
-``0 <= num_computed_tokens <= num_tokens``. The scheduler moves ``num_computed_tokens`` towards
-``num_tokens``; the model produces a new token whenever a step brings it level.
+``0 <= num_computed_tokens <= num_tokens + num_output_placeholders``. The scheduler moves
+``num_computed_tokens`` towards ``num_tokens`` (plus any draft tokens it schedules); the model
+produces new tokens whenever a step brings it level. Draft tokens are never part of
+``all_token_ids``: only accepted tokens are.
 """
 
 from __future__ import annotations
@@ -63,15 +65,24 @@ class Request:
         self.stop_token_candidates: frozenset[int] = frozenset(sampling_params.stop_token_ids or ()) | (
             frozenset() if sampling_params.ignore_eos or eos_token_id is None else frozenset((eos_token_id,))
         )
+        # Stop strings are matched in the text, by the engine's stop checker (see Scheduler).
+        self.has_stop_strings = bool(sampling_params.stop)
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         # Tokens scheduled to be sampled whose ids are not known yet (async scheduling: the step
-        # that samples them is still on the GPU). num_tokens + placeholders is what the KV will hold.
+        # that samples them is still on the GPU): 1 + d for a step with d drafts, which returns
+        # 1..d+1 of them. num_tokens + placeholders is what the KV will hold if all are accepted.
         self.num_output_placeholders = 0
+        # Draft tokens (speculative decoding) guessing the tokens right after the last known one,
+        # waiting to be scheduled. Each step that appends tokens replaces them with the runner's
+        # new proposals; the scheduler drops them whole when they cannot be scheduled.
+        self.spec_token_ids: list[int] = []
+        # Drafts scheduled in a step whose result is not applied yet: until it is, how many of
+        # them are accepted (so where the request's next token goes) is unknown.
+        self.num_drafts_in_flight = 0
         self.num_cached_tokens = -1  # prefix-cache hit length, set when first scheduled
-        self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         # Hashes of this request's full blocks (prefix caching), extended as tokens arrive.
         self.block_hashes: list[int] = []
@@ -90,10 +101,6 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
-
-    def append_output_token_ids(self, token_ids: list[int]) -> None:
-        self.output_token_ids.extend(token_ids)
-        self.all_token_ids.extend(token_ids)
 
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)

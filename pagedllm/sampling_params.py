@@ -12,7 +12,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-_SAMPLING_EPS = 1e-5
+# A temperature below this means greedy decoding (the one definition; the sampler uses it too).
+GREEDY_TEMPERATURE_EPS = 1e-5
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -71,7 +72,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         self._normalise()
         self._verify()
-        if self.temperature < _SAMPLING_EPS:
+        if self.temperature < GREEDY_TEMPERATURE_EPS:
             # Greedy: the other knobs that shape the distribution are irrelevant.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
 
@@ -143,13 +144,9 @@ class SamplingParams:
     # -- derived properties ---------------------------------------------------------------
     @property
     def sampling_type(self) -> SamplingType:
-        if self.temperature < _SAMPLING_EPS:
+        if self.temperature < GREEDY_TEMPERATURE_EPS:
             return SamplingType.GREEDY
         return SamplingType.RANDOM_SEED if self.seed is not None else SamplingType.RANDOM
-
-    @property
-    def all_stop_token_ids(self) -> set[int]:
-        return set(self.stop_token_ids)
 
     def clone(self) -> SamplingParams:
         return copy.deepcopy(self)

@@ -43,7 +43,8 @@ class KVCacheManager:
     """Per-request block lists on top of a BlockPool.
 
     Invariant: ``req_to_blocks[r]`` holds ``cdiv(tokens allocated for r, block_size)`` blocks, one
-    reference each; a block's ``ref_cnt`` equals the number of lists it appears in. The first
+    reference each (tokens allocated: the most ``r`` ever needed since it was admitted, rejected
+    draft slots included, so at least its computed tokens); a block's ``ref_cnt`` equals the number of lists it appears in. The first
     ``num_cached_blocks[r]`` blocks of a request are registered in the prefix cache (or were
     skipped as duplicates).
     Cost: lookup O(prefix blocks); allocate_slots O(new blocks + hit blocks); free O(blocks held).
@@ -105,10 +106,15 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: list[KVCacheBlock] | None = None,
         num_new_computed_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
     ) -> list[int] | None:
-        """Make room for ``num_computed_tokens + num_new_computed_tokens + num_new_tokens`` tokens.
+        """Make room for ``num_computed_tokens + num_new_computed_tokens + num_new_tokens +
+        num_lookahead_tokens`` tokens.
 
         ``new_computed_blocks`` are prefix hits from ``get_computed_blocks`` (first allocation only).
+        ``num_lookahead_tokens`` are slots for draft tokens: if the step rejects some, the
+        scheduler rolls ``num_computed_tokens`` back and the request keeps the blocks, whose slots
+        the next tokens overwrite (nothing is copied or freed).
         Returns the ids of the newly allocated blocks (possibly empty), or None, changing nothing,
         when the pool cannot supply them. Free-but-cached blocks count as available (evictable),
         except the hit blocks themselves, which this call takes out of the free queue.
@@ -117,7 +123,7 @@ class KVCacheManager:
         req_id = request.request_id
         held = self.req_to_blocks.get(req_id)
         num_held = len(held) if held is not None else 0
-        num_tokens_needed = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        num_tokens_needed = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens + num_lookahead_tokens
         num_new_blocks = cdiv(num_tokens_needed, self.block_size) - num_held - len(hit_blocks)
         assert not (hit_blocks and held), "prefix hits are only taken on a request's first allocation"
         num_free_hits = sum(1 for b in hit_blocks if b.ref_cnt == 0)
@@ -139,7 +145,8 @@ class KVCacheManager:
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register the request's blocks that are full of *computed* KV in the prefix cache.
 
-        Called after a step has written the KV of the first ``num_computed_tokens`` tokens.
+        Called after a step has written the KV of the first ``num_computed_tokens`` tokens, all of
+        them accepted ones (``Request.all_token_ids``): the hashes never cover a draft token.
         """
         if not self.enable_caching:
             return
@@ -147,7 +154,8 @@ class KVCacheManager:
         blocks = self.req_to_blocks.get(req_id)
         if blocks is None:
             return
-        num_full_blocks = min(num_computed_tokens // self.block_size, len(blocks))
+        num_known = min(num_computed_tokens, request.num_tokens)  # ids of tokens in flight are unknown
+        num_full_blocks = min(num_known // self.block_size, len(blocks))
         num_cached = self.num_cached_blocks[req_id]
         if num_full_blocks <= num_cached:
             return

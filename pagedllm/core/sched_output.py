@@ -41,8 +41,11 @@ class CachedRequestData:
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
     scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
-    # req_id -> number of tokens to compute this step (all scheduled requests).
+    # req_id -> number of tokens to compute this step (all scheduled requests), drafts included.
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    # req_id -> the draft tokens scheduled for it, in order (only requests with drafts). A request
+    # with d drafts schedules 1 + d tokens: its last known token, then the d drafts.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     total_num_scheduled_tokens: int = 0
     # Requests that finished, were aborted or were preempted since the last step: drop their state.
     finished_req_ids: set[str] = field(default_factory=set)
@@ -68,12 +71,16 @@ class TokenLogprobs:
 @dataclass
 class ModelRunnerOutput:
     req_ids: list[str]
-    # Per request (same order as req_ids): tokens sampled this step; empty for a partial prefill.
+    # Per request (same order as req_ids): the tokens accepted this step. [] for a partial prefill;
+    # [t] for a plain decode; with d drafts scheduled, 1..d+1 tokens (the drafts accepted up to the
+    # first rejection, then the token sampled there).
     sampled_token_ids: list[list[int]]
     # Per request: logprobs of each sampled token (only when the request asked for logprobs).
     logprobs: list[list[TokenLogprobs] | None] | None = None
     # req_id -> logprobs of the prompt positions computed this step (prompt_logprobs requests).
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # req_id -> drafts the runner's proposer made for the next step (None: no proposer).
+    draft_token_ids: dict[str, list[int]] | None = None
 
 
 @dataclass(slots=True)

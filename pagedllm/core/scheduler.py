@@ -18,15 +18,31 @@ One step, in order:
 
 Semantics fixed here:
 - ``num_computed_tokens`` advances in ``schedule()`` (as in vLLM): the output carries each
-  request's value *before* the step; ``update_from_output`` only appends sampled tokens. A step
-  that ends inside the prompt (partial prefill) returns an empty sampled list for that request.
+  request's value *before* the step; ``update_from_output`` only appends accepted tokens (and
+  takes rejected drafts back). A step that ends inside the prompt (partial prefill) returns an
+  empty sampled list for that request.
 - Full blocks enter the prefix cache in ``update_from_output``, after the runner wrote their KV,
   so a hit never depends on KV being written in the same forward pass.
-- Ids of requests that finished, were aborted or were finished by ``finish_requests`` since the
+- Ids of requests that finished or were aborted (``finish_requests``) since the
   previous ``schedule()`` go out in the next ``SchedulerOutput.finished_req_ids``; the runner
   drops their state (before it adds ``scheduled_new_reqs``). Preempted ids go out in the same
   step's ``preempted_req_ids``; a preempted request is never re-admitted in the step that
   preempted it, and comes back as a ``NewRequestData`` carrying its output tokens so far.
+- Draft tokens (speculative decoding): a request one token behind with drafts
+  (``Request.spec_token_ids``, from the previous step's ``ModelRunnerOutput.draft_token_ids``)
+  schedules its last token plus all its drafts, or none of the drafts when they do not fit the
+  budget, the length limits or the KV pool; its ``num_computed_tokens`` then runs ahead by the
+  drafts (one rule, more tokens), and ``update_from_output`` rolls it back by the number rejected.
+  The runner returns the accepted tokens (1..d+1); stops (EOS, stop ids, max_tokens, stop strings)
+  apply token by token inside that list, and the tokens after a stop are dropped. With async
+  scheduling a request with drafts in flight, or with drafts guessing where a token in flight
+  goes, waits for that step's result (it is skipped for one step).
+- Stop strings are decided in ``update_from_output`` too: for requests with stop strings the
+  engine's ``stop_checker`` (which owns the detokenizer state) is asked about each step's tokens,
+  so a stopped request is freed in the update that sees its tokens; with async scheduling the
+  result of the step still in flight for it is then ignored (its token is never emitted).
+- Sequences of an n > 1 request are added together (``add_request(first, siblings)``); the
+  siblings wait until the first has computed the prompt, so that they hit its prefix cache.
 - A request whose tokens need more blocks than the whole pool holds (or, without chunked prefill,
   more tokens than a whole step's budget) can never run; rather than block the queue forever it
   is finished as FINISHED_ABORTED when it reaches the head of the waiting queue, and reported
@@ -38,7 +54,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from pagedllm.config import CacheConfig, SchedulerConfig
@@ -57,6 +73,10 @@ from pagedllm.request import Request, RequestStatus
 _RUNNING = RequestStatus.RUNNING
 _FINISHED_STOPPED = RequestStatus.FINISHED_STOPPED
 _FINISHED_LENGTH = RequestStatus.FINISHED_LENGTH
+
+# (request id, the tokens appended to it this step, whether its last token stopped it) -> None, or
+# (how many of those tokens to keep, the stop string that the last kept one completes).
+StopChecker = Callable[[str, list[int], bool], "tuple[int, str] | None"]
 
 
 @dataclass
@@ -113,7 +133,11 @@ class RequestQueue:
         return len(self._requests)
 
     def __iter__(self) -> Iterator[Request]:
-        return iter(list(self._requests))
+        return iter(self.snapshot())
+
+    def snapshot(self) -> list[Request]:
+        """The requests in order, as a new list (the queue may change while it is walked)."""
+        return list(self._requests)
 
     def is_sorted(self) -> bool:
         return all(a < b for a, b in zip(self._keys, self._keys[1:]))
@@ -123,15 +147,19 @@ class Scheduler:
     """Decides, each step, which requests compute how many tokens, and applies the results.
 
     Invariant (``check_integrity``): every unfinished request is in exactly one of ``waiting``
-    (WAITING/PREEMPTED, no blocks, nothing computed) or ``running`` (RUNNING, blocks covering its
-    computed tokens); ``len(running) <= max_num_seqs``; block ref counts match holders.
+    (WAITING/PREEMPTED, no blocks, nothing computed), ``running`` (RUNNING, blocks covering its
+    computed tokens) or the held siblings (WAITING, like ``waiting``, behind a first sequence
+    still computing their common prompt); ``len(running) <= max_num_seqs``; block ref counts
+    match holders.
     Policy order: "priority" = larger ``priority`` first, then earlier ``arrival_time``, then
     insertion order; "fcfs" = earlier ``arrival_time``, then insertion order.
     Cost per step: O(scheduled requests + their new blocks + prefix-lookup blocks), plus O(n) list
     shifts for queue insertions and removals.
     """
 
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+    def __init__(
+        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, stop_checker: StopChecker | None = None
+    ) -> None:
         if scheduler_config.scheduling_policy not in ("priority", "fcfs"):
             raise ValueError(f"scheduling_policy must be 'priority' or 'fcfs', got {scheduler_config.scheduling_policy!r}")
         self.scheduler_config = scheduler_config
@@ -145,6 +173,12 @@ class Scheduler:
         self._num_added = 0
         self.waiting = RequestQueue(self._policy_key)
         self.running = RequestQueue(self._policy_key)
+        # First sequence id -> its n / best_of siblings, queued once it has computed the prompt.
+        self._held_siblings: dict[str, list[Request]] = {}
+        self.stop_checker = stop_checker
+        # Set once a runner returns drafts: until then the hot loops skip every draft test.
+        self._drafts_seen = False
+        self._num_with_stop_strings = 0  # unfinished requests with stop strings
         # Finished since the previous schedule(): sent to the runner in the next SchedulerOutput.
         self.finished_req_ids: set[str] = set()
         # Finished inside schedule() (could never fit): reported by the next update_from_output.
@@ -166,17 +200,36 @@ class Scheduler:
         return (request.arrival_time, order)
 
     # -- requests in and out -----------------------------------------------------------------
-    def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise ValueError(f"request_id {request.request_id!r} is already in use")
-        self.requests[request.request_id] = request
-        self._insertion_number[request.request_id] = self._num_added
-        self._num_added += 1
-        request.status = RequestStatus.WAITING
+    def add_request(self, request: Request, siblings: Sequence[Request] = ()) -> None:
+        """Queue ``request``, and its ``siblings``: the other sequences of an n / best_of > 1
+        request (same prompt). When the prompt fills a block and prefix caching is on, the
+        siblings wait until ``request`` has computed the prompt, so that they find its full blocks
+        in the prefix cache and share them instead of each computing the prompt again."""
+        group = [request, *siblings]
+        ids = [r.request_id for r in group]
+        for req_id in ids:
+            if req_id in self.requests or ids.count(req_id) > 1:
+                raise ValueError(f"request_id {req_id!r} is already in use")
+        for r in group:
+            self.requests[r.request_id] = r
+            self._num_with_stop_strings += r.has_stop_strings
+            self._insertion_number[r.request_id] = self._num_added
+            self._num_added += 1
+            r.status = RequestStatus.WAITING
         self.waiting.add(request)
+        shareable = request.num_prompt_tokens > self.block_size and self.kv_cache_manager.enable_caching
+        if siblings and shareable:
+            self._held_siblings[request.request_id] = list(siblings)
+        else:
+            for sibling in siblings:
+                self.waiting.add(sibling)
+
+    def _queue_siblings(self, req_id: str) -> None:
+        for sibling in self._held_siblings.pop(req_id):
+            self.waiting.add(sibling)
 
     def finish_requests(self, req_ids: str | Iterable[str], status: RequestStatus) -> list[Request]:
-        """Finish requests from outside (abort, stop string): free blocks, forget them.
+        """Finish requests from outside (abort): free blocks, forget them.
 
         Idempotent; unknown or already finished ids are ignored. Returns the requests finished now.
         """
@@ -189,25 +242,41 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None:
                 continue
-            queue = self.running if request.status == RequestStatus.RUNNING else self.waiting
-            queue.remove(request)
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            elif not self._unhold(request):
+                self.waiting.remove(request)
             request.status = status
             self._release(request)
             finished.append(request)
         return finished
 
+    def _unhold(self, request: Request) -> bool:
+        """Take ``request`` out of the held siblings; False if it was not held."""
+        for first_id, siblings in self._held_siblings.items():
+            if request in siblings:
+                siblings.remove(request)
+                if not siblings:
+                    del self._held_siblings[first_id]
+                return True
+        return False
+
     def _release(self, request: Request) -> None:
-        """Forget a finished request: free its blocks; the runner hears of it next step."""
+        """Forget a finished request: free its blocks, queue the siblings it held back; the runner
+        hears of it next step."""
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         del self._insertion_number[request.request_id]
+        self._num_with_stop_strings -= request.has_stop_strings
         self.finished_req_ids.add(request.request_id)
+        if self._held_siblings and request.request_id in self._held_siblings:
+            self._queue_siblings(request.request_id)
 
     def get_request(self, req_id: str) -> Request | None:
         return self.requests.get(req_id)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.requests)  # == len(waiting) + len(running) (check_integrity)
+        return len(self.requests)  # waiting + running + held siblings (check_integrity)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -220,7 +289,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
         self.finished_req_ids = set()
-        self._schedule_running(out)
+        self._schedule_tokens(out, self.running.snapshot(), out.scheduled_cached_reqs)  # running requests
         if not out.preempted_req_ids and len(self.waiting):
             self._schedule_waiting(out)
         return out
@@ -228,75 +297,106 @@ class Scheduler:
     def _budget_left(self, out: SchedulerOutput) -> int:
         return self.scheduler_config.max_num_batched_tokens - out.total_num_scheduled_tokens
 
-    def _record(self, out: SchedulerOutput, request: Request, num_tokens: int) -> None:
-        """Count ``num_tokens`` for ``request`` in ``out`` and advance its ``num_computed_tokens``
-        (after its New/CachedRequestData captured the value before the step)."""
-        out.num_scheduled_tokens[request.request_id] = num_tokens
-        out.total_num_scheduled_tokens += num_tokens
-        request.num_computed_tokens += num_tokens
-        if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
-            request.num_output_placeholders += 1  # this step samples a token for it
+    def _schedule_tokens(self, out: SchedulerOutput, requests: list[Request], records: list[CachedRequestData]) -> None:
+        """Give each running request of ``requests``, in order, ``min(uncomputed tokens, budget
+        left)`` tokens (plus its drafts when they fit), appending its CachedRequestData to
+        ``records`` and advancing its ``num_computed_tokens`` (the record carries the value
+        before the step). A step that brings a request level with its tokens samples for it:
+        1 + d placeholders (d drafts), of which the result keeps the accepted ones.
 
-    def _schedule_running(self, out: SchedulerOutput) -> None:
-        """Running requests in policy order, each ``min(uncomputed tokens, budget left)``.
-
-        The hot loop of every decode step, so ``_record`` is inlined and attributes are read into
-        locals. Decode fast path: tokens that fit in the blocks a request already holds need no
-        call to ``allocate_slots`` (it would return no new blocks and change nothing).
+        The one place that counts scheduled tokens (admission calls it too), and the hot loop of
+        every decode step: attributes are read into locals. Decode fast path: tokens that fit in
+        the blocks a request already holds need no call to ``allocate_slots`` (it would return
+        no new blocks and change nothing).
         """
         config = self.scheduler_config
         max_batched, max_model_len = config.max_num_batched_tokens, config.max_model_len
         chunked = config.enable_chunked_prefill
         block_size = self.block_size
         req_to_blocks = self.kv_cache_manager.req_to_blocks
-        running = self.running._requests  # the live list: preemption pops from its back
         num_scheduled = out.num_scheduled_tokens
-        cached_reqs = out.scheduled_cached_reqs
         budget = max_batched - out.total_num_scheduled_tokens
-        i = 0
-        while i < len(running) and budget > 0:
-            request = running[i]
-            i += 1
-            # Tokens whose KV is still to be computed, counting a sampled-but-unseen token (async
+        drafts_seen = self._drafts_seen
+        for request in requests:
+            if budget <= 0:
+                break
+            # Tokens whose KV is still to be computed, counting sampled-but-unseen tokens (async
             # scheduling); none when the token in flight is the request's last (length limits).
             pending = request.num_output_placeholders
             num_tokens = len(request.all_token_ids)
             if pending and (
-                len(request.output_token_ids) + pending >= request.max_tokens
+                # Drafts in flight: how many tokens that step returns is unknown. Drafts waiting:
+                # they guess where the token in flight goes. Either way, wait for that step.
+                (drafts_seen and (request.num_drafts_in_flight or request.spec_token_ids))
+                or len(request.output_token_ids) + pending >= request.max_tokens
                 or num_tokens + pending >= max_model_len
             ):
-                continue  # the token in flight is its last one
-            num_remaining = num_tokens + pending - request.num_computed_tokens
+                continue
+            num_drafts = self._num_drafts_that_fit(request, budget) if drafts_seen and request.spec_token_ids else 0
+            # Computed tokens catch up with this: known + in flight + drafts (all fit, or none).
+            level = num_tokens + pending + num_drafts
+            num_computed = request.num_computed_tokens
+            num_remaining = level - num_computed
             num_new_tokens = num_remaining if num_remaining < budget else budget
             if num_new_tokens <= 0 or (not chunked and num_new_tokens < num_remaining):
                 continue  # nothing to do, or a prefill that must not be split: it waits
             req_id = request.request_id
-            num_computed = request.num_computed_tokens
             if num_computed + num_new_tokens <= len(req_to_blocks[req_id]) * block_size:
                 new_block_ids: list[int] = []
             else:
-                allocated = self._allocate_or_preempt(request, num_new_tokens, out)
+                allocated = self._allocate_or_preempt(request, num_new_tokens - num_drafts, num_drafts, out)
                 if allocated is None:
                     break  # it preempted itself: it was the back of the queue, nobody is left
                 new_block_ids = allocated
-            cached_reqs.append(CachedRequestData(req_id, new_block_ids, num_computed))
-            # _record(out, request, num_new_tokens), inlined.
+                if num_drafts and not request.spec_token_ids:  # the pool had no room for them
+                    num_new_tokens, level, num_drafts = num_new_tokens - num_drafts, level - num_drafts, 0
+                del requests[len(self.running):]  # preempted victims (the back): stop before them
+            records.append(CachedRequestData(req_id, new_block_ids, num_computed))
             num_scheduled[req_id] = num_new_tokens
             budget -= num_new_tokens
             num_computed += num_new_tokens
             request.num_computed_tokens = num_computed
-            if num_computed == num_tokens + pending:
-                request.num_output_placeholders = pending + 1  # this step samples a token for it
+            if num_computed == level:  # this step samples for it: 1 + drafts tokens, at most
+                request.num_output_placeholders = level - num_tokens + 1
+                if num_drafts:
+                    out.scheduled_spec_decode_tokens[req_id] = request.spec_token_ids
+                    request.spec_token_ids = []
+                    request.num_drafts_in_flight = num_drafts
         out.total_num_scheduled_tokens = max_batched - budget
 
-    def _allocate_or_preempt(self, request: Request, num_new_tokens: int, out: SchedulerOutput) -> list[int] | None:
+    def _num_drafts_that_fit(self, request: Request, budget: int) -> int:
+        """How many drafts to schedule with the request's last token: all of them, or none (they
+        are dropped) when the request is not one token behind, or they do not fit the budget, or
+        accepting all of them could pass ``max_tokens`` or ``max_model_len``."""
+        num_tokens = 1 + len(request.spec_token_ids)  # computed, and at most returned, this step
+        if (
+            request.num_computed_tokens + 1 != request.num_tokens
+            or num_tokens > budget
+            or request.num_output_tokens + num_tokens > request.max_tokens
+            or request.num_tokens + num_tokens > self.scheduler_config.max_model_len
+        ):
+            request.spec_token_ids = []
+            return 0
+        return num_tokens - 1
+
+    def _allocate_or_preempt(
+        self, request: Request, num_new_tokens: int, num_drafts: int, out: SchedulerOutput
+    ) -> list[int] | None:
         """Allocate, preempting from the back of the running queue until it fits.
 
-        Returns the new block ids, or None if ``request`` itself had to be preempted. Victims
-        always come after ``request`` in the running queue, so none was scheduled this step.
+        Drafts get lookahead slots when the pool has room; otherwise they are dropped (a guess is
+        not worth a preemption). Returns the new block ids, or None if ``request`` itself had to
+        be preempted. Victims always come after ``request`` in the running queue, so none was
+        scheduled this step.
         """
+        kv = self.kv_cache_manager
+        if num_drafts:
+            new_block_ids = kv.allocate_slots(request, num_new_tokens, num_lookahead_tokens=num_drafts)
+            if new_block_ids is not None:
+                return new_block_ids
+            request.spec_token_ids = []
         while True:
-            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            new_block_ids = kv.allocate_slots(request, num_new_tokens)
             if new_block_ids is not None:
                 return new_block_ids
             victim = self.running.pop()
@@ -309,8 +409,9 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.num_output_placeholders = 0  # a token in flight is dropped and sampled again later
-        request.num_preemptions += 1
+        request.num_output_placeholders = 0  # tokens in flight are dropped and sampled again later
+        request.num_drafts_in_flight = 0
+        request.spec_token_ids = []
         self.num_preemptions_total += 1
         self.waiting.add(request)
         out.preempted_req_ids.add(request.request_id)
@@ -334,7 +435,7 @@ class Scheduler:
             if new_block_ids is None:
                 break  # no skipping ahead: the head waits for blocks, and so does everyone behind
             self.waiting.popleft()
-            self._admit(request, num_hit_tokens, num_new_tokens, out)
+            self._admit(request, num_hit_tokens, out)
 
     def _can_never_run(self, request: Request, num_new_tokens: int) -> bool:
         if cdiv(request.num_tokens, self.block_size) > self.kv_cache_manager.num_blocks:
@@ -352,7 +453,9 @@ class Scheduler:
             )
         )
 
-    def _admit(self, request: Request, num_hit_tokens: int, num_new_tokens: int, out: SchedulerOutput) -> None:
+    def _admit(self, request: Request, num_hit_tokens: int, out: SchedulerOutput) -> None:
+        """Start running ``request`` (its blocks are allocated) and schedule its tokens. Its
+        CachedRequestData is not sent: the runner learns of it from the NewRequestData."""
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_hit_tokens
         if request.num_cached_tokens < 0:
@@ -370,13 +473,13 @@ class Scheduler:
                 num_computed_tokens=num_hit_tokens,
             )
         )
-        self._record(out, request, num_new_tokens)
+        self._schedule_tokens(out, [request], [])
 
     # -- results -------------------------------------------------------------------------------
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        """Apply one step's results: cache full blocks, append tokens, stop, free the finished.
+        """Apply one step's results: append accepted tokens, stop, cache full blocks, free the finished.
 
         Returns one EngineCoreOutput per request that got tokens or prompt logprobs or finished.
         Cost: O(scheduled requests + sampled tokens + blocks that became full this step); the
@@ -394,6 +497,10 @@ class Scheduler:
         sampled_rows = model_runner_output.sampled_token_ids
         logprob_rows = model_runner_output.logprobs
         prompt_logprobs = model_runner_output.prompt_logprobs
+        if model_runner_output.draft_token_ids is not None:
+            self._drafts_seen = True
+        any_extras = bool(scheduler_output.scheduled_spec_decode_tokens or self._held_siblings or (
+            self._num_with_stop_strings and self.stop_checker)) or model_runner_output.draft_token_ids is not None
         kv = self.kv_cache_manager
         num_cached_blocks = kv.num_cached_blocks if kv.enable_caching else None
         block_size = self.block_size
@@ -401,7 +508,7 @@ class Scheduler:
         for req_id, i in zip(req_ids, rows):
             request = requests.get(req_id)
             if request is None or request.status != _RUNNING:
-                continue  # finished (aborted) while the step ran
+                continue  # finished (aborted, stop string) or preempted while the step ran
             new_token_ids: list[int] = []
             finished = False
             if i is not None and (sampled := sampled_rows[i]):
@@ -411,7 +518,7 @@ class Scheduler:
                 # Append tokens one by one until a stop condition; tokens after a stop are dropped.
                 output_ids, all_ids = request.output_token_ids, request.all_token_ids
                 for token_id in sampled:
-                    output_ids.append(token_id)  # request.append_output_token_ids, inlined
+                    output_ids.append(token_id)
                     all_ids.append(token_id)
                     new_token_ids.append(token_id)
                     if token_id in request.stop_token_candidates and self._stop_on_token(request, token_id):
@@ -421,6 +528,10 @@ class Scheduler:
                         request.status = _FINISHED_LENGTH
                         finished = True
                         break
+                if any_extras:  # one test per request without drafts, stop strings or sibling groups
+                    finished = self._settle_extras(
+                        request, len(sampled), new_token_ids, finished, scheduler_output, model_runner_output
+                    )
             if num_cached_blocks is not None:
                 # Only tokens whose ids are known can be hashed into the prefix cache. Most steps
                 # fill no block: this test (cache_blocks' own) then saves the call.
@@ -447,6 +558,54 @@ class Scheduler:
                 self._release(request)
         return outputs
 
+    def _settle_extras(
+        self, request: Request, num_sampled: int, new_token_ids: list[int], finished: bool,
+        scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput,
+    ) -> bool:
+        """The rest of applying a request's sampled tokens, for steps with drafts, stop strings or
+        sibling groups: settle its scheduled drafts, check its stop strings, store its new drafts,
+        queue the siblings it held back. Returns whether it is finished."""
+        req_id = request.request_id
+        drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+        if drafts:
+            self._settle_drafts(request, len(drafts), num_sampled)
+        if request.has_stop_strings and self.stop_checker is not None:
+            finished = self._check_stop_strings(request, new_token_ids, finished) or finished
+        if finished:
+            return True
+        if model_runner_output.draft_token_ids is not None:
+            request.spec_token_ids = model_runner_output.draft_token_ids.get(req_id) or []
+        if req_id in self._held_siblings:
+            self._queue_siblings(req_id)  # its prompt is computed (its full blocks are cached next)
+        return False
+
+    @staticmethod
+    def _settle_drafts(request: Request, num_drafts: int, num_sampled: int) -> None:
+        """The step computed the request's last token and ``num_drafts`` drafts and returned
+        ``num_sampled`` tokens: the first ``num_sampled - 1`` drafts were accepted. The rejected
+        drafts' KV is not counted (their slots are overwritten later), and every placeholder of
+        the step is settled."""
+        num_rejected = num_drafts + 1 - num_sampled
+        request.num_computed_tokens -= num_rejected
+        request.num_output_placeholders -= num_drafts  # the caller took the sampled token's one
+        request.num_drafts_in_flight = 0
+
+    def _check_stop_strings(self, request: Request, new_token_ids: list[int], finished: bool) -> bool:
+        """Ask the stop checker whether a stop string ends in this step's tokens; if so, keep the
+        tokens up to the one that completes it and finish the request. Returns whether it did."""
+        assert self.stop_checker is not None
+        hit = self.stop_checker(request.request_id, new_token_ids, finished and request.status == _FINISHED_STOPPED)
+        if hit is None:
+            return False
+        num_kept, stop_string = hit
+        num_dropped = len(new_token_ids) - num_kept
+        if num_dropped:
+            del new_token_ids[num_kept:]
+            del request.output_token_ids[-num_dropped:]
+            del request.all_token_ids[-num_dropped:]
+        request.status, request.stop_reason = _FINISHED_STOPPED, stop_string
+        return True
+
     @staticmethod
     def _stop_on_token(request: Request, token_id: int) -> bool:
         """Whether ``token_id`` (just appended) stops the request: stop_token_ids, then EOS, both
@@ -467,7 +626,7 @@ class Scheduler:
         kv = self.kv_cache_manager
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            num_waiting=len(self.waiting) + sum(map(len, self._held_siblings.values())),
             kv_cache_usage=kv.usage,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
@@ -481,7 +640,12 @@ class Scheduler:
         waiting_ids = {r.request_id for r in self.waiting}
         assert len(running_ids) == len(self.running) and len(waiting_ids) == len(self.waiting)
         assert not running_ids & waiting_ids, "a request is both running and waiting"
-        assert running_ids | waiting_ids == set(self.requests), "a request is lost or stale"
+        held = [r for siblings in self._held_siblings.values() for r in siblings]
+        held_ids = {r.request_id for r in held}
+        assert all(self._held_siblings.values()), "an empty sibling group"
+        assert len(held_ids) == len(held) and not held_ids & (running_ids | waiting_ids), "a sibling is held twice"
+        assert running_ids | waiting_ids | held_ids == set(self.requests), "a request is lost or stale"
+        assert set(self._held_siblings) <= set(self.requests), "siblings held by a finished request"
         assert len(self.running) <= self.scheduler_config.max_num_seqs
         assert self.running.is_sorted() and self.waiting.is_sorted()
         assert set(self.kv_cache_manager.req_to_blocks) == running_ids, "blocks held outside running"
@@ -491,6 +655,10 @@ class Scheduler:
             assert num_blocks * self.block_size >= request.num_computed_tokens, request
             # A token in flight (async scheduling) may already be computed: it has a placeholder.
             assert request.num_computed_tokens <= request.num_tokens + request.num_output_placeholders, request
-        for request in self.waiting:
+            # Drafts in flight came with their last token's placeholder; none wait while they fly.
+            assert request.num_output_placeholders >= request.num_drafts_in_flight + bool(request.num_drafts_in_flight)
+            assert not (request.num_drafts_in_flight and request.spec_token_ids), request
+        for request in [*self.waiting, *held]:
             assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), request
             assert request.num_computed_tokens == 0, request
+            assert not request.spec_token_ids and not request.num_drafts_in_flight, request

@@ -17,12 +17,13 @@ import gc
 import logging
 import time
 import weakref
+from collections.abc import Sequence
 
 import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
-from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.scheduler import Scheduler, StopChecker
 from pagedllm.request import Request, RequestStatus
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -30,7 +31,7 @@ logger = logging.getLogger("pagedllm")
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, stop_checker: StopChecker | None = None) -> None:
         t0 = time.perf_counter()
         self.runner = ModelRunner(config)
         num_blocks = self.runner.determine_num_blocks()
@@ -38,7 +39,7 @@ class EngineCore:
         cache_config = dataclasses.replace(config.cache_config, num_blocks=num_blocks)
         self.config = config
         self.cache_config = cache_config
-        self.scheduler = Scheduler(config.scheduler_config, cache_config)
+        self.scheduler = Scheduler(config.scheduler_config, cache_config, stop_checker)
         self.runner.warm_up()
         # Everything built so far (modules, imports, tables) lives as long as the engine: move it out
         # of the garbage collector's sight, or each full collection while serving scans ~10^5
@@ -59,16 +60,12 @@ class EngineCore:
             num_blocks * self.runner.block_bytes() / 2**30, config.device,
         )
 
-    def add_request(self, request: Request) -> None:
-        self.scheduler.add_request(request)
+    def add_request(self, request: Request, siblings: Sequence[Request] = ()) -> None:
+        self.scheduler.add_request(request, siblings)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:
             self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
-
-    def finish_stopped(self, request_ids: list[str]) -> None:
-        if request_ids:
-            self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
 
     def step(self) -> list[EngineCoreOutput]:
         """schedule -> execute -> update. The scheduler is always told the outcome, even of an empty

@@ -34,11 +34,10 @@ class LLMEngine:
         if tokenizer is None and not mc.skip_tokenizer_init:
             tokenizer = load_tokenizer(mc.source, mc.tokenizer)
         self.tokenizer = tokenizer  # None with skip_tokenizer_init: prompts must be token ids
-        self.engine_core = EngineCore(config)
         self.output_processor = OutputProcessor(self.tokenizer)
+        # Stop strings are decided in the scheduler's update, by the output processor's detokenizers.
+        self.engine_core = EngineCore(config, stop_checker=self.output_processor.check_stop_strings)
         self._pending_abort_outputs: list[RequestOutput] = []
-        # First sequence id -> its n / best_of siblings, queued once it has computed the prompt.
-        self._waiting_siblings: dict[str, list[Request]] = {}
         self.eos_token_id = self._eos_token_id()
 
     @classmethod
@@ -108,27 +107,8 @@ class LLMEngine:
                                  hide_logprobs=params.logprobs is None)
             self.output_processor.add_request(state, parent)
             requests.append(Request(child_id, prompt_ids, child_params, self.eos_token_id, arrival, priority, max_tokens))
-        self._add_sequences(requests)
-
-    def _add_sequences(self, requests: list[Request]) -> None:
-        """Queue a user request's sequences. Siblings (n / best_of > 1) wait until the first has
-        computed the prompt, so that they find its full blocks in the prefix cache and share them
-        instead of each computing the prompt again (they start one step later)."""
-        first, siblings = requests[0], requests[1:]
-        shareable = first.num_prompt_tokens > self.config.cache_config.block_size
-        self.engine_core.add_request(first)
-        if siblings and shareable and self.config.cache_config.enable_prefix_caching:
-            self._waiting_siblings[first.request_id] = siblings
-        else:
-            for request in siblings:
-                self.engine_core.add_request(request)
-
-    def _release_siblings(self, core_outputs) -> None:
-        """Queue the siblings of every first sequence that produced its first token (or ended)."""
-        for out in core_outputs:
-            if out.req_id in self._waiting_siblings and (out.new_token_ids or out.finished):
-                for request in self._waiting_siblings.pop(out.req_id):
-                    self.engine_core.add_request(request)
+        # n / best_of > 1: the scheduler holds the siblings back until the first has the prompt's KV.
+        self.engine_core.add_request(requests[0], requests[1:])
 
     @staticmethod
     def _child_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -169,8 +149,6 @@ class LLMEngine:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         live = [r for r in ids if self.output_processor.has_request(r)]
         seq_ids = [c for r in live for c in self.output_processor.child_ids(r)]
-        for seq_id in seq_ids:
-            self._waiting_siblings.pop(seq_id, None)
         self.engine_core.abort_requests(seq_ids)
         self._pending_abort_outputs.extend(self.output_processor.finish_aborted(live))
 
@@ -178,18 +156,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs, self._pending_abort_outputs = self._pending_abort_outputs, []
         if self.engine_core.has_unfinished_requests():
-            core_outputs = self.engine_core.step()
-            request_outputs, stopped = self.output_processor.process_outputs(core_outputs)
-            if stopped:
-                self.engine_core.finish_stopped(stopped)
-            if self._waiting_siblings:
-                self._release_siblings(core_outputs)
-            outputs.extend(request_outputs)
+            outputs.extend(self.output_processor.process_outputs(self.engine_core.step()))
         return outputs
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._pending_abort_outputs) or self.engine_core.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
-        waiting = sum(len(v) for v in self._waiting_siblings.values())
-        return self.engine_core.get_num_unfinished_requests() + waiting
+        return self.engine_core.get_num_unfinished_requests()

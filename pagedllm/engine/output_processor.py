@@ -1,10 +1,13 @@
 """OutputProcessor: EngineCoreOutputs -> RequestOutputs (detokenization, stop strings, logprobs, n).
 
 Holds one RequestState per live sequence and one ParentRequest per user request with n > 1.
-Stop strings are matched in the detokenized text (across token boundaries); a match finishes the
-sequence, and the engine tells the scheduler to free it. While a stop string could still be
-forming at the end of the text, that tail is held back from streamed outputs (unless
-include_stop_str_in_output), so no consumer ever sees text that is later trimmed.
+Stop strings are matched in the detokenized text (across token boundaries) by
+``check_stop_strings``, which the scheduler calls from inside its update for the sequences that
+have stop strings: a match finishes the sequence there, at the token that completes it, before
+its next step is scheduled. The detokenizer state stays here; the core only sees token ids and
+the answer. While a stop string could still be forming at the end of the text, that tail is held
+back from streamed outputs (unless include_stop_str_in_output), so no consumer ever sees text
+that is later trimmed.
 """
 
 from __future__ import annotations
@@ -70,8 +73,9 @@ class RequestState:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def update(self, out: EngineCoreOutput) -> bool:
-        """Apply one step's output; return True when a stop string finished the sequence here."""
+    def update(self, out: EngineCoreOutput) -> None:
+        """Apply one step's output. The text of a sequence with stop strings was already added by
+        ``add_text_until_stop`` (during the core's update)."""
         new_ids = out.new_token_ids
         self.token_ids.extend(new_ids)
         self.num_cached_tokens = out.num_cached_tokens
@@ -83,31 +87,42 @@ class RequestState:
         if out.new_prompt_logprobs and self.prompt_logprobs is not None:
             self.prompt_logprobs.extend(self._to_logprob_dict(lp) for lp in out.new_prompt_logprobs)
         finish_reason = out.finish_reason
-        if self.detok is not None and new_ids:
+        if self.detok is not None and new_ids and not self.params.stop:
             if finish_reason == "stop" and not self.params.include_stop_str_in_output:
                 new_ids = new_ids[:-1]  # the EOS / stop id that ended it stays out of the text (vLLM)
-            if new_ids and self._append_text(self.detok.add_tokens(new_ids)):
-                return True
+            if new_ids:
+                self.text += self.detok.add_tokens(new_ids)
         if finish_reason is not None:
             self.finish_reason, self.stop_reason = finish_reason, out.stop_reason
-        return False
 
-    def _append_text(self, delta: str) -> bool:
+    def add_text_until_stop(self, new_ids: list[int], stopped_on_token: bool) -> tuple[int, str] | None:
+        """Detokenize a step's tokens of a sequence with stop strings, one token at a time.
+
+        Returns None, or (number of ``new_ids`` up to the one that completes a stop string, the
+        stop string); the text then ends at the match and the later tokens are never added.
+        ``stopped_on_token``: the last id stopped the sequence (EOS / stop id), so it is not text.
+        """
+        if stopped_on_token and not self.params.include_stop_str_in_output:
+            new_ids = new_ids[:-1]
+        for i, token_id in enumerate(new_ids):
+            stop = self._append_text(self.detok.add_tokens([token_id]))
+            if stop is not None:
+                return i + 1, stop
+        return None
+
+    def _append_text(self, delta: str) -> str | None:
+        """Append ``delta``; return the stop string it completes (the text is cut there), if any."""
         if not delta:
-            return False
-        if not self.params.stop:
-            self.text += delta
-            return False
-        start = max(0, len(self.text) - max((len(s) for s in self.params.stop), default=0) + 1)
+            return None
+        start = max(0, len(self.text) - max(len(s) for s in self.params.stop) + 1)
         self.text += delta
         for stop in self.params.stop:
             idx = self.text.find(stop, start)
             if idx != -1:
                 end = idx + len(stop) if self.params.include_stop_str_in_output else idx
                 self.text = self.text[:end]
-                self.finish_reason, self.stop_reason = "stop", stop
-                return True
-        return False
+                return stop
+        return None
 
     def _to_logprob_dict(self, lp: TokenLogprobs) -> dict[int, Logprob]:
         d: dict[int, Logprob] = {}
@@ -176,15 +191,22 @@ class OutputProcessor:
             return list(self.parents[request_id].children)
         return [request_id] if request_id in self.states else []
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Returns (request outputs to hand to the user, sequence ids stopped by a stop string).
+    def check_stop_strings(self, request_id: str, new_token_ids: list[int], stopped_on_token: bool) -> tuple[int, str] | None:
+        """The scheduler's stop checker (``core.scheduler.StopChecker``): detokenize a sequence's
+        new tokens and find its stop strings (``RequestState.add_text_until_stop``)."""
+        state = self.states.get(request_id)
+        if state is None or state.detok is None:
+            return None
+        return state.add_text_until_stop(new_token_ids, stopped_on_token)
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
+        """Request outputs to hand to the user.
 
         A FINAL_ONLY sequence that has not finished produces no output (``_make_output`` would
         return None for it or its parent), so it is not even looked at: the common case of
         ``LLM.generate`` costs one ``update`` per sequence per step.
         """
         touched: dict[str, None] = {}
-        stopped: list[str] = []
         states = self.states
         counts = self._step_tokens
         for out in outputs:
@@ -194,14 +216,13 @@ class OutputProcessor:
             if counts is not None and out.new_token_ids:
                 count = counts.setdefault(state.parent_id or state.request_id, [0, len(state.prompt_token_ids)])
                 count[0] += len(out.new_token_ids)
-            if state.update(out):
-                stopped.append(out.req_id)
-            elif state.finish_reason is None and state.output_kind == _FINAL_ONLY:
+            state.update(out)
+            if state.finish_reason is None and state.output_kind == _FINAL_ONLY:
                 continue
             touched[state.parent_id or state.request_id] = None
         if not touched:
-            return [], stopped
-        return [ro for rid in touched if (ro := self._make_output(rid)) is not None], stopped
+            return []
+        return [ro for rid in touched if (ro := self._make_output(rid)) is not None]
 
     def finish_aborted(self, request_ids: list[str]) -> list[RequestOutput]:
         """Mark user requests aborted; return their final outputs (finish_reason "abort")."""

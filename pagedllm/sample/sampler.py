@@ -28,10 +28,9 @@ from pagedllm.sample.logprobs import gather_logprobs
 from pagedllm.sample.torch_sampling import exponential_race, processed_probs
 from pagedllm.sample.transfer import host_to_device, numpy_to_device
 from pagedllm.sample.triton_sampling import categorical_sample, fused_available, greedy_argmax
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
 
 _SEED_MIX = 0x9E3779B97F4A7C15
-_GREEDY_EPS = 1e-5
 
 
 @dataclass
@@ -61,7 +60,7 @@ def build_sampling_metadata(
     """Gather the per-request knobs into tensors; ``history`` holds row i's tokens so far (it also
     gives the output position each seeded row draws its noise for). Cost: O(B) host work plus
     whatever the needed logits processors cost (nothing for a plain batch)."""
-    greedy = [p.temperature < _GREEDY_EPS for p in params]
+    greedy = [p.temperature < GREEDY_TEMPERATURE_EPS for p in params]
     temps = [1.0 if g else p.temperature for g, p in zip(greedy, params)]
     top_k = [p.top_k for p in params]
     use_top_p = any(p.top_p < 1.0 for p in params)

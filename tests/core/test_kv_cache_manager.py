@@ -32,7 +32,8 @@ def test_block_hashes_are_chained_and_extended_as_tokens_arrive():
         hash_block_tokens(hash_block_tokens(None, (0, 1, 2, 3)), (4, 5, 6, 7)),
     ]
     first_two = list(r.block_hashes)
-    r.append_output_token_ids([10, 11])
+    r.output_token_ids += [10, 11]
+    r.all_token_ids += [10, 11]
     update_block_hashes(r, 4)
     assert r.block_hashes[:2] == first_two and len(r.block_hashes) == 3
     # Same block contents after a different prefix hash differently.

@@ -21,19 +21,24 @@ def tok():
 
 
 def stream(tok, token_ids: list[int], params: SamplingParams, finish_reason: str = "length",
-           stop_reason=None, kind=RequestOutputKind.DELTA):
-    """Feed ``token_ids`` one per step; return (outputs, whether a stop string ended it)."""
+           stop_reason=None, kind=RequestOutputKind.DELTA, per_step: int = 1):
+    """Feed ``token_ids``, ``per_step`` per step, as the scheduler does: ask the stop checker about
+    each step's tokens, cut them after a stop string. Returns (outputs, whether a stop string ended it)."""
     processor = OutputProcessor(tok)
     prompt = tok.encode("Say something.", add_special_tokens=False)
     processor.add_request(RequestState("r", None, 0, "Say something.", prompt, params, tok, kind))
     outs = []
-    for i, t in enumerate(token_ids):
-        last = i == len(token_ids) - 1
-        core = EngineCoreOutput("r", [t], finish_reason=finish_reason if last else None,
-                                stop_reason=stop_reason if last else None)
-        ros, stopped = processor.process_outputs([core])
-        outs.extend(ros)
-        if stopped:
+    for start in range(0, len(token_ids), per_step):
+        new_ids = token_ids[start : start + per_step]
+        last = start + per_step >= len(token_ids)
+        reason, why = (finish_reason, stop_reason) if last else (None, None)
+        hit = None
+        if params.stop:
+            hit = processor.check_stop_strings("r", new_ids, reason == "stop")
+        if hit is not None:
+            new_ids, reason, why = new_ids[: hit[0]], "stop", hit[1]
+        outs.extend(processor.process_outputs([EngineCoreOutput("r", new_ids, finish_reason=reason, stop_reason=why)]))
+        if hit is not None:
             return outs, True
     return outs, False
 
@@ -53,6 +58,15 @@ def test_stop_string_split_across_tokens(tok):
     last = outs[-1].outputs[0]
     assert last.finish_reason == "stop" and last.stop_reason == "o w" and outs[-1].finished
     assert last.token_ids == [ids[1]]  # the token that completed the match is the last one kept
+
+
+@pytest.mark.parametrize("per_step", [2, 3, 5])
+def test_stop_string_inside_a_multi_token_step_keeps_tokens_up_to_the_match(tok, per_step):
+    ids = tok.encode("Hello world, this is a test. Stop here!", add_special_tokens=False)
+    outs, stopped = stream(tok, ids, SamplingParams(stop=["o w"]), per_step=per_step)
+    assert stopped and final_text(outs) == "Hell"
+    assert outs[-1].outputs[0].stop_reason == "o w"
+    assert sum(len(o.outputs[0].token_ids) for o in outs) == 2  # "Hello", " world": the rest dropped
 
 
 def test_include_stop_str_in_output(tok):
