@@ -47,6 +47,8 @@ class SchedulerOutput:
     # Requests that finished, were aborted or were preempted since the last step: drop their state.
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    # req_id -> draft tokens scheduled for it this step (in order; counted in num_scheduled_tokens).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -74,6 +76,8 @@ class ModelRunnerOutput:
     logprobs: list[list[TokenLogprobs] | None] | None = None
     # req_id -> logprobs of the prompt positions computed this step (prompt_logprobs requests).
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # req_id -> drafts the runner's proposer made for the next step (None: no proposer).
+    draft_token_ids: dict[str, list[int]] | None = None
 
 
 @dataclass(slots=True)

@@ -1,4 +1,4 @@
-"""The model runner's start-up GEMM library choice (ModelRunner._tune_gemm_library): which weights
+"""The worker's start-up GEMM library choice (Worker._tune_gemms): which weights
 and batch sizes it hands to layers/gemm_library.tune, and the PAGEDLLM_GEMM_TUNING switch. CPU only:
 the timing itself is covered by the GPU tests in tests/layers/test_gemm_library.py."""
 
@@ -11,7 +11,7 @@ from pagedllm.config import KernelConfig
 from pagedllm.layers import gemm_library, triton_ops
 from pagedllm.layers.embedding import LMHead
 from pagedllm.layers.linear import Linear, MergedLinear
-from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.worker import Worker
 
 
 class TinyModel(nn.Module):
@@ -33,7 +33,7 @@ def run(monkeypatch, env: str | None):
         monkeypatch.setenv("PAGEDLLM_GEMM_TUNING", env)
     model = TinyModel()
     config = SimpleNamespace(kernel_config=KernelConfig.from_env())  # the switch is read at config build
-    ModelRunner._tune_gemm_library(SimpleNamespace(model=model, config=config), [1, 2, 8, 16])
+    Worker._tune_gemms(SimpleNamespace(model=model, config=config), [1, 2, 8, 16])
     return model, calls
 
 
