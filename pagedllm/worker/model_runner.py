@@ -44,15 +44,7 @@ from pagedllm.worker.proposer import Proposer
 from pagedllm.worker.step_handle import StepHandle, StepTrace
 from pagedllm.worker.sync_policy import StepSyncPolicy
 
-__all__ = ["ModelRunner", "PreparedInputs", "StepHandle", "StepTrace", "needs_token_history"]
-
-
-def needs_token_history(params) -> bool:
-    """Whether sampling reads the request's exact past token ids (not just their count)."""
-    return bool(
-        params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0
-        or params._bad_words_token_ids
-    )
+__all__ = ["ModelRunner", "StepHandle", "StepTrace"]  # StepTrace: for the benchmarks
 
 
 @dataclass
@@ -230,7 +222,7 @@ class ModelRunner:
             self.prompt_logprobs.forget(req_id)
         for new in so.scheduled_new_reqs:
             row = batch.add(new)
-            self.sync_policy.reads_history[row] = needs_token_history(new.sampling_params)
+            self.sync_policy.add_request(row, new.sampling_params)
             self.prep.inputs.queue_block_update(row, 0, new.block_ids)
         for cached in so.scheduled_cached_reqs:
             row = batch.req_id_to_row[cached.req_id]

@@ -28,6 +28,14 @@ class StepSyncPolicy:
         self.verified = np.zeros(max_num_reqs, dtype=bool)
         self.any_verified = False
 
+    def add_request(self, row: int, params) -> None:
+        """A request took ``row``: note whether its sampling reads its exact past token ids
+        (penalties, bad words), not just their count."""
+        self.reads_history[row] = bool(
+            params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0
+            or params._bad_words_token_ids
+        )
+
     def must_wait(self, rows: np.ndarray, num_pending: np.ndarray, has_drafts: bool) -> bool:
         """Whether the step scheduling ``rows`` (``has_drafts``: with drafts for some) must first
         wait for the previous step's tokens."""
