@@ -32,7 +32,7 @@ from pagedllm.attention.backend import (
 )
 from pagedllm.attention.backend import forward_context as attention_forward_context
 from pagedllm.config import EngineConfig
-from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.sample.bitmask import GrammarOutput, apply_token_bitmask
 from pagedllm.sample.history import TokenHistory
 from pagedllm.sample.logprobs import PromptLogprobs
@@ -109,11 +109,6 @@ class ModelRunner:
         return self.backend.metadata_builder.build(common)
 
     # -- one step --------------------------------------------------------------------------
-    def run_step(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step and wait for its tokens (tests, tools)."""
-        self.execute_model(so)
-        return self.sample_tokens().result()
-
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> None:
         """Launch the step's inputs, forward and logits; nothing here waits for the GPU unless the
