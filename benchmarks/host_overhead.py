@@ -54,16 +54,21 @@ class _Done:
         return self._out
 
 
-class InstantRunner:
-    """Keeps per-request state from the SchedulerOutput diffs (as the real runner does) and samples
-    one token for every request whose computed tokens reach its known + in-flight tokens."""
+class InstantExecutor:
+    """An executor whose "model" is instant: it keeps per-request state from the SchedulerOutput diffs
+    (as the real runner does) and samples one token for every request whose computed tokens reach
+    its known + in-flight tokens."""
 
     def __init__(self) -> None:
         self.computed: dict[str, int] = {}
         self.length: dict[str, int] = {}  # tokens the request will have once its last sample lands
         self.seconds = 0.0
+        self._launched: _Done | None = None
 
-    def execute_model_async(self, so: SchedulerOutput) -> _Done:
+    def sample_tokens(self, grammar_output=None) -> _Done:
+        return self._launched
+
+    def execute_model(self, so: SchedulerOutput) -> None:
         t0 = time.perf_counter()
         computed, length = self.computed, self.length
         for req_id in so.finished_req_ids | so.preempted_req_ids:
@@ -85,7 +90,7 @@ class InstantRunner:
                 sampled.append([])
         out = ModelRunnerOutput(req_ids, sampled)
         self.seconds += time.perf_counter() - t0
-        return _Done(out)
+        self._launched = _Done(out)
 
 
 class FakeEngineCore(EngineCore):
@@ -94,7 +99,7 @@ class FakeEngineCore(EngineCore):
     def __init__(self, config: EngineConfig, stop_checker=None) -> None:  # no super().__init__(): it builds a model
         self.config = config
         self.cache_config = config.cache_config
-        self.runner = InstantRunner()
+        self.executor = InstantExecutor()
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, stop_checker)
         self.async_scheduling = True
         self._in_flight = None
@@ -192,7 +197,7 @@ def run_once(n: int, args, tokenizer, profile: cProfile.Profile | None = None) -
     timer.wrap(scheduler, "schedule", "schedule")
     timer.wrap(scheduler, "update_from_output", "update")
     timer.wrap(engine.output_processor, "process_outputs", "output")
-    runner = engine.engine_core.runner
+    runner = engine.engine_core.executor
     runner.seconds = 0.0
     if profile is not None:
         profile.enable()

@@ -5,7 +5,7 @@ finished: once every program of the earlier kernel has passed its ``launch_depen
 exited), the later kernel's programs take the SMs the earlier one frees and block in
 ``griddepcontrol.wait`` until it has completed and its writes are visible. In a CUDA graph the
 launch becomes a programmatic edge. What it saves is the launch latency between two dependent
-kernels of a decode step (~1 us each; a batch-1 step of Llama-8B has ~200 of them).
+kernels of a decode step (a batch-1 step of an 8B model is a chain of a few hundred of them).
 
 Invariant every PDL kernel keeps (``triton_pdl.py``):
 - every program calls ``wait_for_inputs`` before it reads anything an earlier kernel of the forward
@@ -17,7 +17,7 @@ Invariant every PDL kernel keeps (``triton_pdl.py``):
   tables, launch order), all written before the forward's first kernel ran;
 - ``allow_dependents`` comes after the program's main loop, just before its stores, so the next
   kernel's programs take SMs only as this kernel's last wave drains (placed at the start instead, they
-  would occupy SMs for the whole kernel: 2-3% slower, benchmarks/results/h200-pdl-thin-gemm-*.json);
+  would occupy SMs for the whole kernel and slow it; benchmarks/results/h200-pdl-thin-gemm-*.json);
   kernels without a loop (one short wave: RMSNorm, RoPE, SiLU-and-mul, the split-KV reduce) call it
   right after the wait.
 
@@ -26,13 +26,12 @@ for the full completion of the one before it, and a PDL kernel after one of them
 completes.
 
 Where it is used: the captured CUDA graph of a ``MAX_TOKENS``-request decode (batch 1), where every
-projection is a Triton GEMV and the whole layer is a chain of PDL kernels (H200 figures in
-benchmarks/results/h200-pdl-batch1-2026-11-21.json). Where cuBLAS GEMMs sit between the Triton
-kernels (batch 2 and up) it measured no faster or up to 1% slower (Llama-8B batch 2 4.74 -> 4.76 ms,
-batch 64 7.00 -> 7.05-7.08 ms), so it is off there (``for_graph``). Eager forwards never use it:
+projection is a Triton GEMV and the whole layer is a chain of PDL kernels (figures in
+benchmarks/results/h200-pdl-batch1-*.json). Where cuBLAS GEMMs sit between the Triton kernels
+(batch 2 and up) it gains nothing, so it is off there (``for_graph``). Eager forwards never use it:
 its gain is in the replay of a captured graph, where launches cost no host time. Starting DRAM reads
 before the wait (an L2 prefetch of the first weight chunk and of the split's K/V rows) made the
-batch-1 step 2% slower: not done.
+batch-1 step slower: not done.
 
 This module is the host side (no Triton import: the runner uses it on every machine); the device
 side, ``wait_for_inputs`` and ``allow_dependents``, is ``pagedllm/triton_pdl.py``.

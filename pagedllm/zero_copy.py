@@ -3,11 +3,11 @@ copy-engine memcpy, for the few KB a decode step sends to the GPU and gets back.
 
 Pinned memory is mapped into the GPU's address space (CUDA unified addressing; Triton's launcher
 asks the driver for a pointer's device address), so a kernel can load from it and store to it over
-PCIe. Why bother: on an H200 a stream-ordered memcpy of a decode step's inputs runs ~2.5 us on the
-copy engine, but the handoffs between copy engine and SMs leave the GPU idle ~3-5 us before it and
-~7-9 us before the kernel that waits for it, and the device->host copy of the sampled ids starts
-~7-8 us after the sampler ends (``benchmarks/gpu/timeline_decode.py``): together ~20 us a step, 3% of
-a Qwen3-0.6B batch-1 step. A kernel on the compute queue costs its own ~2 us and no handoff.
+PCIe. Why bother: a stream-ordered memcpy of a decode step's few inputs is short on the copy
+engine, but the handoffs between copy engine and SMs leave the GPU idle before it and before the
+kernel that waits for it, and the device->host copy of the sampled ids starts well after the
+sampler ends (``benchmarks/gpu/timeline_decode.py`` shows the gaps): a few percent of a small
+model's batch-1 step. A kernel on the compute queue costs only its own run time, no handoff.
 
 Users: ``DeviceInputs.copy_to_device`` (a step's staged inputs, up to ``MAX_FETCH_BYTES``; prefill
 steps' larger inputs take the copy engine) and the fused sampler, whose last kernel also stores the

@@ -16,7 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from pagedllm.attention.backend import AttentionMetadata, forward_context  # noqa: E402
+from pagedllm.attention.backend import AttentionMetadata, common_inputs_from_lists, forward_context  # noqa: E402
 from pagedllm.attention.torch_ref import TorchRefBackend  # noqa: E402
 
 TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
@@ -114,34 +114,17 @@ def make_tiny_model(arch: str, folder: str | os.PathLike, seed: int = 0) -> str:
 
 
 def build_metadata(
-    seq_lens: list[int], query_lens: list[int], block_tables: list[list[int]], block_size: int, device="cpu"
+    seq_lens: list[int], query_lens: list[int], block_tables: list[list[int]], block_size: int, device="cpu",
+    backend=None,
 ) -> AttentionMetadata:
-    """Metadata for a ragged batch: request r computes its last ``query_lens[r]`` of ``seq_lens[r]`` tokens,
-    whose KV slots follow from ``block_tables[r]``."""
+    """``backend``'s metadata (TorchRefBackend's unless given) for a ragged batch: request r computes its
+    last ``query_lens[r]`` of ``seq_lens[r]`` tokens, whose KV slots follow from ``block_tables[r]``."""
     slots: list[int] = []
     for seq_len, q_len, table in zip(seq_lens, query_lens, block_tables):
         for pos in range(seq_len - q_len, seq_len):
             slots.append(table[pos // block_size] * block_size + pos % block_size)
-    qsl = [0]
-    for q_len in query_lens:
-        qsl.append(qsl[-1] + q_len)
-    width = max(len(t) for t in block_tables)
-    padded = [t + [0] * (width - len(t)) for t in block_tables]
-
-    def i32(x):
-        return torch.tensor(x, dtype=torch.int32, device=device)
-
-    return AttentionMetadata(
-        num_actual_tokens=qsl[-1],
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        query_start_loc=i32(qsl),
-        seq_lens=i32(seq_lens),
-        block_tables=i32(padded),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        query_start_loc_cpu=qsl,
-        seq_lens_cpu=list(seq_lens),
-    )
+    common = common_inputs_from_lists(query_lens, seq_lens, block_tables, slots, device)
+    return (backend if backend is not None else TorchRefBackend()).metadata_builder.build(common)
 
 
 class PagedTestRunner:
@@ -189,7 +172,7 @@ class PagedTestRunner:
             seq_lens.append(seq_len)
             query_lens.append(len(new_tokens))
             tables.append(table)
-        meta = build_metadata(seq_lens, query_lens, tables, self.block_size, self.device)
+        meta = build_metadata(seq_lens, query_lens, tables, self.block_size, self.device, self.backend)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         with forward_context(meta, self.backend):

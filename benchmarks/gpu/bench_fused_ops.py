@@ -92,7 +92,7 @@ def main() -> None:
     rows = []
     for batch in BATCHES:
         tables = [list(range(r * blocks_per_req, (r + 1) * blocks_per_req)) for r in range(batch)]
-        meta = build_metadata([CONTEXT] * batch, [1] * batch, tables, BLOCK_SIZE, "cuda")
+        meta = build_metadata([CONTEXT] * batch, [1] * batch, tables, BLOCK_SIZE, "cuda", backend)
         ids = torch.randint(0, cfg.vocab_size, (batch,), device="cuda")
         positions = torch.full((batch,), CONTEXT - 1, device="cuda")
 

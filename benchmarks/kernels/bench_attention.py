@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import triton  # noqa: E402
 from triton.testing import do_bench, do_bench_cudagraph  # noqa: E402
 
-from pagedllm.attention.backend import AttentionMetadata  # noqa: E402
+from pagedllm.attention.backend import CommonAttentionInputs  # noqa: E402
 from pagedllm.attention.triton_backend import TritonBackend  # noqa: E402
 from pagedllm.attention.triton_kernels import paged_attention  # noqa: E402
 
@@ -114,17 +114,14 @@ class Batch:
             )
             req = torch.repeat_interleave(torch.arange(len(nblk)), torch.tensor(self.query_lens)).to(DEVICE)
             slots = (tables[req, pos // bs].long() * bs + pos % bs).long()
-            meta = AttentionMetadata(
+            meta = TritonBackend.metadata_builder.build(CommonAttentionInputs(
                 num_actual_tokens=n,
                 max_query_len=max(self.query_lens),
-                max_seq_len=max(self.seq_lens),
                 query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=DEVICE),
                 seq_lens=torch.tensor(self.seq_lens, dtype=torch.int32, device=DEVICE),
                 block_tables=tables,
                 slot_mapping=slots,
-                query_start_loc_cpu=qsl,
-                seq_lens_cpu=self.seq_lens,
-            )
+            ))
             q = torch.randn(n, hq, d, device=DEVICE, dtype=DTYPE, generator=gen)
             k = torch.randn(n, hkv, d, device=DEVICE, dtype=DTYPE, generator=gen)
             v = torch.randn(n, hkv, d, device=DEVICE, dtype=DTYPE, generator=gen)

@@ -1,7 +1,7 @@
-"""The attention boundary: per-batch metadata, a scoped forward context, and the backend interface.
+"""The attention boundary: the backend contract, per-step metadata and a scoped forward context.
 
-KV cache layout (one tensor per layer): ``[2, num_blocks, block_size, num_kv_heads, head_dim]``;
-index 0 holds keys, 1 values. Token ``i`` of a request lives in slot
+KV cache layout (one tensor per layer, ``KVCacheSpec``): ``[2, num_blocks, block_size,
+num_kv_heads, head_dim]``; index 0 holds keys, 1 values. Token ``i`` of a request lives in slot
 ``block_table[i // block_size] * block_size + i % block_size``.
 
 A batch is ragged: request ``r`` contributes queries ``query_start_loc[r]:query_start_loc[r+1]``,
@@ -9,43 +9,122 @@ which are the *last* ``query_len`` tokens of its ``seq_len`` tokens of context (
 are already in the cache: computed in earlier steps or hit in the prefix cache). Query ``j`` of
 request ``r`` sits at position ``seq_len - query_len + j`` and attends causally to positions
 ``0..that position``. Decode (query_len 1), chunked prefill and prefix hits are all this one case.
+
+What a backend provides (``AttentionBackend``): its metadata builder (the runner hands it one
+step's ``CommonAttentionInputs`` once and passes the result to every layer), its KV-cache spec,
+its KV writer (what fused RoPE / projection kernels call to store K/V themselves, or None), the
+query-length mixes that warm up its kernels, and whether its decode steps can be CUDA graphs.
+Backends are chosen by name in ``registry.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
 @dataclass
-class AttentionMetadata:
-    """Per-batch attention inputs. Tensors live on the model's device.
+class CommonAttentionInputs:
+    """One step's attention inputs as the runner stages them, common to every backend.
 
-    Invariant: ``query_start_loc[-1] == num_actual_tokens == len(slot_mapping)`` (slot_mapping may
+    Device tensors plus host copies (numpy) of the two per-request arrays, for backends that plan
+    on the host; ``longest_first`` is an int32 permutation of the requests by decreasing seq_len,
+    staged only when the backend asks for it (``uses_longest_first_order``) and the batch is large.
+    Invariant: ``query_start_loc[-1] == num_actual_tokens`` and ``seq_lens[r] >= query_len[r]``.
+    """
+
+    num_actual_tokens: int
+    max_query_len: int
+    query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
+    seq_lens: torch.Tensor  # int32 [num_reqs]
+    block_tables: torch.Tensor  # int32 [num_reqs, max_blocks_per_req]
+    slot_mapping: torch.Tensor  # int64 [num_tokens]; -1 = no KV write (padding, dummy runs)
+    query_start_loc_host: np.ndarray | None = None
+    seq_lens_host: np.ndarray | None = None
+    longest_first: torch.Tensor | None = None
+
+
+def common_inputs_from_lists(query_lens: Sequence[int], seq_lens: Sequence[int], block_tables: Sequence[Sequence[int]],
+                             slot_mapping: Sequence[int], device: torch.device | str) -> CommonAttentionInputs:
+    """Common inputs from Python lists (start-up dummy batches, tests). Cost: a few small copies."""
+    qsl = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
+    lens = np.asarray(seq_lens, dtype=np.int32)
+    width = max((len(t) for t in block_tables), default=1) or 1
+    tables = np.zeros((len(block_tables), width), dtype=np.int32)
+    for r, table in enumerate(block_tables):
+        tables[r, : len(table)] = table
+    return CommonAttentionInputs(
+        num_actual_tokens=int(qsl[-1]), max_query_len=max(query_lens, default=0),
+        query_start_loc=torch.from_numpy(qsl).to(device), seq_lens=torch.from_numpy(lens).to(device),
+        block_tables=torch.from_numpy(tables).to(device),
+        slot_mapping=torch.tensor(list(slot_mapping), dtype=torch.int64, device=device),
+        query_start_loc_host=qsl, seq_lens_host=lens,
+    )
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention inputs every backend reads (tensors on the model's device); a backend's
+    own metadata subclasses it with what only that backend needs.
+
+    Invariant: ``query_start_loc[-1] == num_actual_tokens <= len(slot_mapping)`` (slot_mapping may
     be longer when padded for CUDA graphs; padded slots are -1 and skipped by the KV store), and
     ``seq_lens[r] >= query_len[r]`` for every request.
     """
 
     num_actual_tokens: int
     max_query_len: int
-    max_seq_len: int
     query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
     seq_lens: torch.Tensor  # int32 [num_reqs]
     block_tables: torch.Tensor  # int32 [num_reqs, max_blocks_per_req]
     slot_mapping: torch.Tensor  # int64 [num_tokens]
-    # Host copies (python lists) for backends that plan on the CPU (the reference backend).
-    query_start_loc_cpu: list[int] | None = None
-    seq_lens_cpu: list[int] | None = None
-    # Optional int32 [num_reqs] permutation of the requests, longest seq_len first: the order in
-    # which a GPU decode kernel should start them (load balance at large batch). Changes no result.
-    decode_order: torch.Tensor | None = None
 
     @property
     def num_reqs(self) -> int:
         return int(self.seq_lens.shape[0])
+
+
+class AttentionMetadataBuilder:
+    """Builds a backend's metadata once per step from the common inputs. Stateless; the base
+    builder copies the common fields (no host work, no device work)."""
+
+    def build(self, common: CommonAttentionInputs) -> AttentionMetadata:
+        return AttentionMetadata(common.num_actual_tokens, common.max_query_len, common.query_start_loc,
+                                 common.seq_lens, common.block_tables, common.slot_mapping)
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """The KV cache one attention layer needs: ``shape(num_blocks)`` of ``dtype`` in the layout of
+    the module doc ("NHD": tokens, then heads, then head dims within a block)."""
+
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    layout: str = "NHD"
+
+    def shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one block of one layer (keys and values)."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
+
+
+@dataclass(frozen=True)
+class KVWriter:
+    """How K/V reach a backend's cache from outside it: a fused kernel that writes the ``layout``
+    at ``metadata.slot_mapping`` itself may then call ``forward(..., kv_stored=True)``; ``store`` is
+    the backend's own writer ``(key, value, kv_cache, slot_mapping)`` for the unfused path."""
+
+    layout: str
+    store: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 class AttentionBackend:
@@ -53,9 +132,26 @@ class AttentionBackend:
     ``Attention`` layer fetches it from the forward context."""
 
     name = "base"
-    # Whether ``forward(..., kv_stored=True)`` is supported: the caller (a fused RoPE kernel) has
-    # already written this step's K/V at ``meta.slot_mapping``, and the backend only attends.
-    accepts_stored_kv = False
+    metadata_builder: AttentionMetadataBuilder = AttentionMetadataBuilder()
+    # Not None where a fused kernel may store this step's K/V itself (see KVWriter).
+    kv_writer: KVWriter | None = None
+    # Whether a pure decode step (every query_len 1, padded) can be captured as a CUDA graph.
+    supports_decode_graphs = False
+    # Whether the metadata takes ``CommonAttentionInputs.longest_first`` (a launch order).
+    uses_longest_first_order = False
+
+    @property
+    def accepts_stored_kv(self) -> bool:
+        """Whether ``forward(..., kv_stored=True)`` is supported (a KV writer exists)."""
+        return self.kv_writer is not None
+
+    def kv_cache_spec(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int) -> KVCacheSpec:
+        return KVCacheSpec(block_size, num_kv_heads, head_dim, dtype)
+
+    def warmup_query_lens(self, max_query_len: int) -> list[list[int]]:
+        """The query-length mixes whose eager forwards compile every kernel variant a step can take
+        (each request over a slightly longer context); none where nothing compiles."""
+        return []
 
     def forward(
         self,
@@ -63,7 +159,7 @@ class AttentionBackend:
         key: torch.Tensor | None,  # [T, num_kv_heads, head_dim]; None only with kv_stored
         value: torch.Tensor | None,  # [T, num_kv_heads, head_dim]; None only with kv_stored
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-        meta: AttentionMetadata,
+        meta: AttentionMetadata,  # built by this backend's metadata_builder
         scale: float,
         kv_stored: bool = False,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
@@ -96,22 +192,3 @@ def forward_context(attn_metadata: AttentionMetadata, backend: AttentionBackend)
 def get_forward_context() -> ForwardContext:
     assert _current, "attention called outside forward_context(): the runner must set the batch metadata"
     return _current[0]
-
-
-def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """Pick a backend: "auto" means Triton on CUDA, the native-kernel CPU backend elsewhere."""
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "cpu"
-    if name == "cpu":
-        from pagedllm.attention.cpu_backend import CpuBackend
-
-        return CpuBackend()
-    if name == "torch_ref":
-        from pagedllm.attention.torch_ref import TorchRefBackend
-
-        return TorchRefBackend()
-    if name == "triton":
-        from pagedllm.attention.triton_backend import TritonBackend
-
-        return TritonBackend()
-    raise ValueError(f"attention_backend must be 'auto', 'cpu', 'torch_ref' or 'triton', got {name!r}")

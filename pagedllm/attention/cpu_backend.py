@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.attention.backend import AttentionMetadata
-from pagedllm.attention.torch_ref import TorchRefBackend, prefill_attention_ref, store_kv_cache
+from pagedllm.attention.torch_ref import (
+    HostPlannedMetadata,
+    TorchRefBackend,
+    prefill_attention_ref,
+    store_kv_cache,
+)
 from pagedllm.native import kernels as cpu_kernels
 
 
@@ -21,9 +25,8 @@ class DecodeRows:
     the others: ``query_rows`` (query row of each), ``table_rows`` (its block-table row),
     ``seq_lens`` (its context length), all int64 ``[num_decodes]``."""
 
-    def __init__(self, meta: AttentionMetadata) -> None:
-        qsl = meta.query_start_loc_cpu or meta.query_start_loc.tolist()
-        seq_lens = meta.seq_lens_cpu or meta.seq_lens.tolist()
+    def __init__(self, meta: HostPlannedMetadata) -> None:
+        qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         reqs = [r for r in range(len(seq_lens)) if qsl[r + 1] - qsl[r] == 1]
         self.num_decodes = len(reqs)
         self.has_prefill = len(reqs) < len(seq_lens)
@@ -40,7 +43,7 @@ class CpuBackend(TorchRefBackend):
 
     def __init__(self) -> None:
         super().__init__()
-        self._rows_meta: AttentionMetadata | None = None
+        self._rows_meta: HostPlannedMetadata | None = None
         self._rows: DecodeRows | None = None
 
     def forward(self, query, key, value, kv_cache, meta, scale, kv_stored=False):

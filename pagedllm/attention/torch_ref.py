@@ -5,7 +5,7 @@ kernels cannot be built.
 Cost per layer: one scatter of the new K/V into the cache, then decode requests (query_len 1) in
 a few padded ``scaled_dot_product_attention`` calls, one per group of similar context lengths (the
 grouping is planned once per step: a single padded batch would gather up to the longest context for
-every request, 2-3x the keys at mixed lengths), and every other request (prefill / chunked
+every request, several times the keys at mixed lengths), and every other request (prefill / chunked
 prefill) attended one by one with an explicit causal-with-prefix mask.
 """
 
@@ -16,7 +16,34 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
+from pagedllm.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    CommonAttentionInputs,
+)
+
+
+@dataclass
+class HostPlannedMetadata(AttentionMetadata):
+    """Metadata of the backends that plan on the host (this one and the CPU backend): the common
+    fields plus host lists of ``query_start_loc`` and ``seq_lens``."""
+
+    query_start_loc_cpu: list[int] | None = None
+    seq_lens_cpu: list[int] | None = None
+
+
+class HostPlannedMetadataBuilder(AttentionMetadataBuilder):
+    """Adds the host lists (from the staged host arrays when given, else one device read)."""
+
+    def build(self, common: CommonAttentionInputs) -> HostPlannedMetadata:
+        qsl, lens = common.query_start_loc_host, common.seq_lens_host
+        return HostPlannedMetadata(
+            common.num_actual_tokens, common.max_query_len, common.query_start_loc, common.seq_lens,
+            common.block_tables, common.slot_mapping,
+            query_start_loc_cpu=(qsl if qsl is not None else common.query_start_loc).tolist(),
+            seq_lens_cpu=(lens if lens is not None else common.seq_lens).tolist(),
+        )
 
 
 def store_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -83,7 +110,7 @@ class DecodePlan:
 
 
 # A group's padding may add this share of its real keys before the next shorter request starts
-# a new group; each extra group costs two gathers and one SDPA call (tens of microseconds).
+# a new group; each extra group costs two gathers and one SDPA call.
 MAX_PADDING_SHARE = 0.25
 
 
@@ -120,7 +147,7 @@ def plan_decode_groups(seq_lens: list[int], rows: list[int], block_tables: torch
 
 
 def paged_attention_ref(
-    query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    query: torch.Tensor, kv_cache: torch.Tensor, meta: HostPlannedMetadata, scale: float,
     decode_plan: DecodePlan | None = None,
 ) -> torch.Tensor:
     """Attention over keys already stored in the paged cache (see backend.py for the semantics).
@@ -135,12 +162,11 @@ def paged_attention_ref(
     return out.view(-1, num_heads, head_dim)
 
 
-def prefill_attention_ref(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+def prefill_attention_ref(query: torch.Tensor, kv_cache: torch.Tensor, meta: HostPlannedMetadata, scale: float,
                           out: torch.Tensor) -> None:
     """The requests with more than one query token (prefill, chunked prefill), one SDPA call each
     over its gathered context with the causal-with-prefix mask; written into ``out`` at their rows."""
-    qsl = meta.query_start_loc_cpu or meta.query_start_loc.tolist()
-    seq_lens = meta.seq_lens_cpu or meta.seq_lens.tolist()
+    qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
     for r in range(len(seq_lens)):
         q_start, q_end = qsl[r], qsl[r + 1]
         q_len = q_end - q_start
@@ -156,9 +182,8 @@ def prefill_attention_ref(query: torch.Tensor, kv_cache: torch.Tensor, meta: Att
         out[q_start:q_end] = o[0].to(out.dtype)
 
 
-def _plan_for(meta: AttentionMetadata, block_size: int, device: torch.device) -> DecodePlan:
-    qsl = meta.query_start_loc_cpu or meta.query_start_loc.tolist()
-    seq_lens = meta.seq_lens_cpu or meta.seq_lens.tolist()
+def _plan_for(meta: HostPlannedMetadata, block_size: int, device: torch.device) -> DecodePlan:
+    qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
     reqs = [r for r in range(len(seq_lens)) if qsl[r + 1] - qsl[r] == 1]
     if not reqs:
         return DecodePlan([])
@@ -186,9 +211,10 @@ class TorchRefBackend(AttentionBackend):
     for the other layers of the same step (the metadata object identifies the step)."""
 
     name = "torch_ref"
+    metadata_builder = HostPlannedMetadataBuilder()
 
     def __init__(self) -> None:
-        self._plan_meta: AttentionMetadata | None = None
+        self._plan_meta: HostPlannedMetadata | None = None
         self._plan: DecodePlan | None = None
 
     def forward(self, query, key, value, kv_cache, meta, scale, kv_stored=False):

@@ -12,8 +12,8 @@ Dispatch (cost per layer): one KV-store launch, then
 - when ``meta.max_query_len > 1``, one launch of the unified ragged kernel
   (``paged_attention.unified_attention(skip_decodes=True)``) for prefill, chunked prefill with a
   cached prefix, and any other ``query_len > 1`` request. Splitting a mixed batch this way keeps
-  decodes off the tall prefill tiles (measured on an H200: 1 prefill of 2048 + 255 decodes took
-  809 us in one unified launch with 128-row tiles, vs 283 + 126 us for the two parts).
+  decodes off the tall prefill tiles (two launches beat one unified launch on mixed steps;
+  benchmarks/kernels/bench_attention.py measures both).
 
 Supported: fp16 / bf16 (fp32 for tests), any ``block_size`` (16/32/64 tested), head sizes up to
 256 (non-powers of two such as 80/96 are padded with masks), any GQA ratio. Rows of ``query`` past
@@ -25,12 +25,23 @@ This module imports on a machine without Triton; the kernels are imported at the
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 
 import torch
 
-from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
+from pagedllm.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    CommonAttentionInputs,
+    KVWriter,
+)
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+# Prefill lengths of the warm-up: each picks another tile height of the unified kernel
+# (``paged_attention.unified_attention``: ``block_m = min(64, max(16, next_pow2(max_query_len * qpk)))``).
+_WARMUP_PREFILL_LENS = (2, 4, 8, 16, 32, 64)
 
 
 def triton_available(device: torch.device | str | None = None) -> bool:
@@ -39,11 +50,38 @@ def triton_available(device: torch.device | str | None = None) -> bool:
     return HAS_TRITON and dev.type == "cuda" and torch.cuda.is_available()
 
 
+@dataclass
+class TritonMetadata(AttentionMetadata):
+    """The common fields plus ``decode_order``: an optional int32 [num_reqs] permutation of the
+    requests, longest seq_len first, in which the decode kernel starts them (load balance at large
+    batch). It changes no result."""
+
+    decode_order: torch.Tensor | None = None
+
+
+class TritonMetadataBuilder(AttentionMetadataBuilder):
+    """Copies the common fields and takes the staged longest-first order. No host or device work."""
+
+    def build(self, common: CommonAttentionInputs) -> TritonMetadata:
+        return TritonMetadata(common.num_actual_tokens, common.max_query_len, common.query_start_loc,
+                              common.seq_lens, common.block_tables, common.slot_mapping,
+                              decode_order=common.longest_first)
+
+
+def _store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    from pagedllm.attention.triton_kernels import kv_store
+
+    kv_store.store_kv_cache(_last_dim_contiguous(key), _last_dim_contiguous(value), kv_cache, slot_mapping)
+
+
 class TritonBackend(AttentionBackend):
     """Triton paged attention. Stateless: every call reads only its arguments."""
 
     name = "triton"
-    accepts_stored_kv = True
+    metadata_builder = TritonMetadataBuilder()
+    kv_writer = KVWriter(layout="NHD", store=_store_kv)
+    supports_decode_graphs = True
+    uses_longest_first_order = True
 
     def __init__(self) -> None:
         if not HAS_TRITON:
@@ -51,13 +89,19 @@ class TritonBackend(AttentionBackend):
                 "the 'triton' attention backend needs the triton package (GPU installs have it)"
             )
 
+    def warmup_query_lens(self, max_query_len: int) -> list[list[int]]:
+        """1 and 2 decodes (the eager decode kernel, the small-M GEMV), then one decode plus one
+        prefill of each tile-height length; mixes longer than ``max_query_len`` are left out."""
+        mixes = [[1], [1, 1]] + [[1, n] for n in _WARMUP_PREFILL_LENS]
+        return [m for m in mixes if max(m) <= max_query_len]
+
     def forward(
         self,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor | None,
         kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: TritonMetadata,
         scale: float,
         kv_stored: bool = False,
         out: torch.Tensor | None = None,
@@ -65,12 +109,10 @@ class TritonBackend(AttentionBackend):
         """Store K/V (unless ``kv_stored``: the fused RoPE kernel did), then attend. ``out`` (optional,
         shaped like ``query``) is written in place and returned: a preallocated buffer for CUDA
         graphs, or a poisoned one in tests."""
-        from pagedllm.attention.triton_kernels import kv_store, paged_attention
+        from pagedllm.attention.triton_kernels import paged_attention
 
         if not kv_stored:
-            kv_store.store_kv_cache(
-                _last_dim_contiguous(key), _last_dim_contiguous(value), kv_cache, meta.slot_mapping
-            )
+            _store_kv(key, value, kv_cache, meta.slot_mapping)
         query = _last_dim_contiguous(query)
         if out is None:
             out = torch.empty_like(query)

@@ -50,6 +50,8 @@ class SchedulerOutput:
     # Requests that finished, were aborted or were preempted since the last step: drop their state.
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    # req_id -> draft tokens scheduled for it this step (in order; counted in num_scheduled_tokens).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -1,7 +1,7 @@
-"""EngineCore: the loop body. step() = schedule -> execute -> update_from_output.
+"""EngineCore: the loop body. step() = schedule -> execute -> sample -> update_from_output.
 
-Owns the scheduler (pure Python) and the model runner (tensors); the only things crossing
-between them are SchedulerOutput and ModelRunnerOutput (DESIGN rule 2).
+Owns the scheduler (pure Python) and an executor (the workers, which own the tensors); the only
+things crossing between them are SchedulerOutput and ModelRunnerOutput (DESIGN rule 2).
 
 With async scheduling (the default on CUDA) one step is kept in flight: step() schedules and
 launches step N, then waits for step N-1's tokens and applies them. The CPU work of a step
@@ -19,31 +19,37 @@ import time
 import weakref
 from collections.abc import Sequence
 
-import torch
-
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from pagedllm.core.scheduler import Scheduler, StopChecker
+from pagedllm.executor import Executor
 from pagedllm.request import Request, RequestStatus
-from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("pagedllm")
 
 
 class EngineCore:
+    """The scheduler and the executor, stepped together.
+
+    Invariant: with async scheduling at most one launched step is not yet applied to the
+    scheduler (``_in_flight``); without it none. Cost per step: one schedule, one executor launch,
+    one wait for a step's tokens and one ``update_from_output``, all O(scheduled requests).
+    ``stop_checker`` (the engine's stop-string check) is handed to the scheduler's update.
+    """
+
     def __init__(self, config: EngineConfig, stop_checker: StopChecker | None = None) -> None:
         t0 = time.perf_counter()
-        self.runner = ModelRunner(config)
-        num_blocks = self.runner.determine_num_blocks()
-        self.runner.initialize_kv_cache(num_blocks)
+        self.executor = Executor.get_class(config)(config)
+        num_blocks = self.executor.determine_num_blocks()
+        self.executor.initialize_kv_cache(num_blocks)
         cache_config = dataclasses.replace(config.cache_config, num_blocks=num_blocks)
         self.config = config
         self.cache_config = cache_config
         self.scheduler = Scheduler(config.scheduler_config, cache_config, stop_checker)
-        self.runner.warm_up()
+        self.executor.warm_up()
         # Everything built so far (modules, imports, tables) lives as long as the engine: move it out
-        # of the garbage collector's sight, or each full collection while serving scans ~10^5
-        # objects (a 0.1-0.2 s stall of the step loop, measured on an H200). Frozen objects are
+        # of the garbage collector's sight, or each full collection while serving scans every one
+        # of them (a stall of the step loop). Frozen objects are
         # never collected, so when this engine is dropped the frozen set goes back to the collector:
         # the cycles among start-up objects (scheduler <-> its queues, the free-block list) are then
         # freed by the next collection instead of living as long as the process.
@@ -57,8 +63,13 @@ class EngineCore:
         logger.info(
             "engine ready in %.1f s: %d KV blocks of %d tokens (%d tokens, %.2f GiB) on %s",
             time.perf_counter() - t0, num_blocks, cache_config.block_size, num_blocks * cache_config.block_size,
-            num_blocks * self.runner.block_bytes() / 2**30, config.device,
+            num_blocks * self.executor.bytes_per_block() / 2**30, config.device,
         )
+
+    @property
+    def runner(self):
+        """The model runner of an in-process executor (benchmarks and tests inspect it)."""
+        return self.executor.worker.model_runner
 
     def add_request(self, request: Request, siblings: Sequence[Request] = ()) -> None:
         self.scheduler.add_request(request, siblings)
@@ -73,7 +84,8 @@ class EngineCore:
         t0 = time.perf_counter()
         sched_out = self.scheduler.schedule()
         t1 = time.perf_counter()
-        handle = self.runner.execute_model_async(sched_out)
+        self.executor.execute_model(sched_out)
+        handle = self.executor.sample_tokens()
         if self.async_scheduling:
             (done_out, done_handle), self._in_flight = self._in_flight or (None, None), (sched_out, handle)
         else:
@@ -102,5 +114,4 @@ class EngineCore:
         return self.scheduler.get_num_unfinished_requests()
 
     def shutdown(self) -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        self.executor.shutdown()

@@ -9,9 +9,10 @@ and seq_len 0 (attention writes zeros), and their outputs are discarded. All gra
 memory pool; capture time is part of start-up.
 Graphs of ``pdl.MAX_TOKENS`` request are captured with programmatic dependent launch.
 
-Invariant: ``self.graphs[bs]`` was captured with ``AttentionMetadata`` built over
+Invariant: ``self.graphs[bs]`` was captured with metadata built by the backend's builder over
 ``DeviceInputs.device_views(bs, bs)``: the device views that a decode step padded to ``bs`` fills
-with its one input copy.
+with its one input copy. Cost: one graph and one logits buffer ``[bs, vocab]`` per size, in one
+shared memory pool.
 """
 
 from __future__ import annotations
@@ -22,7 +23,12 @@ import time
 import torch
 
 from pagedllm import pdl
-from pagedllm.attention.backend import AttentionMetadata, forward_context
+from pagedllm.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    CommonAttentionInputs,
+    forward_context,
+)
 from pagedllm.worker.device_inputs import LONGEST_FIRST_FROM
 
 logger = logging.getLogger("pagedllm")
@@ -38,7 +44,10 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 class CUDAGraphRunner:
-    def __init__(self, model, backend, inputs, max_num_seqs: int, device: torch.device) -> None:
+    """The decode graphs of one model (see the module doc): ``capture_all`` at start-up, then
+    ``replay(padded_size(n))`` for every pure decode step of ``n <= max_size`` requests."""
+
+    def __init__(self, model, backend: AttentionBackend, inputs, max_num_seqs: int, device: torch.device) -> None:
         self.model = model
         self.backend = backend
         self.inputs = inputs  # DeviceInputs
@@ -59,13 +68,14 @@ class CUDAGraphRunner:
         return None
 
     def metadata(self, bs: int) -> AttentionMetadata:
+        """What every replay of size ``bs`` attends with (built once, at capture)."""
         dev = self.inputs.device_views(bs, bs)
-        return AttentionMetadata(
-            num_actual_tokens=bs, max_query_len=1, max_seq_len=0,
-            query_start_loc=dev["query_start_loc"], seq_lens=dev["seq_lens"],
+        longest_first = self.backend.uses_longest_first_order and bs >= LONGEST_FIRST_FROM
+        return self.backend.metadata_builder.build(CommonAttentionInputs(
+            num_actual_tokens=bs, max_query_len=1, query_start_loc=dev["query_start_loc"], seq_lens=dev["seq_lens"],
             block_tables=self.inputs.block_tables[:bs], slot_mapping=dev["slot_mapping"],
-            decode_order=dev["decode_order"] if bs >= LONGEST_FIRST_FROM else None,
-        )
+            longest_first=dev["decode_order"] if longest_first else None,
+        ))
 
     def _safe_inputs(self, bs: int) -> dict[str, torch.Tensor]:
         """Token 0 at position 0, no KV writes, empty contexts: what warm-up and capture of size

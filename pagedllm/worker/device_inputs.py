@@ -7,8 +7,8 @@ non-blocking copy into one device buffer, whose views the step then uses. On CUD
 step's copy is a kernel that reads the pinned buffer itself (``pagedllm/zero_copy.py``: no
 copy-engine handoffs on the GPU's timeline). A CUDA graph for batch size ``bs`` captures the views
 of ``step_layout(bs, bs)``, so a replay finds its inputs where a step of that size copies them.
-(One copy instead of one per field: each small H2D copy costs about 1 us of copy engine time plus
-a ~1.5 us gap on the GPU's timeline, which at decode batch 1 is a few percent of the step.)
+(One copy instead of one per field: each small H2D copy costs copy-engine time plus a gap on the
+GPU's timeline, together a few percent of a batch-1 decode step.)
 
 The block table lives on the device, indexed by InputBatch row, and is updated incrementally: a
 step sends only the (row, column, block id) triples of blocks added since the last step, then
@@ -38,7 +38,7 @@ import torch
 from pagedllm import zero_copy
 
 # From this many requests in a step, the attention kernels are given the longest-first launch order
-# (AttentionMetadata.decode_order): with thousands of decode programs of ragged length it removes
+# (CommonAttentionInputs.longest_first) when their backend takes one: with thousands of decode programs of ragged length it removes
 # the tail in which a few long requests run on otherwise idle SMs. Below it the batch is one wave
 # (or split-KV already evens the work) and the host-side sort and copy would only add latency.
 LONGEST_FIRST_FROM = 32
@@ -56,7 +56,7 @@ _FLAT_FIELDS = {
     "slot_mapping": (torch.int64, "tokens"),
     "query_start_loc": (torch.int32, "reqs+1"),
     "seq_lens": (torch.int32, "reqs"),
-    # Requests longest first (AttentionMetadata.decode_order), staged from LONGEST_FIRST_FROM requests.
+    # Requests longest first (CommonAttentionInputs.longest_first), staged from LONGEST_FIRST_FROM requests.
     "decode_order": (torch.int32, "reqs"),
     "rows": (torch.int64, "reqs"),
     "logits_indices": (torch.int64, "reqs"),
@@ -83,6 +83,11 @@ def step_layout(num_tokens: int, num_reqs: int) -> tuple[dict[str, tuple[int, in
 
 
 class DeviceInputs:
+    """The staging buffers and device buffer of the module doc, plus the device block table.
+
+    Invariant and cost: see the module doc (one copy per step, nothing allocated per step).
+    """
+
     def __init__(self, max_tokens: int, max_reqs: int, max_blocks_per_req: int, device: torch.device) -> None:
         self.device = device
         self.max_tokens, self.max_reqs = max_tokens, max_reqs

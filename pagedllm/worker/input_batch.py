@@ -19,6 +19,8 @@ from pagedllm.sampling_params import SamplingParams
 
 
 class InputBatch:
+    """The rows of the module doc. Cost: O(max_num_reqs * max_model_len) int64 host memory."""
+
     def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int) -> None:
         self.max_num_reqs = max_num_reqs
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
@@ -27,7 +29,8 @@ class InputBatch:
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
-        # Tokens sampled by a step still on the GPU (async scheduling): at most one per row.
+        # Tokens sampled by launched steps whose results are not applied yet (async scheduling); a
+        # step verifying drafts counts one (the sync policy waits for it before the row is read).
         self.num_pending = np.zeros(max_num_reqs, dtype=np.int64)
         # Bumped on every add: a late result for a row that was freed and reused is recognised.
         self.generation = np.zeros(max_num_reqs, dtype=np.int64)

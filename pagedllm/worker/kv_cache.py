@@ -16,10 +16,6 @@ logger = logging.getLogger("pagedllm")
 _DEFAULT_CPU_KV_BYTES = 2 * 1024**3
 
 
-def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
-
-
 def cpu_num_blocks(kv_cache_memory: int | None, block_bytes: int, block_size: int, max_num_seqs: int,
                    max_model_len: int) -> int:
     if kv_cache_memory is None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.attention.backend import get_attention_backend
 from pagedllm.attention.cpu_backend import CpuBackend, DecodeRows
+from pagedllm.attention.registry import get_attention_backend
 from pagedllm.attention.torch_ref import TorchRefBackend
 from pagedllm.native import kernels as cpu_kernels
-from tests.attention.test_triton_backend import make_inputs, random_specs
+from tests.attention.test_triton_backend import attend, make_inputs, random_specs
 
 needs_kernel = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler to build the CPU kernels")
 
@@ -31,8 +31,8 @@ def test_backend_matches_reference(kind, num_reqs, block_size, num_kv_heads, qpk
     q, k, v, cache, meta = make_inputs(specs, block_size=block_size, num_kv_heads=num_kv_heads, qpk=qpk,
                                        head_dim=head_dim, dtype=torch.float32, device="cpu", gen=gen)
     ref_cache = cache.clone()
-    out = CpuBackend().forward(q, k, v, cache, meta, head_dim ** -0.5)
-    ref = TorchRefBackend().forward(q, k, v, ref_cache, meta, head_dim ** -0.5)
+    out = attend(CpuBackend(), q, k, v, cache, meta, head_dim ** -0.5)
+    ref = attend(TorchRefBackend(), q, k, v, ref_cache, meta, head_dim ** -0.5)
     assert torch.equal(cache, ref_cache)
     n = meta.num_actual_tokens
     torch.testing.assert_close(out[:n], ref[:n], rtol=2e-5, atol=2e-5)
@@ -76,7 +76,7 @@ def test_decode_rows_lists_only_single_token_requests():
     gen = torch.Generator().manual_seed(5)
     *_, meta = make_inputs([(30, 30), (12, 1), (50, 8), (3, 1)], block_size=4, num_kv_heads=1, qpk=1, head_dim=8,
                            dtype=torch.float32, device="cpu", gen=gen)
-    rows = DecodeRows(meta)
+    rows = DecodeRows(CpuBackend.metadata_builder.build(meta))
     assert rows.query_rows.tolist() == [30, 39] and rows.table_rows.tolist() == [1, 3]
     assert rows.seq_lens.tolist() == [12, 3] and rows.num_decodes == 2 and rows.has_prefill
 
@@ -90,8 +90,8 @@ def test_backend_falls_back_to_the_reference(monkeypatch, dtype):
     q, k, v, cache, meta = make_inputs([(33, 1), (20, 20)], block_size=16, num_kv_heads=2, qpk=2, head_dim=64,
                                        dtype=dtype, device="cpu", gen=gen)
     ref_cache = cache.clone()
-    out = CpuBackend().forward(q, k, v, cache, meta, 0.125)
-    assert torch.equal(out, TorchRefBackend().forward(q, k, v, ref_cache, meta, 0.125))
+    out = attend(CpuBackend(), q, k, v, cache, meta, 0.125)
+    assert torch.equal(out, attend(TorchRefBackend(), q, k, v, ref_cache, meta, 0.125))
 
 
 def test_auto_backend_on_cpu_is_the_cpu_backend():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pagedllm.attention import torch_ref
-from pagedllm.attention.backend import AttentionMetadata
+from pagedllm.attention.backend import CommonAttentionInputs
 from pagedllm.attention.torch_ref import TorchRefBackend, plan_decode_groups
 
 
@@ -51,12 +51,11 @@ def _batch(seq_lens, query_lens, num_heads=6, num_kv_heads=2, head_dim=16, block
         k_new.append(keys[r][s - ql:])
         v_new.append(values[r][s - ql:])
     n = qsl[-1]
-    meta = AttentionMetadata(
-        num_actual_tokens=n, max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+    meta = TorchRefBackend.metadata_builder.build(CommonAttentionInputs(
+        num_actual_tokens=n, max_query_len=max(query_lens),
         query_start_loc=torch.tensor(qsl, dtype=torch.int32), seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         block_tables=tables, slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        query_start_loc_cpu=qsl, seq_lens_cpu=list(seq_lens),
-    )
+    ))
     q = torch.randn(n, num_heads, head_dim, generator=gen)
     return q, torch.cat(k_new), torch.cat(v_new), cache, meta, keys, values
 
@@ -113,6 +112,6 @@ def test_backend_plans_once_per_step():
 def test_reference_backend_refuses_pre_stored_kv():
     """The CPU reference stores K/V itself; a caller claiming it already did is a bug, not a no-op."""
     q, k, v, cache, meta, _, _ = _batch([5, 9], [1, 1])
-    assert not TorchRefBackend.accepts_stored_kv
+    assert not TorchRefBackend().accepts_stored_kv and TorchRefBackend.kv_writer is None
     with pytest.raises(ValueError, match="stores K/V itself"):
         TorchRefBackend().forward(q, k, v, cache, meta, 0.25, kv_stored=True)

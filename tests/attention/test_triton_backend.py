@@ -13,10 +13,11 @@ import subprocess
 import sys
 import zlib
 
+import numpy as np
 import pytest
 import torch
 
-from pagedllm.attention.backend import AttentionBackend, AttentionMetadata
+from pagedllm.attention.backend import AttentionBackend, CommonAttentionInputs
 from pagedllm.attention.torch_ref import TorchRefBackend
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -76,18 +77,22 @@ def make_inputs(specs, *, block_size, num_kv_heads, qpk, head_dim, dtype, device
 
     kv_cache = rnd(2, num_blocks, block_size, num_kv_heads, head_dim).to(device)
     query, key, value = (rnd(T, h, head_dim).to(device) for h in (num_heads, num_kv_heads, num_kv_heads))
-    meta = AttentionMetadata(
+    meta = CommonAttentionInputs(
         num_actual_tokens=n,
         max_query_len=max(q for _, q in specs),
-        max_seq_len=max(s for s, _ in specs),
         query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
         seq_lens=torch.tensor([s for s, _ in specs], dtype=torch.int32, device=device),
         block_tables=tables.to(device),
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        query_start_loc_cpu=qsl,
-        seq_lens_cpu=[s for s, _ in specs],
+        query_start_loc_host=np.array(qsl, dtype=np.int32),
+        seq_lens_host=np.array([s for s, _ in specs], dtype=np.int32),
     )
     return query, key, value, kv_cache, meta
+
+
+def attend(backend, query, key, value, kv_cache, common: CommonAttentionInputs, scale, **kw):
+    """``backend.forward`` over the metadata its own builder makes of ``common``."""
+    return backend.forward(query, key, value, kv_cache, backend.metadata_builder.build(common), scale, **kw)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -111,9 +116,9 @@ def check_against_ref(query, key, value, kv_cache, meta, scale, dtype):
     from pagedllm.attention.triton_backend import TritonBackend
 
     cache_ref, cache_tri = kv_cache.clone(), kv_cache.clone()
-    ref = TorchRefBackend().forward(query, key, value, cache_ref, meta, scale)
+    ref = attend(TorchRefBackend(), query, key, value, cache_ref, meta, scale)
     out = torch.full_like(query, float("nan"))  # poisoned: every row must be written
-    got = TritonBackend().forward(query, key, value, cache_tri, meta, scale, out=out)
+    got = attend(TritonBackend(), query, key, value, cache_tri, meta, scale, out=out)
     assert got.data_ptr() == out.data_ptr()
     assert torch.equal(cache_tri, cache_ref), "KV cache contents differ after the store"
     assert not torch.isnan(got).any(), "unwritten (poisoned) output elements"
@@ -131,7 +136,7 @@ def check_against_ref(query, key, value, kv_cache, meta, scale, dtype):
 
 def test_module_imports_without_gpu():
     from pagedllm.attention import triton_backend
-    from pagedllm.attention.backend import get_attention_backend
+    from pagedllm.attention.registry import get_attention_backend
 
     assert triton_backend.TritonBackend.name == "triton"
     assert issubclass(triton_backend.TritonBackend, AttentionBackend)
@@ -201,7 +206,7 @@ def _interpreter_main() -> None:
             gen=gen,
         )
         check_against_ref(query, key, value, kv_cache, meta, 0.125, dtype)  # 1 split (no SMs to count)
-        ref = TorchRefBackend().forward(query, key, value, kv_cache, meta, 0.125)  # stores into kv_cache
+        ref = attend(TorchRefBackend(), query, key, value, kv_cache, meta, 0.125)  # stores into kv_cache
         longest_first = torch.tensor([0, 2, 1], dtype=torch.int32)  # any permutation: same result
         for splits, order in ((1, longest_first), (2, None), (8, None), (2, longest_first)):
             out = torch.full_like(query, float("nan"))
@@ -288,7 +293,7 @@ def test_decode_split_counts(num_splits):
         device="cuda",
         gen=gen,
     )
-    ref = TorchRefBackend().forward(query, key, value, kv_cache, meta, 0.088)
+    ref = attend(TorchRefBackend(), query, key, value, kv_cache, meta, 0.088)
     n = meta.num_actual_tokens
     for _ in range(3):  # launches in a row (each reuses the same partial buffers' sizes)
         out = torch.full_like(query, float("nan"))
@@ -300,7 +305,7 @@ def test_decode_split_counts(num_splits):
 @needs_cuda
 @pytest.mark.parametrize("order_kind", ["longest_first", "random"])
 def test_decode_launch_order(order_kind):
-    """A launch order (``meta.decode_order``, as the runner stages it from 32 requests) changes
+    """A launch order (``TritonMetadata.decode_order``, as the runner stages it from 32 requests) changes
     no result: a ragged batch of 40 decodes plus a prefill, through the backend."""
     gen = torch.Generator().manual_seed(11)
     lens = torch.randint(1, 3000, (40,), generator=gen).tolist()
@@ -313,7 +318,7 @@ def test_decode_launch_order(order_kind):
         order = torch.argsort(-seq_lens, stable=True)
     else:
         order = torch.randperm(len(specs), generator=gen)
-    meta.decode_order = order.to(torch.int32).cuda()
+    meta.longest_first = order.to(torch.int32).cuda()
     check_against_ref(query, key, value, kv_cache, meta, 0.088, torch.bfloat16)
 
 
@@ -352,10 +357,9 @@ def test_decode_cuda_graph_replay():
     query = torch.zeros(padded, hkv * qpk, hd, dtype=torch.bfloat16, device="cuda")
     key = torch.zeros(padded, hkv, hd, dtype=torch.bfloat16, device="cuda")
     value = torch.zeros_like(key)
-    meta = AttentionMetadata(
+    meta = CommonAttentionInputs(
         num_actual_tokens=padded,
         max_query_len=1,
-        max_seq_len=8192,
         query_start_loc=torch.arange(padded + 1, dtype=torch.int32, device="cuda"),
         seq_lens=torch.zeros(padded, dtype=torch.int32, device="cuda"),
         block_tables=torch.zeros(padded, max_blocks, dtype=torch.int32, device="cuda"),
@@ -365,7 +369,7 @@ def test_decode_cuda_graph_replay():
     backend = TritonBackend()
 
     def step():
-        backend.forward(query, key, value, kv_cache, meta, hd**-0.5, out=out)
+        attend(backend, query, key, value, kv_cache, meta, hd**-0.5, out=out)
 
     meta.seq_lens.fill_(1)
     step()  # compile outside the capture
@@ -394,7 +398,7 @@ def test_decode_cuda_graph_replay():
             device="cuda",
         )
         ref_cache = kv_cache.clone()
-        ref = TorchRefBackend().forward(q, k, v, ref_cache, m, hd**-0.5)
+        ref = attend(TorchRefBackend(), q, k, v, ref_cache, m, hd**-0.5)
         query[:batch], key[:batch], value[:batch] = q, k, v
         meta.seq_lens.zero_()
         meta.seq_lens[:batch] = m.seq_lens

@@ -1,6 +1,5 @@
-"""The model runner's start-up GEMM library choice (ModelRunner._tune_gemm_library ->
-KernelPlan.tune_gemms): which weights and batch sizes it hands to the plan's GemmLibrary.tune, and
-the gemm-tuning switch. CPU only: the timing itself is covered by the GPU tests in
+"""The worker's start-up GEMM library choice (Worker._tune_gemms -> KernelPlan.tune_gemms): which
+weights and batch sizes it hands to the plan's GemmLibrary.tune, and the gemm-tuning switch. CPU only: the timing itself is covered by the GPU tests in
 tests/layers/test_gemm_library.py."""
 
 from types import SimpleNamespace
@@ -13,7 +12,7 @@ from pagedllm.layers import prepare_model_kernels, triton_ops
 from pagedllm.layers.embedding import LMHead
 from pagedllm.layers.gemm_library import GemmLibrary
 from pagedllm.layers.linear import Linear, MergedLinear
-from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.worker import Worker
 
 
 class TinyModel(nn.Module):
@@ -37,7 +36,7 @@ def run(monkeypatch, env: str | None):
     model = TinyModel()
     config = SimpleNamespace(kernel_config=KernelConfig.from_env())  # the switch is read at config build
     plan = prepare_model_kernels(model, torch.device("cuda"), config.kernel_config)
-    ModelRunner._tune_gemm_library(SimpleNamespace(model=model, config=config, kernel_plan=plan), [1, 2, 8, 16])
+    Worker._tune_gemms(SimpleNamespace(model=model, config=config, kernel_plan=plan), [1, 2, 8, 16])
     return model, calls
 
 

@@ -1,0 +1,220 @@
+"""Worker: one device's model, KV cache and start-up; the executor's only contact with tensors.
+
+Start-up is a pipeline of named stages, each logged with its time:
+
+- ``compile`` (CUDA): a dry pass over every forward start-up will run (the memory profile, the
+  eager warm-up shapes, one decode per CUDA-graph size, the sampler) inside
+  ``parallel_compile.compile_only()``, so Triton compiles all of their kernels in parallel and the
+  real passes only launch;
+- ``profile`` (CUDA): one forward of the largest batch the scheduler can produce, whose peak
+  memory sizes the KV cache (on the CPU the cache gets a byte budget instead; see kv_cache.py);
+- ``warm up`` (CUDA, after the KV cache exists): eager forwards of the query-length mixes the
+  attention backend names (``AttentionBackend.warmup_query_lens``), logits, both sampling kernels;
+- ``tune``: the GEMM library choice per weight shape and graph batch size;
+- ``capture``: the decode CUDA graphs (unless ``enforce_eager`` or the backend has none).
+
+Nothing compiles while serving. Dummy forwards never write the KV cache (their slots are -1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from pagedllm.attention.backend import forward_context
+from pagedllm.attention.registry import get_attention_backend
+from pagedllm.config import EngineConfig
+from pagedllm.core.sched_output import SchedulerOutput
+from pagedllm.layers.dispatch import prepare_model_kernels
+from pagedllm.sample.bitmask import GrammarOutput
+from pagedllm.sample.history import TokenHistory
+from pagedllm.sample.sampler import build_sampling_metadata
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker import kv_cache as kvc
+from pagedllm.worker.cuda_graph import CUDAGraphRunner
+from pagedllm.worker.model_runner import ModelRunner, StepHandle
+
+logger = logging.getLogger("pagedllm")
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Worker:
+    """Owns the device, the loaded model, its KV cache and the ModelRunner that steps it.
+
+    Invariant: after ``initialize_kv_cache`` every attention layer of the model is bound to its
+    slice of ``model_runner.kv_caches``; dummy forwards of start-up only ever run before (with
+    one-block dummy caches) or with slot -1 (nothing written). Cost: start-up only (model load,
+    the stages of the module doc); per step it forwards to the runner.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        from pagedllm.models.registry import build_model, init_dummy_weights, load_model
+
+        self.config = config
+        mc = config.model_config
+        self.device = torch.device(config.device)
+        self.dtype = _TORCH_DTYPES[mc.dtype]
+        self.block_size = config.cache_config.block_size
+        self.max_model_len = mc.max_model_len
+        self.startup_seconds: dict[str, float] = {}
+        t0 = time.perf_counter()
+        if mc.load_format == "dummy":
+            self.model = init_dummy_weights(build_model(mc.hf_config, self.dtype, self.device), seed=mc.seed)
+        else:
+            self.model = load_model(mc.source, mc.hf_config, self.dtype, self.device)
+        self.model.eval()
+        self._prepare_model_kernels()
+        logger.info("model loaded in %.1f s", time.perf_counter() - t0)
+        self.backend = get_attention_backend(config.attention_backend, self.device)
+        self.kv_cache_spec = self.backend.kv_cache_spec(mc.num_kv_heads, mc.head_dim, self.dtype, self.block_size)
+        self.model_runner = ModelRunner(config, self.model, self.backend, self.device, self.dtype)
+        self._graphs: CUDAGraphRunner | None = None
+        if self.device.type == "cuda" and not config.enforce_eager and self.backend.supports_decode_graphs:
+            self._graphs = CUDAGraphRunner(self.model, self.backend, self.model_runner.prep.inputs,
+                                           config.scheduler_config.max_num_seqs, self.device)
+
+    # -- kernel policy (layers/): the two calls the runner used to make on a loaded model ---------
+    def _prepare_model_kernels(self) -> None:
+        """Rewrite the loaded model for the device it serves on and let every op choose its
+        implementation once (``layers/dispatch.py``: norm folding on CUDA, oneDNN prepacking on
+        the CPU, the per-device tuning row)."""
+        self.kernel_plan = prepare_model_kernels(self.model, self.device, self.config.kernel_config)
+
+    def _tune_gemms(self, batch_sizes: list[int]) -> None:
+        """Pick cuBLAS or cuBLASLt per weight shape and CUDA-graph batch size (``KernelPlan.tune_gemms``),
+        before the graphs capture the choice; off with ``kernel_config.gemm_tuning``."""
+        if not self.config.kernel_config.gemm_tuning:
+            return
+        summary = self.kernel_plan.tune_gemms(self.model, batch_sizes)
+        logger.info("GEMM library: cuBLASLt for %d of %d (weight shape, batch size) pairs, timed in %.1f s",
+                    summary["cublaslt"], summary["measured"], summary["seconds"])
+
+    # -- start-up stages -------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _stage(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        yield
+        self.startup_seconds[name] = seconds = time.perf_counter() - t0
+        logger.info("start-up stage %r done in %.1f s", name, seconds)
+
+    def bytes_per_block(self) -> int:
+        return self.kv_cache_spec.bytes_per_block * self.model.num_attention_layers
+
+    def determine_num_blocks(self) -> int:
+        """How many KV blocks to allocate: the override, a byte budget on the CPU, or the memory
+        left after the profiled peak on CUDA (stages ``compile`` and ``profile``)."""
+        cfg = self.config
+        sc = cfg.scheduler_config
+        if cfg.cache_config.num_gpu_blocks_override:
+            return cfg.cache_config.num_gpu_blocks_override
+        if self.device.type != "cuda":
+            return kvc.cpu_num_blocks(cfg.cache_config.kv_cache_memory, self.bytes_per_block(), self.block_size,
+                                      sc.max_num_seqs, self.max_model_len)
+        peak = self._profile_peak_memory()
+        logger.info("memory profile (one forward of %d tokens): peak %.2f GiB", sc.max_num_batched_tokens,
+                    peak / 2**30)
+        num_blocks = kvc.cuda_num_blocks(self.device, cfg.cache_config.gpu_memory_utilization, peak,
+                                         self.bytes_per_block())
+        return min(num_blocks, sc.max_num_seqs * self.model_runner.max_blocks_per_req + 1)
+
+    @torch.inference_mode()
+    def _profile_peak_memory(self) -> int:
+        """Peak bytes torch allocates for the largest batch (requests of up to max_model_len tokens
+        filling max_num_batched_tokens), its logits and a sort of their probabilities."""
+        sc = self.config.scheduler_config
+        lens: list[int] = []
+        while sum(lens) < sc.max_num_batched_tokens:
+            lens.append(min(self.max_model_len, sc.max_num_batched_tokens - sum(lens)))
+        dummy_cache = self.model.kv_cache_shape_per_layer(1, self.block_size)
+        self.model.bind_kv_caches(kvc.allocate_kv_caches(self.model.num_attention_layers, dummy_cache,
+                                                         self.dtype, self.device))
+        with self._stage("compile"):
+            self._compile_in_parallel(lens)
+        with self._stage("profile"):
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            hidden = self._dummy_forward(lens, num_cached=0)
+            logits = self.model.compute_logits(hidden[: sc.max_num_seqs])
+            torch.softmax(logits, dim=-1).sort(dim=-1)
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device)
+            del hidden, logits
+        self.model.bind_kv_caches([])
+        torch.cuda.empty_cache()
+        return int(peak)
+
+    def _compile_in_parallel(self, profile_lens: list[int]) -> None:
+        """The dry pass of the ``compile`` stage (module doc); needs the (dummy) KV caches bound.
+        Without Triton's asynchronous compile mode it does nothing (the real passes compile)."""
+        from pagedllm.worker.parallel_compile import compile_only
+
+        with compile_only() as active:
+            if not active:
+                return
+            self._dummy_forward(profile_lens, num_cached=0)
+            self._warm_up_eager_kernels()
+            if self._graphs is not None:
+                self._graphs.run_all_sizes()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        shape = self.model.kv_cache_shape_per_layer(num_blocks, self.block_size)
+        assert shape == self.kv_cache_spec.shape(num_blocks), "the model's KV layout is not the backend's"
+        caches = kvc.allocate_kv_caches(self.model.num_attention_layers, shape, self.dtype, self.device)
+        self.model_runner.bind_kv_caches(caches)
+
+    def warm_up(self) -> None:
+        """The stages after the KV cache exists (CUDA only): ``warm up``, ``tune``, ``capture``."""
+        if self.device.type != "cuda":
+            return
+        with self._stage("warm up"):
+            self._warm_up_eager_kernels()
+        if self._graphs is None:
+            return
+        with self._stage("tune"):
+            self._tune_gemms(self._graphs.sizes)
+        with self._stage("capture"):
+            self._graphs.capture_all()
+        self.model_runner.graph_runner = self._graphs
+
+    @torch.inference_mode()
+    def _warm_up_eager_kernels(self) -> None:
+        """Eager forwards of the backend's warm-up query-length mixes, each request over a context
+        2 tokens longer than its query; then the LM head on two rows and both sampling kernels
+        (greedy and the fused random draw), as an eager step runs them."""
+        hidden = None
+        for query_lens in self.backend.warmup_query_lens(self.max_model_len - 2):
+            hidden = self._dummy_forward(query_lens, num_cached=2)
+        if hidden is None:
+            return
+        logits = self.model.compute_logits(hidden[[0, hidden.shape[0] - 1]], upcast=False)
+        for temperature in (0.0, 1.0):
+            params = [SamplingParams(temperature=temperature, max_tokens=1)] * 2
+            history = TokenHistory(np.zeros((2, 1), dtype=np.int64), np.arange(2), np.ones(2, dtype=np.int64),
+                                   np.ones(2, dtype=np.int64))
+            self.model_runner.sampler(logits, build_sampling_metadata(params, history, self.device, logits.shape[-1]))
+        torch.cuda.synchronize(self.device)
+
+    def _dummy_forward(self, query_lens: list[int], num_cached: int) -> torch.Tensor:
+        """One eager forward of requests with these query lengths, each after ``num_cached`` earlier
+        positions (all in block 0); token 0 everywhere, nothing written to the KV cache."""
+        meta = self.model_runner.dummy_metadata(query_lens, num_cached)
+        positions = torch.cat([torch.arange(num_cached, num_cached + q) for q in query_lens]).to(self.device)
+        with forward_context(meta, self.backend):
+            return self.model(torch.zeros_like(positions), positions)
+
+    # -- serving ---------------------------------------------------------------------------
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        self.model_runner.execute_model(scheduler_output)
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> StepHandle:
+        return self.model_runner.sample_tokens(grammar_output)
+
+    def shutdown(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
