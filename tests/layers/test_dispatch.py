@@ -183,7 +183,7 @@ def test_wrapped_linear_is_called_on_every_path_on_cuda(arch):
     backend = TritonBackend()
     runner = PagedTestRunner(model, num_blocks=64, block_size=4, backend=backend)
     runner.step([(0, list(range(3, 14)))])  # 11 tokens in 3 blocks of 4
-    meta = build_metadata([12], [1], [runner.block_tables[0]], 4, "cuda")
+    meta = build_metadata([12], [1], [runner.block_tables[0]], 4, "cuda", backend=backend)
     ids, positions = torch.tensor([100], device="cuda"), torch.tensor([11], device="cuda")
 
     def forward() -> torch.Tensor:
