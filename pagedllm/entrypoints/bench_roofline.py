@@ -8,11 +8,11 @@ decode step that reads all weights once (shared by the batch) and the request's 
 from __future__ import annotations
 
 import datetime
-import os
 import subprocess
 from dataclasses import asdict, dataclass
 
 from pagedllm import envs
+
 
 @dataclass
 class Floor:

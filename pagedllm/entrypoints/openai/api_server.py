@@ -27,7 +27,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-import pagedllm
 from pagedllm import envs
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pagedllm.entrypoints.openai.errors import OpenAIError, error_body, error_response, from_validation_errors
@@ -40,6 +39,7 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat, render_chat
 from pagedllm.entrypoints.openai.serving_common import ServingContext, cancel_on_disconnect, parse_body
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.version import __version__
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -110,7 +110,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
             logger.info("shutting down the engine")
             engine.shutdown()
 
-    app = FastAPI(title="pagedllm OpenAI-compatible server", version=pagedllm.__version__, lifespan=lifespan)
+    app = FastAPI(title="pagedllm OpenAI-compatible server", version=__version__, lifespan=lifespan)
     app.state.ctx = ctx
     _add_error_handlers(app)
     if api_key:
@@ -166,7 +166,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
 
     @app.get("/version")
     async def version() -> JSONResponse:
-        return JSONResponse({"version": pagedllm.__version__})
+        return JSONResponse({"version": __version__})
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -203,7 +203,7 @@ def run_server(ns: argparse.Namespace) -> int:
     """``pagedllm serve``: load the model, serve until SIGTERM/SIGINT, exit 0."""
     import uvicorn
 
-    from pagedllm.entrypoints.cli import engine_args_from
+    from pagedllm.entrypoints.cli_args import engine_args_from
 
     chat_template = load_chat_template(ns.chat_template)
     t0 = time.perf_counter()
