@@ -6,7 +6,9 @@ Every error is OpenAI-shaped (``{"error": {"message", "type", "param", "code"}}`
 body (naming the field), 401 for a wrong API key (/v1/* and /metrics), 404 for an unknown model,
 503 with Retry-After when more than --max-waiting-requests wait. A client that disconnects has its
 engine request aborted before the next engine step. SIGTERM/SIGINT: stop accepting, let in-flight
-requests finish for up to --shutdown-timeout seconds, abort the rest, exit 0.
+requests finish for up to --shutdown-timeout seconds, abort the rest, exit 0. With
+--engine-process the engine runs in a child process; if the engine dies, in-flight requests get an
+error, /health answers 503 and the server stops with exit status 1.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import hmac
 import logging
 import os
 import signal
+import threading
 import time
 from contextlib import asynccontextmanager
 from typing import Any
@@ -64,6 +67,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="on SIGTERM/SIGINT, seconds in-flight requests may finish before they are aborted")
     g.add_argument("--stats-log-interval", type=float, default=10.0,
                    help="seconds between throughput log lines (0 turns them off)")
+    g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
+                   help="run the engine (scheduling, model, detokenization) in a child process, so that it "
+                   "shares no GIL with HTTP and SSE; if it dies, the server stops")
 
 
 def load_chat_template(value: str | None) -> str | None:
@@ -208,8 +214,8 @@ def run_server(ns: argparse.Namespace) -> int:
     chat_template = load_chat_template(ns.chat_template)
     t0 = time.perf_counter()
     interval = ns.stats_log_interval if ns.stats_log_interval and ns.stats_log_interval > 0 else None
-    engine = AsyncLLMEngine.from_engine_args(engine_args_from(ns), "OPENAI_API_SERVER", log_stats=interval is not None,
-                                             log_interval_s=interval or 10.0)
+    engine = AsyncLLMEngine.from_engine_args(engine_args_from(ns), "OPENAI_API_SERVER", engine_process=ns.engine_process,
+                                             log_stats=interval is not None, log_interval_s=interval or 10.0)
     app = build_app(engine, chat_template=chat_template, api_key=ns.api_key,
                     max_waiting_requests=ns.max_waiting_requests)
     logger.info("model %s loaded in %.1f s; serving on http://%s:%d", engine.get_model_config().served_model_name,
@@ -218,6 +224,8 @@ def run_server(ns: argparse.Namespace) -> int:
                             access_log=not ns.disable_uvicorn_access_log,
                             timeout_graceful_shutdown=max(0.1, ns.shutdown_timeout), timeout_keep_alive=5)
     server = uvicorn.Server(config)
+    threading.Thread(target=_stop_when_engine_dies, args=(engine, server), name="pagedllm-engine-watch",
+                     daemon=True).start()
     # uvicorn re-raises the signal it handled once it has shut down gracefully; make that a no-op
     # so that a SIGTERM/SIGINT stop ends with exit status 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -226,4 +234,14 @@ def run_server(ns: argparse.Namespace) -> int:
         server.run()
     finally:
         engine.shutdown()
-    return 0 if server.started else 1
+    return 0 if server.started and not engine.errored else 1
+
+
+def _stop_when_engine_dies(engine: AsyncLLMEngine, server: Any, poll_s: float = 0.5) -> None:
+    """A dead engine cannot come back: stop the server (exit status 1) rather than answer 503 forever."""
+    while not server.should_exit:
+        if engine.errored:
+            logger.critical("the engine died; stopping the server")
+            server.should_exit = True
+            return
+        time.sleep(poll_s)
