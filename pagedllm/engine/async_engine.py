@@ -346,13 +346,15 @@ class AsyncLLMEngine:
             self._on_step(event)
         elif isinstance(event, Accepted):
             stream = self._take_adding(event.add_id)
-            self._streams[stream.request_id] = stream
-            self._num_waiting += 1  # until the next step's stats say otherwise
-            self.metrics.on_request_added(stream.request_id, stream.arrival_time)
-            _call_soon(stream.loop, stream.accept)
+            if stream is not None:
+                self._streams[stream.request_id] = stream
+                self._num_waiting += 1  # until the next step's stats say otherwise
+                self.metrics.on_request_added(stream.request_id, stream.arrival_time)
+                _call_soon(stream.loop, stream.accept)
         elif isinstance(event, Refused):
             stream = self._take_adding(event.add_id)
-            _call_soon(stream.loop, stream.put_error, event.error)
+            if stream is not None:
+                _call_soon(stream.loop, stream.put_error, event.error)
         elif isinstance(event, StepFailed):
             for rid in event.request_ids:
                 stream = self._streams.pop(rid, None)
@@ -363,9 +365,10 @@ class AsyncLLMEngine:
             self._dead = event.error
             self._fail_all(EngineDeadError(event.error or "engine is shut down"))
 
-    def _take_adding(self, add_id: int) -> RequestStream:
+    def _take_adding(self, add_id: int) -> RequestStream | None:
+        """The stream of an answered add; None if it was failed meanwhile (a shutdown that timed out)."""
         with self._lock:
-            return self._adding.pop(add_id)
+            return self._adding.pop(add_id, None)
 
     def _on_step(self, report: StepReport) -> None:
         stats = report.scheduler_stats
