@@ -3,8 +3,7 @@
 from pagedllm.config import EngineArgs
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
-
-__version__ = "0.1.0"
+from pagedllm.version import __version__
 
 __all__ = [
     "LLM",

@@ -1,14 +1,18 @@
-"""AsyncLLMEngine: an asyncio front for LLMEngine, with the engine loop on a thread of its own.
+"""AsyncLLMEngine: an asyncio front for an LLMEngine that runs on a thread or in a process of its own.
 
-    engine = AsyncLLMEngine.from_engine_args(EngineArgs())
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs())                       # engine on a thread
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(), engine_process=True)  # in a child process
     async for out in engine.generate("Hello", SamplingParams(max_tokens=8), "req-1"):
         ...                                   # one RequestOutput per engine step (or fewer, merged)
     await engine.abort("req-1")
 
-Threads: the LLMEngine is touched by the loop thread only. Event-loop code hands it work through a
-thread-safe command queue (add / abort / stop); the loop thread drains that queue before every
-step, so an abort takes effect before the next step runs. Each step's outputs go back to the event
-loop(s) in one ``call_soon_threadsafe`` per loop and land in each request's ``RequestStream``.
+The LLMEngine is driven by an ``EngineLoop`` (engine_loop.py), the only code that touches it.
+Event-loop code hands it commands (add / abort / stop); the loop applies them before every step,
+so an abort takes effect before the next step runs. The loop's events come back on one thread of
+this process (the loop thread itself, or the thread reading the child process's pipe) and land in
+each request's ``RequestStream`` through one ``call_soon_threadsafe`` per event loop. In a child
+process (``engine_proc.py``), scheduling, the model and detokenization share no GIL with the
+server's HTTP parsing, JSON and SSE framing.
 A stream holds at most one undelivered output: with ``RequestOutputKind.DELTA`` a new output is
 merged into it, otherwise it replaces it; a slow consumer never makes a queue grow.
 Validation errors of ``add_request`` are raised by ``generate()`` itself, unchanged.
@@ -21,10 +25,25 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
-from pagedllm.config import EngineArgs, ModelConfig
+from pagedllm.config import EngineArgs, EngineConfig, ModelConfig
+from pagedllm.engine.config_builder import create_engine_config
+from pagedllm.engine.engine_loop import (
+    AbortCommand,
+    Accepted,
+    AddCommand,
+    Command,
+    EngineLoop,
+    Event,
+    LoopEnded,
+    Refused,
+    StepFailed,
+    StepReport,
+    StopCommand,
+)
+from pagedllm.engine.engine_proc import EngineProcess
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.metrics import EngineMetrics
 from pagedllm.outputs import RequestOutput
@@ -40,10 +59,13 @@ class EngineDeadError(RuntimeError):
 class RequestStream:
     """The per-request mailbox on the event loop: at most one pending output (merged when DELTA)."""
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, output_kind: RequestOutputKind) -> None:
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, output_kind: RequestOutputKind,
+                 arrival_time: float) -> None:
         self.request_id = request_id
         self.loop = loop
         self.output_kind = output_kind
+        self.arrival_time = arrival_time
+        self.add_id = -1  # set when the add is sent: names this request (not a namesake) in aborts
         self.pending: RequestOutput | None = None
         self.error: BaseException | None = None
         self.event = asyncio.Event()
@@ -97,67 +119,113 @@ def _merge_delta(into: RequestOutput, new: RequestOutput) -> None:
         into.prompt_logprobs = new.prompt_logprobs
 
 
-class AsyncLLMEngine:
-    """asyncio front of an LLMEngine whose step loop runs on a background thread."""
+class EngineThread:
+    """Runs an EngineLoop on a daemon thread of this process; commands go through a queue and
+    events are handed to ``on_event`` on that thread."""
 
-    def __init__(self, engine: LLMEngine, log_stats: bool = True, log_interval_s: float = 10.0,
+    def __init__(self, engine: LLMEngine, on_event: Callable[[Event], None], idle_poll_s: float) -> None:
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        loop = EngineLoop(engine, self._receive, on_event, idle_poll_s)
+        self._thread = threading.Thread(target=loop.run, name="pagedllm-engine", daemon=True)
+        self._thread.start()
+
+    def _receive(self, timeout: float | None) -> Command | None:
+        try:
+            return self._commands.get_nowait() if timeout is None else self._commands.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def send(self, command: Command) -> None:
+        self._commands.put(command)
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def shutdown(self, timeout_s: float) -> None:
+        if self._thread.is_alive():
+            self.send(StopCommand())
+            self._thread.join(timeout_s)
+
+
+class AsyncLLMEngine:
+    """asyncio front of an LLMEngine driven by an EngineLoop on a thread or in a child process.
+
+    Invariant: every request handed over ends with its final output or an error, never silence:
+    an add is answered (accepted / refused), and when the loop ends every stream and unanswered
+    add is failed. ``_streams`` and the metrics are touched by the event thread only; ``_adding``
+    (adds sent and not yet answered) is shared with the event loop(s) under ``_lock``.
+    """
+
+    def __init__(self, engine: LLMEngine | EngineConfig, log_stats: bool = True, log_interval_s: float = 10.0,
                  idle_poll_s: float = 0.5) -> None:
-        self.engine = engine
-        model_config = engine.get_model_config()
-        self.metrics = EngineMetrics(model_config.served_model_name, log_interval_s if log_stats else None)
-        # Token counts straight from each step (not from the RequestOutputs, which a non-streaming
-        # FINAL_ONLY request gets only once, when it finishes).
-        engine.output_processor.record_step_tokens()
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, RequestStream] = {}  # loop thread only
-        self._idle_poll_s = idle_poll_s
-        self._pending_adds = 0  # adds handed over and not yet taken by the loop thread
-        self._count_lock = threading.Lock()
+        """``engine``: an LLMEngine, run on a thread of this process; or an EngineConfig, from which
+        a child process builds its LLMEngine (raises ``EngineProcessError`` if it cannot start)."""
+        if isinstance(engine, EngineConfig):
+            from pagedllm.loader import load_tokenizer
+
+            self._config = engine
+            mc = engine.model_config
+            self.tokenizer = None if mc.skip_tokenizer_init else load_tokenizer(mc.source, mc.tokenizer)
+        else:
+            self._config = engine.get_engine_config()
+            self.tokenizer = engine.get_tokenizer()
+        self.metrics = EngineMetrics(self._config.model_config.served_model_name,
+                                     log_interval_s if log_stats else None)
+        self._lock = threading.Lock()
+        self._adding: dict[int, RequestStream] = {}
+        self._next_add_id = 0
+        self._closed = False  # the loop has ended: no add can be answered any more
+        self._streams: dict[str, RequestStream] = {}  # event thread only
         self._num_waiting = 0  # scheduler's waiting queue after the last step
         self._num_running = 0
-        self._dead: BaseException | None = None
+        self._dead: str | None = None  # why the loop died
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
-        self._thread.start()
+        if isinstance(engine, EngineConfig):
+            self._backend: EngineThread | EngineProcess = EngineProcess(engine, self._on_event, idle_poll_s)
+        else:
+            self._backend = EngineThread(engine, self._on_event, idle_poll_s)
 
     @classmethod
     def from_engine_args(
-        cls, engine_args: EngineArgs, usage_context: str = "ENGINE_CONTEXT", **kwargs: Any
+        cls, engine_args: EngineArgs, usage_context: str = "ENGINE_CONTEXT", engine_process: bool = False,
+        **kwargs: Any,
     ) -> AsyncLLMEngine:
+        """``engine_process``: run the engine in a child process instead of a thread of this one."""
+        if engine_process:
+            return cls(create_engine_config(engine_args, usage_context), **kwargs)
         return cls(LLMEngine.from_engine_args(engine_args, usage_context), **kwargs)
 
     # -- read-only views (safe from any thread) ----------------------------------------------------
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
     def get_tokenizer(self):
-        return self.engine.tokenizer
+        return self.tokenizer
 
     def get_model_config(self) -> ModelConfig:
-        return self.engine.get_model_config()
+        return self._config.model_config
+
+    def get_engine_config(self) -> EngineConfig:
+        return self._config
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive() and self._dead is None and not self._stopping
+        return self._backend.is_alive() and self._dead is None and not self._stopping
 
     @property
     def errored(self) -> bool:
         return self._dead is not None
 
     def num_waiting_requests(self) -> int:
-        """Requests not yet scheduled: the scheduler's waiting queue plus adds still in hand-over."""
-        return self._num_waiting + self._pending_adds
+        """Requests not yet scheduled: the scheduler's waiting queue plus adds not yet answered."""
+        return self._num_waiting + len(self._adding)
 
     def num_running_requests(self) -> int:
         return self._num_running
 
     def num_live_requests(self) -> int:
-        return len(self._streams) + self._pending_adds
+        return len(self._streams) + len(self._adding)
 
     async def check_health(self) -> None:
         if not self.is_running:
-            raise EngineDeadError(f"engine loop crashed: {self._dead!r}" if self._dead else "engine is shut down")
+            raise EngineDeadError(self._dead or "engine is shut down")
 
     # -- requests ---------------------------------------------------------------------------------
     async def generate(
@@ -215,17 +283,22 @@ class AsyncLLMEngine:
         tokenization_kwargs: dict[str, Any] | None = None,
     ) -> RequestStream:
         """Queue a request without waiting (call from the event loop); then ``await wait_accepted``."""
-        loop = asyncio.get_running_loop()
         kind = getattr(sampling_params, "output_kind", RequestOutputKind.CUMULATIVE)
-        stream = RequestStream(request_id, loop, kind)
-        if not self.is_running:
-            stream.put_error(EngineDeadError("engine is shut down"))
-            return stream
         arrival = time.time() if arrival_time is None else arrival_time
-        with self._count_lock:
-            self._pending_adds += 1
-        self._commands.put(("add", stream, prompt, sampling_params, priority, arrival, lora_request,
-                            tokenization_kwargs))
+        stream = RequestStream(request_id, asyncio.get_running_loop(), kind, arrival)
+        with self._lock:
+            if self._closed or not self.is_running:
+                stream.put_error(EngineDeadError(self._dead or "engine is shut down"))
+                return stream
+            stream.add_id, self._next_add_id = self._next_add_id, self._next_add_id + 1
+            self._adding[stream.add_id] = stream
+        try:
+            self._backend.send(AddCommand(stream.add_id, request_id, prompt, sampling_params, priority, arrival,
+                                          lora_request, tokenization_kwargs))
+        except Exception:  # e.g. a prompt that cannot be pickled for the engine process
+            with self._lock:
+                self._adding.pop(stream.add_id, None)
+            raise
         return stream
 
     async def wait_accepted(self, stream: RequestStream) -> None:
@@ -253,95 +326,57 @@ class AsyncLLMEngine:
     def abort_stream(self, stream: RequestStream) -> None:
         """Abort the request behind this stream (and never a later request with the same id)."""
         if stream.error is None and not stream.finished:
-            self._commands.put(("abort", [stream.request_id], stream))
+            self._backend.send(AbortCommand([stream.request_id], stream.add_id))
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
         """Abort requests (unknown or finished ids are ignored); their streams end with "abort"."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        self._commands.put(("abort", ids, None))
+        self._backend.send(AbortCommand(ids))
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Abort whatever is live, stop the loop thread and wait for it (idempotent)."""
-        if self._thread.is_alive():
-            self._stopping = True
-            self._commands.put(("stop",))
-            self._thread.join(timeout_s)
-        if not self._thread.is_alive():
+        """Abort whatever is live, stop the engine loop (and its process) and wait for it (idempotent)."""
+        self._stopping = True
+        self._backend.shutdown(timeout_s)
+        if not self._backend.is_alive():
             self._fail_all(EngineDeadError("engine is shut down"))  # adds that raced the stop
-        self.engine.engine_core.shutdown()
 
-    # -- the loop thread --------------------------------------------------------------------------
-    def _run(self) -> None:
-        try:
-            while True:
-                busy = self.engine.has_unfinished_requests()
-                if not self._drain_commands(block=not busy):
-                    break
-                if self.engine.has_unfinished_requests():
-                    self._step()
-                self.metrics.maybe_log()
-            self._abort_all_and_flush()
-        except BaseException as e:  # the loop must never die silently: fail every waiting caller
-            logger.exception("engine loop crashed")
-            self._dead = e
-            self._fail_all(EngineDeadError(f"engine loop crashed: {e!r}"))
+    # -- the loop's events (on the event thread) --------------------------------------------------
+    def _on_event(self, event: Event) -> None:
+        if isinstance(event, StepReport):
+            self._on_step(event)
+        elif isinstance(event, Accepted):
+            stream = self._take_adding(event.add_id)
+            if stream is not None:
+                self._streams[stream.request_id] = stream
+                self._num_waiting += 1  # until the next step's stats say otherwise
+                self.metrics.on_request_added(stream.request_id, stream.arrival_time)
+                _call_soon(stream.loop, stream.accept)
+        elif isinstance(event, Refused):
+            stream = self._take_adding(event.add_id)
+            if stream is not None:
+                _call_soon(stream.loop, stream.put_error, event.error)
+        elif isinstance(event, StepFailed):
+            for rid in event.request_ids:
+                stream = self._streams.pop(rid, None)
+                if stream is not None:
+                    self.metrics.forget(rid)
+                    _call_soon(stream.loop, stream.put_error, event.error)
+        elif isinstance(event, LoopEnded):
+            self._dead = event.error
+            self._fail_all(EngineDeadError(event.error or "engine is shut down"))
 
-    def _drain_commands(self, block: bool) -> bool:
-        """Apply queued add/abort commands; False when asked to stop."""
-        try:
-            cmd = self._commands.get(timeout=self._idle_poll_s) if block else self._commands.get_nowait()
-        except queue.Empty:
-            return True
-        while True:
-            if cmd[0] == "stop":
-                return False
-            if cmd[0] == "add":
-                self._add(*cmd[1:])
-            else:
-                self._abort(cmd[1], cmd[2])
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                return True
+    def _take_adding(self, add_id: int) -> RequestStream | None:
+        """The stream of an answered add; None if it was failed meanwhile (a shutdown that timed out)."""
+        with self._lock:
+            return self._adding.pop(add_id, None)
 
-    def _add(self, stream: RequestStream, prompt, params, priority, arrival, lora_request, tok_kwargs) -> None:
-        rid = stream.request_id
-        try:
-            self.engine.add_request(rid, prompt, params, arrival_time=arrival, lora_request=lora_request,
-                                    tokenization_kwargs=tok_kwargs, priority=priority)
-        except Exception as e:  # validation: surfaces from generate() as raised
-            stream.loop.call_soon_threadsafe(stream.put_error, e)
-        else:
-            self._streams[rid] = stream
-            self._num_waiting += 1  # until the next step's stats say otherwise
-            _call_soon(stream.loop, stream.accept)
-            seq_ids = self.engine.output_processor.child_ids(rid) or [rid]
-            self.metrics.on_request_added(rid, arrival, seq_ids)
-        finally:
-            with self._count_lock:
-                self._pending_adds -= 1
-
-    def _abort(self, ids: list[str], only_stream: RequestStream | None) -> None:
-        if only_stream is not None:  # a generator's own clean-up: never abort a newer namesake
-            ids = [r for r in ids if self._streams.get(r) is only_stream]
-        if ids:
-            self.engine.abort_request(ids)
-
-    def _step(self) -> None:
-        step_start = time.time()
-        try:
-            outputs = self.engine.step()
-        except Exception as e:
-            logger.exception("engine step failed; failing the requests in flight")
-            self._fail_live(e)
-            return
-        scheduler = getattr(self.engine.engine_core, "scheduler", None)
-        stats = scheduler.stats() if scheduler is not None and hasattr(scheduler, "stats") else None
-        if stats is not None:
-            self._num_waiting, self._num_running = stats.num_waiting, stats.num_running
+    def _on_step(self, report: StepReport) -> None:
+        stats = report.scheduler_stats
+        self._num_waiting, self._num_running = stats.num_waiting, stats.num_running
         # Recorded before delivery: a client that has its response finds it counted in /metrics.
-        self.metrics.on_step(outputs, stats, scheduler, step_start, self.engine.output_processor.take_step_tokens())
-        self._deliver(outputs)
+        self.metrics.on_step(report)
+        self._deliver(report.outputs)
+        self.metrics.maybe_log()
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
@@ -355,40 +390,17 @@ class AsyncLLMEngine:
         for loop, items in by_loop.items():
             _call_soon(loop, _put_all, items)
 
-    def _fail_live(self, error: BaseException) -> None:
-        """After a failed step: abort every live request and hand each caller the error."""
-        ids = list(self._streams)
-        try:
-            self.engine.abort_request(ids)
-            self.engine.step()  # flushes the abort outputs, frees blocks
-        except Exception:
-            logger.exception("could not abort the failed requests cleanly")
-        self._fail_all(error)
-
     def _fail_all(self, error: BaseException) -> None:
+        """The loop has ended: fail every live stream and every add it will never answer."""
+        with self._lock:
+            self._closed = True
+            unanswered, self._adding = list(self._adding.values()), {}
         streams, self._streams = list(self._streams.values()), {}
         for s in streams:
             self.metrics.forget(s.request_id)
             _call_soon(s.loop, s.put_error, error)
-        # Adds still queued would wait forever: fail them too.
-        while True:
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            if cmd[0] == "add":
-                with self._count_lock:
-                    self._pending_adds -= 1
-                _call_soon(cmd[1].loop, cmd[1].put_error, EngineDeadError("engine is shutting down"))
-
-    def _abort_all_and_flush(self) -> None:
-        """On stop: abort live requests so every caller gets a final "abort" output."""
-        if self._streams:
-            self.engine.abort_request(list(self._streams))
-            deadline = time.monotonic() + 10.0
-            while self.engine.has_unfinished_requests() and time.monotonic() < deadline:
-                self._deliver(self.engine.step())
-        self._fail_all(EngineDeadError("engine is shut down"))
+        for s in unanswered:
+            _call_soon(s.loop, s.put_error, error)
 
 
 def _put_all(items: list[tuple[RequestStream, RequestOutput]]) -> None:

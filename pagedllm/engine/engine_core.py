@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from pagedllm.core.scheduler import Scheduler, StopChecker
-from pagedllm.executor import Executor
+from pagedllm.executor import executor_class
 from pagedllm.request import Request, RequestStatus
 
 logger = logging.getLogger("pagedllm")
@@ -39,7 +39,7 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, stop_checker: StopChecker | None = None) -> None:
         t0 = time.perf_counter()
-        self.executor = Executor.get_class(config)(config)
+        self.executor = executor_class(config)(config)
         num_blocks = self.executor.determine_num_blocks()
         self.executor.initialize_kv_cache(num_blocks)
         cache_config = dataclasses.replace(config.cache_config, num_blocks=num_blocks)

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from pagedllm.config import EngineArgs, EngineConfig, ModelConfig
+from pagedllm.core.scheduler import SchedulerStats
 from pagedllm.engine.config_builder import create_engine_config
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.input_processor import tokenize_prompt, validate_prompt
@@ -63,6 +64,27 @@ class LLMEngine:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def get_engine_config(self) -> EngineConfig:
+        return self.config
+
+    def get_scheduler_stats(self) -> SchedulerStats:
+        """Queue lengths, KV-cache usage and the cumulative prefix-cache and preemption counts."""
+        return self.engine_core.scheduler.stats()
+
+    def get_first_scheduled_times(self, request_ids: Iterable[str]) -> dict[str, float | None]:
+        """For each live request: when its first sequence was first scheduled (None: still waiting).
+        Finished and unknown ids are left out."""
+        times: dict[str, float | None] = {}
+        for request_id in request_ids:
+            seq_ids = self.output_processor.child_ids(request_id)
+            request = self.engine_core.scheduler.get_request(seq_ids[0]) if seq_ids else None
+            if request is not None:
+                times[request_id] = request.first_scheduled_time
+        return times
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()
 
     # -- requests -------------------------------------------------------------------------
     def add_request(

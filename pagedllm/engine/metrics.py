@@ -1,10 +1,11 @@
 """Engine metrics: Prometheus collectors named as vLLM's (prefix ``pagedllm:``) and a periodic log line.
 
-``EngineMetrics`` is fed by the engine loop (one thread): ``on_request_added`` when a request
-enters the engine, ``on_step`` after every step with that step's RequestOutputs and the
-scheduler's stats. The collectors live in a registry of their own (several engines in one
-process, as in tests, do not collide); ``render()`` gives the text exposition for ``/metrics``.
-Cost: O(outputs of the step) per step, plus O(requests not yet scheduled) for queue times.
+``EngineMetrics`` is fed by the front end's event thread (one writer): ``on_request_added`` when
+the engine accepted a request, ``on_step`` with every step's ``StepReport`` (its outputs, token
+counts, first-schedule times and the scheduler's stats). The collectors live in a registry of
+their own (several engines in one process, as in tests, do not collide); ``render()`` gives the
+text exposition for ``/metrics``.
+Cost: O(outputs + requests with new tokens) per step.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ try:  # no "<name>_created" series beside every counter and histogram (as vLLM's
 except ImportError:  # pragma: no cover - older prometheus_client
     pass
 
+from pagedllm.core.scheduler import SchedulerStats
+from pagedllm.engine.engine_loop import StepReport
 from pagedllm.outputs import RequestOutput
 
 logger = logging.getLogger("pagedllm")
@@ -39,7 +42,6 @@ _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 2
 @dataclass
 class _RequestTimes:
     arrival_time: float
-    seq_ids: list[str]
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     first_token_time: float | None = None
@@ -58,7 +60,7 @@ class _Interval:
 
 
 class EngineMetrics:
-    """Prometheus collectors + per-request timing. Invariant: one writer (the engine loop thread)."""
+    """Prometheus collectors + per-request timing. Invariant: one writer (the front end's event thread)."""
 
     def __init__(self, model_name: str, log_interval_s: float | None = 10.0) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -102,61 +104,34 @@ class EngineMetrics:
                                                    "Number of generated tokens per finished request.",
                                                    _TOKEN_BUCKETS)
         self._requests: dict[str, _RequestTimes] = {}
-        self._awaiting_schedule: dict[str, _RequestTimes] = {}
         self._last_prefix = (0, 0)
         self._last_preemptions = 0
         self._interval = _Interval()
-        self._last_stats: Any = None
+        self._last_stats: SchedulerStats | None = None
 
-    # -- fed by the engine loop ----------------------------------------------------------------
-    def on_request_added(self, request_id: str, arrival_time: float, seq_ids: list[str]) -> None:
-        times = _RequestTimes(arrival_time, seq_ids)
-        self._requests[request_id] = times
-        self._awaiting_schedule[request_id] = times
+    # -- fed by the engine loop's events ------------------------------------------------------
+    def on_request_added(self, request_id: str, arrival_time: float) -> None:
+        self._requests[request_id] = _RequestTimes(arrival_time)
 
-    def on_step(self, outputs: list[RequestOutput], stats: Any, scheduler: Any, step_start: float,
-                step_tokens: dict[str, tuple[int, int]]) -> None:
-        """Record one step: ``outputs`` the RequestOutputs delivered (finishes), ``stats`` the
-        scheduler's SchedulerStats (or None), ``step_tokens`` ``{request id: (new tokens, prompt
-        length)}`` for every request that generated tokens in the step, whatever its output kind
-        (``OutputProcessor.take_step_tokens``)."""
+    def on_step(self, report: StepReport) -> None:
+        """Record one step: its finishes, the tokens each request generated in it (whatever its
+        output kind), the queue times of the requests it scheduled first, and the scheduler's state."""
         now = time.time()
-        if self._awaiting_schedule:
-            aborted = {o.request_id for o in outputs if o.finished and o.outputs
-                       and o.outputs[0].finish_reason == "abort"}
-            self._record_queue_times(scheduler, step_start, aborted)
-        for rid, (new, prompt_len) in step_tokens.items():
+        for rid, scheduled in report.first_scheduled.items():
+            times = self._requests.get(rid)
+            if times is not None:
+                self.queue_time.observe(max(0.0, scheduled - times.arrival_time))
+        for rid, (new, prompt_len) in report.step_tokens.items():
             times = self._requests.get(rid)
             if times is not None and new:
                 self._record_tokens(times, new, prompt_len, now)
-        for out in outputs:
+        for out in report.outputs:
             self._record_finish(out, now)
-        if stats is not None:
-            self._record_scheduler(stats)
+        self._record_scheduler(report.scheduler_stats)
 
     def forget(self, request_id: str) -> None:
         """Drop a request that ended without a final output (engine failure)."""
         self._requests.pop(request_id, None)
-        self._awaiting_schedule.pop(request_id, None)
-
-    def _record_queue_times(self, scheduler: Any, step_start: float, aborted: set[str]) -> None:
-        get = getattr(scheduler, "get_request", None)
-        if get is None:
-            self._awaiting_schedule.clear()
-            return
-        for rid, times in list(self._awaiting_schedule.items()):
-            req = get(times.seq_ids[0])
-            if req is not None:
-                scheduled = getattr(req, "first_scheduled_time", None)
-                if scheduled is None:
-                    continue  # still waiting
-            elif rid in aborted:
-                del self._awaiting_schedule[rid]  # aborted before it ran: no queue time
-                continue
-            else:
-                scheduled = step_start  # first scheduled and finished within this very step
-            self.queue_time.observe(max(0.0, scheduled - times.arrival_time))
-            del self._awaiting_schedule[rid]
 
     def _record_finish(self, out: RequestOutput, now: float) -> None:
         times = self._requests.get(out.request_id)
@@ -187,7 +162,7 @@ class EngineMetrics:
         self.generation_tokens.inc(new)
         self._interval.generation_tokens += new
 
-    def _record_scheduler(self, stats: Any) -> None:
+    def _record_scheduler(self, stats: SchedulerStats) -> None:
         self._last_stats = stats
         self.num_running.set(stats.num_running)
         self.num_waiting.set(stats.num_waiting)

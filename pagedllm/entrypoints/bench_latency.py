@@ -52,7 +52,7 @@ def main(ns: argparse.Namespace) -> int:
         measure_copy_bandwidth,
         today,
     )
-    from pagedllm.entrypoints.cli import engine_args_from
+    from pagedllm.entrypoints.cli_args import engine_args_from
     from pagedllm.entrypoints.llm import LLM
 
     t0 = time.perf_counter()

@@ -7,6 +7,8 @@ import json
 import os
 import time
 
+from pagedllm.entrypoints.bench_workload import Workload
+
 
 def build_random_checkpoint(config_folder: str, out_folder: str, seed: int = 0) -> str:
     """A random bf16 checkpoint of the architecture in ``config_folder`` (as the vLLM anchor
@@ -40,16 +42,40 @@ def _load(folder: str, attn: str):
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, attn_implementation=attn).cuda().eval()
 
 
+def generate_padded(model, wl: Workload, batch_size: int, pad_id: int) -> tuple[float, int]:
+    """transformers generate() with left-padded batches sorted by prompt length (greedy)."""
+    import torch
+
+    order = sorted(range(len(wl.prompts)), key=lambda i: len(wl.prompts[i]))
+    device = next(model.parameters()).device
+    counted = 0
+    t0 = time.perf_counter()
+    for b in range(0, len(order), batch_size):
+        idx = order[b : b + batch_size]
+        width = max(len(wl.prompts[i]) for i in idx)
+        ids = torch.full((len(idx), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(idx), width), dtype=torch.long)
+        for row, i in enumerate(idx):
+            p = wl.prompts[i]
+            ids[row, width - len(p):] = torch.tensor(p)
+            mask[row, width - len(p):] = 1
+        steps = max(wl.max_tokens[i] for i in idx)
+        with torch.inference_mode():
+            model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=steps,
+                           min_new_tokens=steps, do_sample=False, pad_token_id=pad_id)
+        counted += sum(wl.max_tokens[i] for i in idx)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0, counted
+
+
 def run_hf_generate(folder: str, prompts: list[list[int]], max_tokens: list[int], batch_size: int) -> dict:
     """Padded batches sorted by prompt length, each run to its longest max_tokens; only the tokens
     each request asked for are counted."""
     import torch
 
-    from pagedllm.entrypoints.bench_throughput import Workload
-    from pagedllm.entrypoints.bench_throughput import run_hf_generate as run_padded
-
     model = _load(folder, "sdpa")
-    seconds, tokens = run_padded(model, Workload(prompts, max_tokens), batch_size, pad_id=0)
+    seconds, tokens = generate_padded(model, Workload(prompts, max_tokens), batch_size, pad_id=0)
     del model
     torch.cuda.empty_cache()
     return {"peer": "hf generate", "requests": len(prompts), "batch_size": batch_size, "output_tokens": tokens,

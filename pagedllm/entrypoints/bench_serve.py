@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from pagedllm.entrypoints.bench_throughput import make_workload
+from pagedllm.entrypoints.bench_workload import make_workload
 
 NEEDS_ENGINE_ARGS = False  # a client: it takes no engine flags
 

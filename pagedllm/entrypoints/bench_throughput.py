@@ -17,34 +17,12 @@ import argparse
 import dataclasses
 import json
 import os
-import random
 import time
 
+from pagedllm.entrypoints import bench_peers
 from pagedllm.entrypoints.bench_roofline import git_commit, today
+from pagedllm.entrypoints.bench_workload import Workload, make_workload
 from pagedllm.sampling_params import SamplingParams
-
-
-@dataclasses.dataclass
-class Workload:
-    prompts: list[list[int]]
-    max_tokens: list[int]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return sum(self.max_tokens)
-
-
-def make_workload(kind: str, num_requests: int, input_len: tuple[int, int], output_len: tuple[int, int],
-                  vocab_limit: int, seed: int) -> Workload:
-    if kind == "nano":
-        random.seed(0)
-        prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(256)]
-        max_tokens = [random.randint(100, 1024) for _ in range(256)]
-        return Workload(prompts, max_tokens)
-    rng = random.Random(seed)
-    prompts = [[rng.randint(0, vocab_limit - 1) for _ in range(rng.randint(*input_len))] for _ in range(num_requests)]
-    max_tokens = [rng.randint(*output_len) for _ in range(num_requests)]
-    return Workload(prompts, max_tokens)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -77,33 +55,6 @@ def run_pagedllm(llm, wl: Workload, temperature: float) -> tuple[float, int]:
     return elapsed, produced
 
 
-def run_hf_generate(model, wl: Workload, batch_size: int, pad_id: int) -> tuple[float, int]:
-    """transformers generate() with left-padded batches sorted by prompt length (greedy)."""
-    import torch
-
-    order = sorted(range(len(wl.prompts)), key=lambda i: len(wl.prompts[i]))
-    device = next(model.parameters()).device
-    counted = 0
-    t0 = time.perf_counter()
-    for b in range(0, len(order), batch_size):
-        idx = order[b : b + batch_size]
-        width = max(len(wl.prompts[i]) for i in idx)
-        ids = torch.full((len(idx), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(idx), width), dtype=torch.long)
-        for row, i in enumerate(idx):
-            p = wl.prompts[i]
-            ids[row, width - len(p):] = torch.tensor(p)
-            mask[row, width - len(p):] = 1
-        steps = max(wl.max_tokens[i] for i in idx)
-        with torch.inference_mode():
-            model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=steps,
-                           min_new_tokens=steps, do_sample=False, pad_token_id=pad_id)
-        counted += sum(wl.max_tokens[i] for i in idx)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0, counted
-
-
 def load_hf_model(source, dtype_name: str, device: str):
     import torch
     from transformers import AutoModelForCausalLM
@@ -120,17 +71,15 @@ def load_hf_model(source, dtype_name: str, device: str):
 
 
 def main(ns: argparse.Namespace) -> int:
-    from pagedllm.entrypoints.cli import engine_args_from
+    from pagedllm.entrypoints.cli_args import engine_args_from
     from pagedllm.entrypoints.llm import LLM
 
     args = engine_args_from(ns)
     peers = [p for p in ns.peers.split(",") if p]
     if peers and args.load_format == "dummy":
         # Peers need the very same weights: write one random checkpoint that every engine loads.
-        from pagedllm.entrypoints.bench_peers import build_random_checkpoint
-
         name = os.path.basename(os.path.normpath(args.model or "model"))
-        args = args.replace(model=build_random_checkpoint(args.model, f"/tmp/pagedllm-random/{name}"), load_format="auto")
+        args = args.replace(model=bench_peers.build_random_checkpoint(args.model, f"/tmp/pagedllm-random/{name}"), load_format="auto")
     t0 = time.perf_counter()
     llm = LLM(**dataclasses.asdict(args))
     startup = time.perf_counter() - t0
@@ -166,7 +115,7 @@ def main(ns: argparse.Namespace) -> int:
     if ns.compare_hf:
         hf = load_hf_model(cfg.model_config.source, cfg.model_config.dtype, cfg.device)
         pad = llm.get_tokenizer().pad_token_id or 0
-        hf_elapsed, hf_tokens = run_hf_generate(hf, wl, ns.hf_batch_size, pad)
+        hf_elapsed, hf_tokens = bench_peers.generate_padded(hf, wl, ns.hf_batch_size, pad)
         result.update(hf_generate_seconds=hf_elapsed, hf_generate_tokens_per_s=hf_tokens / hf_elapsed,
                       speedup_vs_hf=(produced / elapsed) / (hf_tokens / hf_elapsed))
         print(f"transformers generate (batches of {ns.hf_batch_size}): {hf_tokens} tokens in {hf_elapsed:.2f} s = "
@@ -219,7 +168,6 @@ def _run_peers(peers: list[str], folder: str, wl: Workload, ns, result: dict) ->
 
     import torch
 
-    from pagedllm.entrypoints import bench_peers
 
     gc.collect()
     torch.cuda.empty_cache()

@@ -12,6 +12,7 @@ from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_se
 from pagedllm.config import EngineArgs
 from pagedllm.engine.input_processor import tokenize_prompt
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.chat_utils import apply_chat_template
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -116,39 +117,6 @@ class LLM:
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
-
-
-def apply_chat_template(tokenizer, messages: list[dict], chat_template: str | None = None,
-                        add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
-    """Render a conversation to token ids. Message content may be a str or a list of text parts."""
-    if not isinstance(messages, list) or not messages:
-        raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
-    normalised = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or "role" not in m:
-            raise ValueError(f"messages[{i}] must be a dict with a 'role'")
-        content = m.get("content")
-        if isinstance(content, list):
-            parts = []
-            for part in content:
-                if isinstance(part, dict) and part.get("type") == "text":
-                    parts.append(part.get("text", ""))
-                elif isinstance(part, str):
-                    parts.append(part)
-                else:
-                    raise ValueError(f"messages[{i}].content: only text parts are supported")
-            content = "".join(parts) if len(parts) <= 1 else "\n".join(parts)
-        elif content is None:
-            content = ""
-        elif not isinstance(content, str):
-            raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
-        normalised.append({**m, "content": content})
-    text = tokenizer.apply_chat_template(
-        normalised, chat_template=chat_template, tokenize=False,
-        add_generation_prompt=add_generation_prompt and not continue_final_message,
-        continue_final_message=continue_final_message,
-    )
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def _per_prompt(sampling_params, n: int) -> list[SamplingParams]:

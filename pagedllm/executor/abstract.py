@@ -34,16 +34,6 @@ class Executor(ABC):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
 
-    @staticmethod
-    def get_class(config: EngineConfig) -> type[Executor]:
-        """The executor class for ``parallel_config.distributed_executor_backend``."""
-        backend = config.parallel_config.distributed_executor_backend
-        if backend != "uni":
-            raise ValueError(f"distributed_executor_backend={backend!r} has no executor in this build")
-        from pagedllm.executor.uniproc import UniProcExecutor
-
-        return UniProcExecutor
-
     @abstractmethod
     def determine_num_blocks(self) -> int:
         """KV blocks every worker can hold (the minimum over workers)."""

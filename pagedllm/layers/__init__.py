@@ -17,8 +17,9 @@ from pagedllm.layers.compound import (
     fold_norms,
 )
 from pagedllm.layers.custom_op import CustomOp
-from pagedllm.layers.dispatch import KernelPlan, prepare_model_kernels
+from pagedllm.layers.dispatch import prepare_model_kernels
 from pagedllm.layers.embedding import LMHead, VocabEmbedding
+from pagedllm.layers.kernel_plan import KernelPlan
 from pagedllm.layers.linear import Linear, MergedLinear, QKVLinear, default_weight_loader
 from pagedllm.layers.norm import RMSNorm, rms_scale
 from pagedllm.layers.residual import ResidualForm, ResidualState

@@ -30,7 +30,7 @@ from torch import nn
 from pagedllm.layers.tuning import HOPPER, DeviceTuning
 
 if TYPE_CHECKING:
-    from pagedllm.layers.dispatch import KernelPlan
+    from pagedllm.layers.kernel_plan import KernelPlan
 
 _FORWARDS = ("forward", "forward_native", "forward_cpu", "forward_cuda", "forward_cublas")
 

@@ -13,8 +13,8 @@ from pagedllm.layers.custom_op import CustomOp
 from pagedllm.layers.linear import default_weight_loader
 
 if TYPE_CHECKING:
-    from pagedllm.layers.dispatch import KernelPlan
     from pagedllm.layers.gemm_library import GemmLibrary
+    from pagedllm.layers.kernel_plan import KernelPlan
 
 
 class VocabEmbedding(CustomOp):
@@ -40,10 +40,12 @@ class LMHead(CustomOp):
     With ``tied_to`` the head shares the embedding's weight: one Parameter, loaded once.
     Implementations as ``Linear``'s: ``cuda`` (at one row the Triton GEMV with the tuning row's
     ``lm_head_gemv_config``, else the plan's cuBLAS / cuBLASLt choice), ``cublas``, ``cpu`` (oneDNN
-    once packed), ``native``.
+    once packed), ``native``. Timed by ``KernelPlan.tune_gemms`` like a ``Linear``.
     """
 
     fuses_kernels = True
+    gemm_tunable = True
+    is_lm_head = True
 
     def __init__(self, vocab_size: int, hidden_size: int, tied_to: VocabEmbedding | None = None) -> None:
         super().__init__()

@@ -20,8 +20,8 @@ from pagedllm.layers import cpu_gemm, triton_ops
 from pagedllm.layers.custom_op import CustomOp
 
 if TYPE_CHECKING:
-    from pagedllm.layers.dispatch import KernelPlan
     from pagedllm.layers.gemm_library import GemmLibrary
+    from pagedllm.layers.kernel_plan import KernelPlan
     from pagedllm.layers.norm import RMSNorm
 
 
@@ -47,10 +47,12 @@ class Linear(CustomOp):
     add in the GEMM's epilogue), and the load-time ``fold_input_scale_``. A subclass that computes
     something else than ``F.linear(x, self.weight, self.bias)`` (LoRA, quantized) sets
     ``fuses_kernels = False`` (automatic when it overrides ``forward`` or an implementation) and the
-    fused methods then run its plain ``forward``.
+    fused methods then run its plain ``forward``. ``gemm_tunable``: its weight goes through the
+    plan's cuBLAS / cuBLASLt table (``KernelPlan.tune_gemms`` times it).
     """
 
     fuses_kernels = True
+    gemm_tunable = True
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()

@@ -8,8 +8,7 @@
 
 from pagedllm.loader.cache import cache_root, gguf_cache_folder
 from pagedllm.loader.hf import load_hf_config, load_tokenizer
-from pagedllm.loader.source import ModelSource, default_model_path, resolve_model
-from pagedllm.loader.weights import iter_weights
+from pagedllm.loader.source import ModelSource, default_model_path, iter_weights, resolve_model
 
 __all__ = [
     "ModelSource",

@@ -36,11 +36,20 @@ class ModelSource:
             raise ValueError(f"ModelSource.kind must be 'hf' or 'gguf', got {self.kind!r}")
 
     def iter_weights(self) -> Iterator[tuple[str, Any]]:
-        """``pagedllm.loader.iter_weights(self)``; a method so that ``models`` can load a source
-        without importing ``loader`` (the import-linter contract keeps the two independent)."""
-        from pagedllm.loader.weights import iter_weights
+        """(Hugging Face parameter name, tensor) pairs, one tensor at a time. A method so that
+        ``models`` can load a source without importing ``loader`` (the two stay independent)."""
+        if self.kind == "gguf":
+            from pagedllm.loader.gguf_file import iter_gguf_weights
 
-        return iter_weights(self)
+            return iter_gguf_weights(self.path)
+        from pagedllm.loader.weights import iter_safetensors_weights
+
+        return iter_safetensors_weights(self.path)
+
+
+def iter_weights(source: ModelSource) -> Iterator[tuple[str, Any]]:
+    """``source.iter_weights()``, as a function."""
+    return source.iter_weights()
 
 
 def _default_package_folder() -> Path | None:

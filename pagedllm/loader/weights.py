@@ -1,4 +1,5 @@
-"""``iter_weights(source)``: (Hugging Face parameter name, tensor) pairs, one tensor at a time.
+"""Safetensors weights for ``ModelSource.iter_weights``: (Hugging Face parameter name, tensor) pairs,
+one tensor at a time (GGUF files are read by ``gguf_file.iter_gguf_weights``).
 
 Safetensors folders: the files named by ``model.safetensors.index.json`` if present, else
 ``model.safetensors`` if present, else every ``*.safetensors`` (some repos also ship a
@@ -13,9 +14,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-
-from pagedllm.loader.gguf_file import iter_gguf_weights
-from pagedllm.loader.source import ModelSource
 
 
 def safetensors_files(folder: str | Path) -> list[Path]:
@@ -39,9 +37,3 @@ def iter_safetensors_weights(folder: str | Path) -> Iterator[tuple[str, torch.Te
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
-
-
-def iter_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
-    if source.kind == "gguf":
-        return iter_gguf_weights(source.path)
-    return iter_safetensors_weights(source.path)

@@ -9,16 +9,13 @@ Cost: O(N * V) for the rank count plus one topk(k) over [N, V].
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from pagedllm.core.sched_output import TokenLogprobs
+from pagedllm.sample.output import SamplerOutput
 from pagedllm.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from pagedllm.sample.sampler import SamplerOutput
 
 
 def gather_logprobs(

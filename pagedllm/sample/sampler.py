@@ -25,6 +25,7 @@ from pagedllm import zero_copy
 from pagedllm.sample.history import TokenHistory
 from pagedllm.sample.logits_processors import build_logits_processors
 from pagedllm.sample.logprobs import gather_logprobs
+from pagedllm.sample.output import SamplerOutput
 from pagedllm.sample.torch_sampling import exponential_race, processed_probs
 from pagedllm.sample.transfer import host_to_device, numpy_to_device
 from pagedllm.sample.triton_sampling import categorical_sample, fused_available, greedy_argmax
@@ -90,18 +91,6 @@ def build_sampling_metadata(
 
 def _step_seed(seed: int, position: int) -> int:
     return ((seed * _SEED_MIX) ^ (position * 0xBF58476D1CE4E5B9) ^ 0x94D049BB133111EB) & 0x7FFF_FFFF_FFFF_FFFF
-
-
-@dataclass
-class SamplerOutput:
-    token_ids: torch.Tensor  # int64 [B]
-    # Only when some row asked for logprobs: [B, 1 + k] ids/logprobs (column 0 = sampled), ranks [B].
-    logprob_token_ids: torch.Tensor | None = None
-    logprobs: torch.Tensor | None = None
-    sampled_ranks: torch.Tensor | None = None
-    # The fused GPU sampler may also store token_ids in pinned host memory (pagedllm/zero_copy.py);
-    # readable once the stream has passed the sampler, e.g. after an event recorded behind it.
-    host_token_ids: torch.Tensor | None = None
 
 
 class Sampler:

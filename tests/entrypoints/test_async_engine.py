@@ -36,8 +36,6 @@ class FakeEngine:
         self.fail_next_step = False
         self.events: list[tuple] = []
         self.tokenizer = None
-        self.engine_core = SimpleNamespace(scheduler=SimpleNamespace(stats=self._stats, get_request=lambda r: None),
-                                           shutdown=lambda: None)
         self.step_tokens: dict[str, tuple[int, int]] = {}  # as OutputProcessor.take_step_tokens
         self.output_processor = SimpleNamespace(child_ids=lambda rid: [rid] if rid in self.live else [],
                                                 record_step_tokens=lambda: None, take_step_tokens=self._take_tokens)
@@ -49,12 +47,22 @@ class FakeEngine:
     def _touch(self) -> None:
         self.threads.add(threading.current_thread().name)
 
-    def _stats(self) -> SchedulerStats:
+    def get_scheduler_stats(self) -> SchedulerStats:
         return SchedulerStats(num_running=len(self.live), num_waiting=0, kv_cache_usage=0.1 * len(self.live),
                               prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions_total=0)
 
-    def get_model_config(self):
-        return SimpleNamespace(served_model_name="fake", max_model_len=128, vocab_size=100)
+    def get_engine_config(self):
+        model_config = SimpleNamespace(served_model_name="fake", max_model_len=128, vocab_size=100)
+        return SimpleNamespace(model_config=model_config, max_logprobs=20)
+
+    def get_tokenizer(self):
+        return None
+
+    def get_first_scheduled_times(self, request_ids) -> dict:
+        return {}  # as if each request was scheduled and finished within the step that saw it
+
+    def shutdown(self) -> None:
+        pass
 
     def add_request(self, request_id, prompt, params, arrival_time=None, lora_request=None,
                     tokenization_kwargs=None, priority=0) -> None:

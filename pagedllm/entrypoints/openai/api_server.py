@@ -6,7 +6,9 @@ Every error is OpenAI-shaped (``{"error": {"message", "type", "param", "code"}}`
 body (naming the field), 401 for a wrong API key (/v1/* and /metrics), 404 for an unknown model,
 503 with Retry-After when more than --max-waiting-requests wait. A client that disconnects has its
 engine request aborted before the next engine step. SIGTERM/SIGINT: stop accepting, let in-flight
-requests finish for up to --shutdown-timeout seconds, abort the rest, exit 0.
+requests finish for up to --shutdown-timeout seconds, abort the rest, exit 0. With
+--engine-process the engine runs in a child process; if the engine dies, in-flight requests get an
+error, /health answers 503 and the server stops with exit status 1.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import hmac
 import logging
 import os
 import signal
+import threading
 import time
 from contextlib import asynccontextmanager
 from typing import Any
@@ -27,7 +30,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-import pagedllm
 from pagedllm import envs
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pagedllm.entrypoints.openai.errors import OpenAIError, error_body, error_response, from_validation_errors
@@ -40,6 +42,7 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat, render_chat
 from pagedllm.entrypoints.openai.serving_common import ServingContext, cancel_on_disconnect, parse_body
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.version import __version__
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -64,6 +67,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="on SIGTERM/SIGINT, seconds in-flight requests may finish before they are aborted")
     g.add_argument("--stats-log-interval", type=float, default=10.0,
                    help="seconds between throughput log lines (0 turns them off)")
+    g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
+                   help="run the engine (scheduling, model, detokenization) in a child process, so that it "
+                   "shares no GIL with HTTP and SSE; if it dies, the server stops")
 
 
 def load_chat_template(value: str | None) -> str | None:
@@ -110,7 +116,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
             logger.info("shutting down the engine")
             engine.shutdown()
 
-    app = FastAPI(title="pagedllm OpenAI-compatible server", version=pagedllm.__version__, lifespan=lifespan)
+    app = FastAPI(title="pagedllm OpenAI-compatible server", version=__version__, lifespan=lifespan)
     app.state.ctx = ctx
     _add_error_handlers(app)
     if api_key:
@@ -166,7 +172,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
 
     @app.get("/version")
     async def version() -> JSONResponse:
-        return JSONResponse({"version": pagedllm.__version__})
+        return JSONResponse({"version": __version__})
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -203,13 +209,13 @@ def run_server(ns: argparse.Namespace) -> int:
     """``pagedllm serve``: load the model, serve until SIGTERM/SIGINT, exit 0."""
     import uvicorn
 
-    from pagedllm.entrypoints.cli import engine_args_from
+    from pagedllm.entrypoints.cli_args import engine_args_from
 
     chat_template = load_chat_template(ns.chat_template)
     t0 = time.perf_counter()
     interval = ns.stats_log_interval if ns.stats_log_interval and ns.stats_log_interval > 0 else None
-    engine = AsyncLLMEngine.from_engine_args(engine_args_from(ns), "OPENAI_API_SERVER", log_stats=interval is not None,
-                                             log_interval_s=interval or 10.0)
+    engine = AsyncLLMEngine.from_engine_args(engine_args_from(ns), "OPENAI_API_SERVER", engine_process=ns.engine_process,
+                                             log_stats=interval is not None, log_interval_s=interval or 10.0)
     app = build_app(engine, chat_template=chat_template, api_key=ns.api_key,
                     max_waiting_requests=ns.max_waiting_requests)
     logger.info("model %s loaded in %.1f s; serving on http://%s:%d", engine.get_model_config().served_model_name,
@@ -218,6 +224,8 @@ def run_server(ns: argparse.Namespace) -> int:
                             access_log=not ns.disable_uvicorn_access_log,
                             timeout_graceful_shutdown=max(0.1, ns.shutdown_timeout), timeout_keep_alive=5)
     server = uvicorn.Server(config)
+    threading.Thread(target=_stop_when_engine_dies, args=(engine, server), name="pagedllm-engine-watch",
+                     daemon=True).start()
     # uvicorn re-raises the signal it handled once it has shut down gracefully; make that a no-op
     # so that a SIGTERM/SIGINT stop ends with exit status 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -226,4 +234,14 @@ def run_server(ns: argparse.Namespace) -> int:
         server.run()
     finally:
         engine.shutdown()
-    return 0 if server.started else 1
+    return 0 if server.started and not engine.errored else 1
+
+
+def _stop_when_engine_dies(engine: AsyncLLMEngine, server: Any, poll_s: float = 0.5) -> None:
+    """A dead engine cannot come back: stop the server (exit status 1) rather than answer 503 forever."""
+    while not server.should_exit:
+        if engine.errored:
+            logger.critical("the engine died; stopping the server")
+            server.should_exit = True
+            return
+        time.sleep(poll_s)

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from starlette.responses import JSONResponse, Response
 
 from pagedllm.engine.async_engine import RequestStream
-from pagedllm.entrypoints.llm import apply_chat_template
+from pagedllm.entrypoints.chat_utils import apply_chat_template
 from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from pagedllm.entrypoints.openai.serving_common import (

@@ -38,7 +38,7 @@ class ServingContext:
         names = served_model_names or [self.model_config.served_model_name]
         self.served_model_names = [n for n in names if n]
         self.max_model_len = self.model_config.max_model_len
-        self.max_logprobs = engine.engine.config.max_logprobs
+        self.max_logprobs = engine.get_engine_config().max_logprobs
         self.chat_template = chat_template
         self.max_waiting_requests = max_waiting_requests
         self.tokenizer = _private_tokenizer(engine.get_tokenizer())
