@@ -51,10 +51,7 @@ from collections.abc import Iterator
 
 import torch
 
-from pagedllm import envs
-
 MAX_TOKENS = 1
-ALLOWED = envs.PAGEDLLM_PDL
 
 
 class _Switch:
@@ -71,10 +68,11 @@ def pdl(enabled: bool) -> Iterator[None]:
         _Switch.enabled = old
 
 
-def for_graph(num_tokens: int) -> contextlib.AbstractContextManager:
+def for_graph(num_tokens: int, allowed: bool = True) -> contextlib.AbstractContextManager:
     """PDL on while capturing (and warming up) the CUDA graph of a ``num_tokens``-token decode where
-    it pays (``num_tokens <= MAX_TOKENS``) unless ``PAGEDLLM_PDL=0``; off otherwise."""
-    return pdl(ALLOWED and num_tokens <= MAX_TOKENS)
+    it pays (``num_tokens <= MAX_TOKENS``) and the engine allows it (``KernelConfig.pdl``, from
+    ``PAGEDLLM_PDL``); off otherwise."""
+    return pdl(allowed and num_tokens <= MAX_TOKENS)
 
 
 def _triton_has_gdc() -> bool:

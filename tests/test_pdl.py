@@ -6,16 +6,14 @@ import torch
 from pagedllm import pdl
 
 
-def test_off_by_default_and_on_only_for_one_token_graphs(monkeypatch):
+def test_off_by_default_and_on_only_for_one_token_graphs():
     assert not pdl._Switch.enabled
-    monkeypatch.setattr(pdl, "ALLOWED", True)
     with pdl.for_graph(1):
         assert pdl._Switch.enabled
     with pdl.for_graph(pdl.MAX_TOKENS + 1):
         assert not pdl._Switch.enabled
     assert not pdl._Switch.enabled  # restored on exit
-    monkeypatch.setattr(pdl, "ALLOWED", False)  # PAGEDLLM_PDL=0
-    with pdl.for_graph(1):
+    with pdl.for_graph(1, allowed=False):  # KernelConfig.pdl off (PAGEDLLM_PDL=0)
         assert not pdl._Switch.enabled
 
 

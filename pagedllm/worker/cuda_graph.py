@@ -47,8 +47,10 @@ class CUDAGraphRunner:
     """The decode graphs of one model (see the module doc): ``capture_all`` at start-up, then
     ``replay(padded_size(n))`` for every pure decode step of ``n <= max_size`` requests."""
 
-    def __init__(self, model, backend: AttentionBackend, inputs, max_num_seqs: int, device: torch.device) -> None:
+    def __init__(self, model, backend: AttentionBackend, inputs, max_num_seqs: int, device: torch.device,
+                 allow_pdl: bool = True) -> None:
         self.model = model
+        self.allow_pdl = allow_pdl  # KernelConfig.pdl
         self.backend = backend
         self.inputs = inputs  # DeviceInputs
         self.device = device
@@ -94,7 +96,7 @@ class CUDAGraphRunner:
         """One eager forward per captured size (no capture): the launches a capture will make."""
         for bs in reversed(self.sizes):
             dev = self._safe_inputs(bs)
-            with forward_context(self.metadata(bs), self.backend), pdl.for_graph(bs):
+            with forward_context(self.metadata(bs), self.backend), pdl.for_graph(bs, self.allow_pdl):
                 self._forward(dev["input_ids"], dev["positions"])
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -110,7 +112,7 @@ class CUDAGraphRunner:
             dev = self._safe_inputs(bs)
             meta = self.metadata(bs)
             ids, pos = dev["input_ids"], dev["positions"]
-            with forward_context(meta, self.backend), pdl.for_graph(bs):
+            with forward_context(meta, self.backend), pdl.for_graph(bs, self.allow_pdl):
                 self._forward(ids, pos)  # warm-up: Triton compiles and autotunes outside the capture
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()

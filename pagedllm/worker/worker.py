@@ -77,7 +77,8 @@ class Worker:
         self._graphs: CUDAGraphRunner | None = None
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.supports_decode_graphs:
             self._graphs = CUDAGraphRunner(self.model, self.backend, self.model_runner.prep.inputs,
-                                           config.scheduler_config.max_num_seqs, self.device)
+                                           config.scheduler_config.max_num_seqs, self.device,
+                                           allow_pdl=config.kernel_config.pdl)
 
     # -- kernel policy (layers/): the two calls the runner used to make on a loaded model ---------
     def _prepare_model_kernels(self) -> None:
