@@ -20,7 +20,14 @@ from pagedllm.layers.custom_op import CustomOp
 from pagedllm.layers.dispatch import prepare_model_kernels
 from pagedllm.layers.embedding import LMHead, VocabEmbedding
 from pagedllm.layers.kernel_plan import KernelPlan
-from pagedllm.layers.linear import Linear, MergedLinear, QKVLinear, default_weight_loader
+from pagedllm.layers.linear import (
+    ColumnParallelLinear,
+    Linear,
+    MergedLinear,
+    QKVLinear,
+    RowParallelLinear,
+    default_weight_loader,
+)
 from pagedllm.layers.norm import RMSNorm, rms_scale
 from pagedllm.layers.residual import ResidualForm, ResidualState
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary, compute_inv_freq, get_rope_parameters
@@ -31,7 +38,9 @@ __all__ = [
     "CustomOp",
     "KernelPlan",
     "LMHead",
+    "ColumnParallelLinear",
     "Linear",
+    "RowParallelLinear",
     "LinearAdd",
     "MergedLinear",
     "NormLinear",

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.distributed.parallel_state import get_tp_group, shard_range
 from pagedllm.layers import cpu_gemm, triton_ops
 from pagedllm.layers.custom_op import CustomOp
 from pagedllm.layers.linear import default_weight_loader
@@ -18,18 +19,33 @@ if TYPE_CHECKING:
 
 
 class VocabEmbedding(CustomOp):
-    """``[T] token ids -> [T, hidden]``: one gather (``F.embedding``) on every device."""
+    """``[T] token ids -> [T, hidden]``: one gather (``F.embedding``) on every device.
+
+    Vocabulary-parallel: rank ``r`` of the tensor-parallel group holds rows ``vocab_start :
+    vocab_start + V/tp`` of the table; an id outside them gives zeros there, and the ranks' rows are
+    summed (one all-reduce). At one rank, the plain gather. Invariant: ``weight`` is the local
+    slice; ``vocab_size`` the whole vocabulary."""
 
     fuses_kernels = True
 
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
         self.vocab_size = vocab_size
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
-        self.weight.weight_loader = default_weight_loader
+        self.tp = get_tp_group()
+        self.vocab_start, local = shard_range(vocab_size, self.tp.rank, self.tp.size, "vocab_size")
+        self.weight = nn.Parameter(torch.empty(local, hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
+        default_weight_loader(param, loaded_weight.narrow(0, self.vocab_start, param.shape[0]))
 
     def forward_native(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        rows = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(rows.masked_fill_(outside.unsqueeze(-1), 0))
 
 
 class LMHead(CustomOp):
@@ -38,6 +54,8 @@ class LMHead(CustomOp):
     for a consumer that upcasts itself, like the sampler).
 
     With ``tied_to`` the head shares the embedding's weight: one Parameter, loaded once.
+    Vocabulary-parallel like ``VocabEmbedding``: each rank computes the logits of its slice of the
+    vocabulary and they are gathered (one all-gather) so that every rank's sampler sees them all.
     Implementations as ``Linear``'s: ``cuda`` (at one row the Triton GEMV with the tuning row's
     ``lm_head_gemv_config``, else the plan's cuBLAS / cuBLASLt choice), ``cublas``, ``cpu`` (oneDNN
     once packed), ``native``. Timed by ``KernelPlan.tune_gemms`` like a ``Linear``.
@@ -50,11 +68,13 @@ class LMHead(CustomOp):
     def __init__(self, vocab_size: int, hidden_size: int, tied_to: VocabEmbedding | None = None) -> None:
         super().__init__()
         self.tied = tied_to is not None
+        self.tp = get_tp_group()
+        self.vocab_start, local = shard_range(vocab_size, self.tp.rank, self.tp.size, "vocab_size")
         if tied_to is not None:
             self.weight = tied_to.weight
         else:
-            self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
-            self.weight.weight_loader = default_weight_loader
+            self.weight = nn.Parameter(torch.empty(local, hidden_size), requires_grad=False)
+            self.weight.weight_loader = self.weight_loader
         self.cpu_packed_weight: torch.Tensor | None = None  # as in ``Linear``: the oneDNN-blocked copy
         self.gemms: GemmLibrary | None = None
 
@@ -69,8 +89,11 @@ class LMHead(CustomOp):
         self.cpu_packed_weight = cpu_gemm.pack_weight(self.weight)
         return self.cpu_packed_weight is not None
 
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
+        default_weight_loader(param, loaded_weight.narrow(0, self.vocab_start, param.shape[0]))
+
     def forward(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
-        logits = self._forward(hidden)
+        logits = self.tp.all_gather(self._forward(hidden), dim=-1)
         return logits.float() if upcast else logits
 
     def forward_native(self, hidden: torch.Tensor) -> torch.Tensor:

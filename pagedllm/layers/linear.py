@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.distributed.parallel_state import get_tp_group, shard_range
 from pagedllm.layers import cpu_gemm, triton_ops
 from pagedllm.layers.custom_op import CustomOp
 
@@ -140,27 +141,109 @@ class Linear(CustomOp):
         self.weight.copy_(self.weight.float() * scale.float()[None, :])
 
 
-class MergedLinear(Linear):
+class ColumnParallelLinear(Linear):
+    """A ``Linear`` whose output dim is split across the tensor-parallel ranks: rank ``r`` holds rows
+    ``r * N/tp : (r+1) * N/tp`` of W and of the bias and computes that slice of the output (no
+    collective: the next layer is row-parallel, or the caller gathers). At one rank it is a
+    ``Linear``. Invariant: ``out_features`` is the local slice's size."""
+
+    fuses_kernels = True
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        self.tp = get_tp_group()
+        self.output_start, local = shard_range(out_features, self.tp.rank, self.tp.size, "output features")
+        super().__init__(in_features, local, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
+        default_weight_loader(param, loaded_weight.narrow(0, self.output_start, param.shape[0]))
+
+
+class RowParallelLinear(Linear):
+    """A ``Linear`` whose input dim is split across the tensor-parallel ranks: rank ``r`` holds
+    columns ``r * K/tp : (r+1) * K/tp`` of W, multiplies its slice of the input, and the partial
+    products are summed over the ranks (``TensorParallelGroup.all_reduce``) in ``forward`` and in
+    every fused method, before any residual add. The bias is loaded on rank 0 only (zeros
+    elsewhere), so the sum adds it once and each rank runs the same kernels as an unsharded layer.
+    At one rank it is a ``Linear`` (no collective). Invariant: ``in_features`` is the local slice."""
+
+    fuses_kernels = True
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        self.tp = get_tp_group()
+        self.input_start, local = shard_range(in_features, self.tp.rank, self.tp.size, "input features")
+        super().__init__(local, out_features, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
+        if param.dim() == 2:
+            default_weight_loader(param, loaded_weight.narrow(1, self.input_start, param.shape[1]))
+        elif self.tp.rank == 0:
+            default_weight_loader(param, loaded_weight)
+        else:
+            with torch.no_grad():
+                param.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(self._forward(x))
+
+    def forward_add_(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward_add_(x, residual)
+        return residual.add_(self(x))
+
+    def forward_act_prologue(self, x: torch.Tensor) -> torch.Tensor | None:
+        y = super().forward_act_prologue(x)
+        return y if y is None else self.tp.all_reduce(y)
+
+    def forward_norm_prologue(self, x, residual, norm):
+        if self.tp.size > 1:  # the norm reads the whole row; this layer holds a slice of it
+            return None
+        return super().forward_norm_prologue(x, residual, norm)
+
+    def can_fold_input_scale(self) -> bool:
+        return self.tp.size == 1 and super().can_fold_input_scale()
+
+
+class MergedLinear(ColumnParallelLinear):
     """Several projections of the same input stacked along the output dim, e.g. gate_up_proj =
-    [gate_proj; up_proj]. Shard ``i`` (an index or a name from ``shard_names``) fills rows
-    ``offsets[i] : offsets[i] + output_sizes[i]``."""
+    [gate_proj; up_proj], each split across the tensor-parallel ranks (column-parallel): shard ``i``
+    (an index or a name from ``shard_names``) fills local rows ``offsets[i] : offsets[i] +
+    output_sizes[i]`` with its rank's slice of the checkpoint matrix. Sizes are local ones."""
+
+    fuses_kernels = True
 
     def __init__(
         self, in_features: int, output_sizes: Sequence[int], bias: bool = False, shard_names: Sequence = ()
     ) -> None:
+        tp = get_tp_group()
+        for size in output_sizes:
+            shard_range(size, tp.rank, tp.size, "each merged projection's output features")
         super().__init__(in_features, sum(output_sizes), bias)
-        self.output_sizes = list(output_sizes)
+        self.output_sizes = [size // tp.size for size in output_sizes]
+        self.checkpoint_sizes = list(output_sizes)  # rows of each projection in the checkpoint
+        self.shard_starts = [self.tp.rank * size for size in self.output_sizes]  # this rank's first row
         self.shard_names = list(shard_names) or list(range(len(output_sizes)))
         self.offsets = [sum(self.output_sizes[:i]) for i in range(len(output_sizes))]
         for p in self.parameters():
             p.shard_ids = tuple(self.shard_names)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
-        if shard_id is None:  # a checkpoint that already stores the merged tensor
-            default_weight_loader(param, loaded_weight)
+        if shard_id is None:  # a checkpoint that already stores the merged tensor: load each section
+            if loaded_weight.shape[0] != sum(self.checkpoint_sizes):
+                raise ValueError(f"weight shape {tuple(loaded_weight.shape)} does not match the merged "
+                                 f"projections of {self.checkpoint_sizes} rows")
+            start = 0
+            for i, size in enumerate(self.checkpoint_sizes):
+                self._load_shard(param, i, loaded_weight.narrow(0, start, size))
+                start += size
             return
-        i = self.shard_names.index(shard_id)
-        default_weight_loader(param.narrow(0, self.offsets[i], self.output_sizes[i]), loaded_weight)
+        self._load_shard(param, self.shard_names.index(shard_id), loaded_weight)
+
+    def _load_shard(self, param: nn.Parameter, i: int, loaded_weight: torch.Tensor) -> None:
+        if loaded_weight.shape[0] != self.checkpoint_sizes[i]:
+            raise ValueError(f"weight shape {tuple(loaded_weight.shape)} does not match parameter shard "
+                             f"of {self.checkpoint_sizes[i]} rows")
+        default_weight_loader(param.narrow(0, self.offsets[i], self.output_sizes[i]),
+                              loaded_weight.narrow(0, self.shard_starts[i], self.output_sizes[i]))
 
 
 class QKVLinear(MergedLinear):
@@ -170,10 +253,23 @@ class QKVLinear(MergedLinear):
     projection + RoPE of q and k + the K/V store, in one launch."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
-        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        super().__init__(hidden_size, [q_size, kv_size, kv_size], bias, shard_names=("q", "k", "v"))
-        self.q_size, self.kv_size = q_size, kv_size
-        self.head_dim, self.num_heads, self.num_kv_heads = head_dim, num_heads, num_kv_heads
+        tp = get_tp_group()
+        shard_range(num_heads, tp.rank, tp.size, "num_attention_heads")
+        if num_kv_heads >= tp.size:
+            shard_range(num_kv_heads, tp.rank, tp.size, "num_key_value_heads")
+        elif tp.size % num_kv_heads:
+            raise ValueError(f"the tensor-parallel size ({tp.size}) must be a multiple of num_key_value_heads "
+                             f"({num_kv_heads}) when it is larger")
+        # Local heads: q heads split; kv heads split, or replicated where there are fewer than ranks.
+        self.num_heads, self.num_kv_heads = num_heads // tp.size, max(1, num_kv_heads // tp.size)
+        self.head_dim = head_dim
+        self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        kv_first_head = tp.rank * num_kv_heads // tp.size if num_kv_heads < tp.size else tp.rank * self.num_kv_heads
+        # MergedLinear takes the sizes of all ranks together and keeps one rank's share of each.
+        super().__init__(hidden_size, [self.q_size * tp.size, self.kv_size * tp.size, self.kv_size * tp.size],
+                         bias, shard_names=("q", "k", "v"))
+        self.checkpoint_sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+        self.shard_starts = [tp.rank * self.q_size, kv_first_head * head_dim, kv_first_head * head_dim]
 
     def forward_norm_rope_store(
         self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, positions: torch.Tensor,

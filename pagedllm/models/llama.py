@@ -25,7 +25,6 @@ from torch import nn
 
 from pagedllm.layers import (
     Attention,
-    Linear,
     LinearAdd,
     LMHead,
     MergedLinear,
@@ -36,6 +35,7 @@ from pagedllm.layers import (
     ResidualState,
     RMSNorm,
     RotaryEmbedding,
+    RowParallelLinear,
     SiluAndMul,
     SiluAndMulLinear,
     VocabEmbedding,
@@ -86,7 +86,9 @@ class LlamaAttention(nn.Module):
         attention_bias = bool(getattr(cfg, "attention_bias", False))
         qkv_bias = attention_bias or cfg.model_type == "qwen2"
         self.qkv_proj = QKVLinear(cfg.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias)
-        self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=attention_bias)
+        self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, cfg.hidden_size, bias=attention_bias)
+        # This rank's heads (all of them at one tensor-parallel rank).
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_norm = self.k_norm = None
         if cfg.model_type == "qwen3":
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -114,7 +116,7 @@ class LlamaMLP(nn.Module):
         bias = bool(getattr(cfg, "mlp_bias", False))
         size = cfg.intermediate_size
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [size, size], bias=bias)
-        self.down_proj = Linear(size, cfg.hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size, bias=bias)
         self.act = SiluAndMul()
         self.norm_gate_up = NormLinear(post_attention_layernorm, self.gate_up_proj)
         self.act_down = SiluAndMulLinear(self.act, self.down_proj)

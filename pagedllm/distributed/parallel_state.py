@@ -1,0 +1,69 @@
+"""This process's place in the tensor-parallel group, and the two collectives the layers need.
+
+A process is one rank, so its tensor-parallel group is process state, set once by the worker
+before it builds the model (``set_tp_group``) and read by the parallel layers when they are
+constructed (their shard sizes) and called (the all-reduce after a row-parallel projection, the
+gather of vocabulary-parallel logits). The default is the group of one rank: every shard is the
+whole tensor and every collective returns its input, so a single-rank engine runs exactly the
+unsharded code.
+
+Invariant: ``0 <= rank < size``; with ``size > 1`` a ``torch.distributed`` process group of that
+size carries the collectives. Cost: none at size 1; an all-reduce or all-gather of the activations
+otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class TensorParallelGroup:
+    rank: int = 0
+    size: int = 1
+    group: Any = None  # a torch.distributed ProcessGroup when size > 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"tensor-parallel rank {self.rank} is not in [0, {self.size})")
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of ``x`` over the group's ranks (in place where there is more than one)."""
+        if self.size == 1:
+            return x
+        torch.distributed.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """The ranks' ``x`` concatenated along ``dim``, in rank order."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        torch.distributed.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
+
+
+_tp_group = TensorParallelGroup()
+
+
+def get_tp_group() -> TensorParallelGroup:
+    return _tp_group
+
+
+def set_tp_group(group: TensorParallelGroup) -> TensorParallelGroup:
+    """Make ``group`` this process's tensor-parallel group; returns the previous one."""
+    global _tp_group
+    previous, _tp_group = _tp_group, group
+    return previous
+
+
+def shard_range(total: int, rank: int, size: int, name: str) -> tuple[int, int]:
+    """``(start, length)`` of rank ``rank``'s equal slice of ``total`` items; a ``ValueError`` naming
+    ``name`` when ``total`` is not divisible by ``size``."""
+    if total % size:
+        raise ValueError(f"{name} ({total}) must be divisible by the tensor-parallel size ({size})")
+    length = total // size
+    return rank * length, length
