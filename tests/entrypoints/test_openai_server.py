@@ -132,7 +132,11 @@ def test_models_health_version(server, client, model):
     models = client.models.list().data
     assert models[0].object == "model"
     assert httpx.get(server.url + "/health").status_code == 200
-    assert httpx.get(server.url + "/version").json()["version"]
+    assert httpx.get(server.url + "/version", headers=_auth()).json()["version"]
+    assert client.models.retrieve(model).id == model  # GET /v1/models/{id}
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("no-such-model")
+    assert e.value.body["code"] == "model_not_found"
 
 
 def test_completion_stream_equals_non_stream(client, model):
@@ -244,11 +248,11 @@ def test_stop_strings(client, model):
 
 
 def test_usage_counts(server, client, model):
-    n_prompt = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}).json()["count"]
+    n_prompt = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}, headers=_auth()).json()["count"]
     out = client.completions.create(model=model, prompt=PROMPT, max_tokens=7, temperature=0,
                                     extra_body={"ignore_eos": True})
     assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (n_prompt, 7, n_prompt + 7)
-    n_chat = httpx.post(server.url + "/tokenize", json={"messages": CHAT}).json()["count"]
+    n_chat = httpx.post(server.url + "/tokenize", json={"messages": CHAT}, headers=_auth()).json()["count"]
     chat = client.chat.completions.create(model=model, messages=CHAT, max_completion_tokens=4, temperature=0,
                                           extra_body={"ignore_eos": True})
     assert (chat.usage.prompt_tokens, chat.usage.completion_tokens) == (n_chat, 4)
@@ -278,7 +282,7 @@ def test_vllm_extra_body_fields(client, model):
 
 
 def test_batched_prompts_and_token_prompts(server, client, model):
-    ids = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}, headers=_auth()).json()["tokens"]
     out = client.completions.create(model=model, prompt=[PROMPT, "Hello"], max_tokens=3, temperature=0, n=2,
                                     extra_body={"ignore_eos": True})
     assert [c.index for c in out.choices] == [0, 1, 2, 3] and out.usage.completion_tokens == 12
@@ -291,19 +295,19 @@ def test_batched_prompts_and_token_prompts(server, client, model):
 
 def test_chat_template_override(server, client, model):
     template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
-    tok = httpx.post(server.url + "/tokenize", json={"messages": CHAT[:2], "chat_template": template}).json()
+    tok = httpx.post(server.url + "/tokenize", json={"messages": CHAT[:2], "chat_template": template}, headers=_auth()).json()
     expected = "<system>You are a concise assistant.\n<user>What is the capital of France?\n<assistant>"
-    assert httpx.post(server.url + "/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"] == expected
+    assert httpx.post(server.url + "/detokenize", json={"tokens": tok["tokens"]}, headers=_auth()).json()["prompt"] == expected
     out = client.chat.completions.create(model=model, messages=CHAT[:2], max_tokens=3, temperature=0,
                                          extra_body={"chat_template": template, "ignore_eos": True})
     assert out.usage.prompt_tokens == tok["count"]
 
 
 def test_tokenize_detokenize(server):
-    tok = httpx.post(server.url + "/tokenize", json={"prompt": "Hello world"}).json()
+    tok = httpx.post(server.url + "/tokenize", json={"prompt": "Hello world"}, headers=_auth()).json()
     assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == MAX_MODEL_LEN
-    assert httpx.post(server.url + "/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"] == "Hello world"
-    bad = httpx.post(server.url + "/detokenize", json={"tokens": [10**9]})
+    assert httpx.post(server.url + "/detokenize", json={"tokens": tok["tokens"]}, headers=_auth()).json()["prompt"] == "Hello world"
+    bad = httpx.post(server.url + "/detokenize", json={"tokens": [10**9]}, headers=_auth())
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
 
 
@@ -373,12 +377,16 @@ def test_errors_through_the_openai_client(server, client, model):
         wrong.completions.create(model=model, prompt="hi", max_tokens=2)
 
 
-def test_api_key_guards_v1_and_metrics_only(server):
-    for path in ("/v1/models", "/metrics"):
+def test_api_key_guards_every_route_but_health(server):
+    for path in ("/v1/models", "/metrics", "/version", "/docs", "/openapi.json"):
         _assert_error(httpx.get(server.url + path), 401)
         _assert_error(httpx.get(server.url + path, headers={"Authorization": "Bearer nope"}), 401)
         assert httpx.get(server.url + path, headers=_auth()).status_code == 200
-    _assert_error(httpx.post(server.url + "/v1/completions", json={"prompt": "hi"}), 401)
+    for path in ("/v1/completions", "/tokenize", "/detokenize"):
+        _assert_error(httpx.post(server.url + path, json={"prompt": "hi"}), 401)
+    # The scheme is case-insensitive (RFC 9110); the key is not.
+    assert httpx.get(server.url + "/v1/models", headers={"Authorization": f"bearer {API_KEY}"}).status_code == 200
+    _assert_error(httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {API_KEY.upper()}x"}), 401)
     assert httpx.get(server.url + "/health").status_code == 200
     _assert_error(httpx.get(server.url + "/no/such/route", headers=_auth()), 404)
 

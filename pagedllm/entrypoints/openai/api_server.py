@@ -46,7 +46,7 @@ from pagedllm.version import __version__
 
 logger = logging.getLogger("pagedllm.server")
 
-_PROTECTED_PREFIXES = ("/v1", "/metrics")
+_UNPROTECTED_PATHS = ("/health",)  # load balancers probe it without a key
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -55,7 +55,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="0.0.0.0", help="address to bind (default: all interfaces)")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--api-key", default=envs.PAGEDLLM_API_KEY,
-                   help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (env PAGEDLLM_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on every route but /health (env PAGEDLLM_API_KEY)")
     g.add_argument("--chat-template", default=None,
                    help="a Jinja chat template, or a file holding one (default: the tokenizer's)")
     g.add_argument("--uvicorn-log-level", default="info",
@@ -84,16 +84,21 @@ def load_chat_template(value: str | None) -> str | None:
 
 
 class APIKeyMiddleware:
-    """Pure ASGI (streams pass through untouched): 401 on protected paths without the right key."""
+    """Pure ASGI (streams pass through untouched): 401 on every path but ``/health`` (the docs and
+    the OpenAPI schema included) without ``Authorization: Bearer <key>``; the scheme's case does not
+    matter (RFC 9110), the key's does."""
 
     def __init__(self, app, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
+
+    def _authorized(self, header: bytes) -> bool:
+        scheme, _, key = header.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), self.expected)
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"].startswith(_PROTECTED_PREFIXES):
-            got = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(got, self.expected):
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"] not in _UNPROTECTED_PATHS:
+            if not self._authorized(dict(scope["headers"]).get(b"authorization", b"")):
                 resp = error_response(401, "Invalid or missing API key (send 'Authorization: Bearer <key>')",
                                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
                 await resp(scope, receive, send)
@@ -132,13 +137,21 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
         body = await parse_body(request, ChatCompletionRequest)
         return await cancel_on_disconnect(request, chat.create(body))
 
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": ctx.created, "owned_by": "pagedllm",
+                "root": str(ctx.model_config.model), "parent": None, "max_model_len": ctx.max_model_len}
+
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
-        cfg = ctx.model_config
-        data = [{"id": name, "object": "model", "created": ctx.created, "owned_by": "pagedllm",
-                 "root": str(cfg.model), "parent": None, "max_model_len": ctx.max_model_len}
-                for name in ctx.served_model_names]
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse({"object": "list", "data": [model_card(name) for name in ctx.served_model_names]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> JSONResponse:
+        """The ``openai`` client's ``models.retrieve``: one model card, or a 404 naming the id."""
+        if model_id not in ctx.served_model_names:
+            return error_response(404, f"The model {model_id!r} does not exist.", code="model_not_found",
+                                  param="model")
+        return JSONResponse(model_card(model_id))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
