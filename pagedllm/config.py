@@ -132,6 +132,8 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "priority"
+    # The seed spec's name for scheduling_policy ("fifo" means "fcfs"); resolved into it by validate().
+    scheduler_policy: str | None = None
     preemption_mode: str = "recompute"
     enforce_eager: bool = False
     device: str = "auto"
@@ -164,6 +166,14 @@ class EngineArgs:
             raise ValueError(f"block_size must be a power of two in [1, 256], got {self.block_size!r}")
         if not (0.0 < float(self.gpu_memory_utilization) <= 1.0):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.scheduler_policy is not None:
+            alias = {"fifo": "fcfs"}.get(self.scheduler_policy, self.scheduler_policy)
+            if alias not in ("priority", "fcfs"):
+                raise ValueError(f"scheduler_policy must be 'priority', 'fcfs' or 'fifo', got {self.scheduler_policy!r}")
+            if self.scheduling_policy not in ("priority", alias):  # "priority" is the default: not given
+                raise ValueError(f"scheduler_policy={self.scheduler_policy!r} contradicts "
+                                 f"scheduling_policy={self.scheduling_policy!r}: give one of them")
+            self.scheduling_policy, self.scheduler_policy = alias, None
         if self.scheduling_policy not in ("priority", "fcfs"):
             raise ValueError(f"scheduling_policy must be 'priority' or 'fcfs', got {self.scheduling_policy!r}")
         if self.preemption_mode != "recompute":

@@ -333,6 +333,14 @@ class AsyncLLMEngine:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         self._backend.send(AbortCommand(ids))
 
+    async def __aenter__(self) -> AsyncLLMEngine:
+        """``async with AsyncLLMEngine.from_engine_args(...) as engine:`` (the seed's form); the
+        engine is shut down when the block exits, normally or by an exception."""
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        self.shutdown()
+
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Abort whatever is live, stop the engine loop (and its process) and wait for it (idempotent)."""
         self._stopping = True

@@ -342,3 +342,17 @@ def test_metrics_count_final_only_tokens_as_they_are_generated(fake):
     assert sample("pagedllm:time_to_first_token_seconds_count") == 1
     assert sample("pagedllm:inter_token_latency_seconds_count") == 39
     assert sample("pagedllm:time_to_first_token_seconds_sum") < sample("pagedllm:e2e_request_latency_seconds_sum")
+
+
+def test_async_with_shuts_the_engine_down_on_exit():
+    engine = FakeEngine()
+
+    async def main():
+        async with AsyncLLMEngine(engine, log_stats=False, idle_poll_s=0.05) as aengine:
+            outs = await _collect(aengine, "hi", _params(3), "r1")
+        return aengine, outs
+
+    aengine, outs = asyncio.run(main())
+    assert outs[-1].finished
+    with pytest.raises(EngineDeadError):  # shut down: new requests are refused
+        asyncio.run(_collect(aengine, "hi", _params(1), "r2"))
