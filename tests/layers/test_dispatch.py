@@ -22,6 +22,7 @@ from pagedllm.layers import (
     LMHead,
     RMSNorm,
     RotaryEmbedding,
+    RowParallelLinear,
     SiluAndMul,
     VocabEmbedding,
     fold_norms,
@@ -125,7 +126,7 @@ def test_prepare_chooses_each_implementation_once_on_the_cpu():
     assert set(fresh.values()) == {"cpu"}, "a fresh module runs its CPU form"
     plan = prepare_model_kernels(model, torch.device("cpu"), KernelConfig())
     kinds = {(type(m).__name__, m.impl) for m in model.modules() if isinstance(m, CustomOp)}
-    assert kinds == {(name, "cpu") for name in ("QKVLinear", "Linear", "MergedLinear", "RMSNorm", "SiluAndMul",
+    assert kinds == {(name, "cpu") for name in ("QKVLinear", "RowParallelLinear", "MergedLinear", "RMSNorm", "SiluAndMul",
                                                 "RotaryEmbedding", "VocabEmbedding", "LMHead")}
     assert plan.impls["model.layers.0.self_attn.qkv_proj"] == "cpu" and plan.impls["lm_head"] == "cpu"
     assert plan.packed_weights > 0 and not plan.norms_folded and model.model.residual.stream_min_tokens is None
@@ -133,7 +134,7 @@ def test_prepare_chooses_each_implementation_once_on_the_cpu():
     prepare_model_kernels(model, torch.device("cpu"), KernelConfig(cpu_kernels=False))
     impls = {type(m): m.impl for m in model.modules() if isinstance(m, CustomOp)}
     assert impls[RMSNorm] == impls[SiluAndMul] == impls[RotaryEmbedding] == impls[VocabEmbedding] == "native"
-    assert impls[Linear] == impls[LMHead] == "cpu"
+    assert impls[RowParallelLinear] == impls[LMHead] == "cpu"
 
 
 def test_prepare_for_cuda_follows_the_kernel_config(monkeypatch):
@@ -149,7 +150,7 @@ def test_prepare_for_cuda_follows_the_kernel_config(monkeypatch):
     plan = prepare_model_kernels(model, cuda, KernelConfig(fused_ops=False))
     assert plan.norms_folded and model.model.residual.stream_min_tokens is None
     impls = {type(m): m.impl for m in model.modules() if isinstance(m, CustomOp)}
-    assert impls[Linear] == impls[LMHead] == "cublas" and impls[RMSNorm] == "native"
+    assert impls[RowParallelLinear] == impls[LMHead] == "cublas" and impls[RMSNorm] == "native"
     model = tiny_model("qwen2", torch.float32, "cpu")  # q/k/v biases: nothing to fold
     plan = prepare_model_kernels(model, cuda, KernelConfig())
     assert not plan.norms_folded and model.model.residual.stream_min_tokens is None
