@@ -10,11 +10,23 @@ from typing import Any
 
 from pagedllm.sampling_params import SamplingParams
 
+PROMPT_DICT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def _check_prompt_dict_keys(prompt: dict) -> None:
+    """Refuse what this engine would otherwise drop silently: multimodal data and any other key."""
+    if "multi_modal_data" in prompt:
+        raise ValueError("multi_modal_data is not supported: this engine serves text-only models")
+    unknown = sorted(str(k) for k in prompt if k not in PROMPT_DICT_KEYS)
+    if unknown:
+        raise ValueError(f"prompt dict keys {unknown} are not supported (allowed: {list(PROMPT_DICT_KEYS)})")
+
 
 def tokenize_prompt(prompt: Any, tokenizer, tokenization_kwargs: dict | None = None) -> tuple[str | None, list[int]]:
     if isinstance(prompt, str):
         text, ids = prompt, None
     elif isinstance(prompt, dict):
+        _check_prompt_dict_keys(prompt)
         if "prompt_token_ids" in prompt:
             text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
         elif "prompt" in prompt:

@@ -24,7 +24,9 @@ def apply_chat_template(tokenizer, messages: list[dict], chat_template: str | No
                 elif isinstance(part, str):
                     parts.append(part)
                 else:
-                    raise ValueError(f"messages[{i}].content: only text parts are supported")
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise ValueError(f"messages[{i}].content: a {kind!r} part is not supported "
+                                     "(text-only models: only 'text' parts)")
             content = "".join(parts) if len(parts) <= 1 else "\n".join(parts)
         elif content is None:
             content = ""

@@ -102,6 +102,9 @@ def drain_order(engine):
         (lambda e: e.add_request("e4", {"prompt_token_ids": [10**9]}, SamplingParams()), ValueError, "prompt_token_ids"),
         (lambda e: e.add_request("e5", "x", "not params"), TypeError, "params"),
         (lambda e: e.add_request("e6", 3.5, SamplingParams()), TypeError, "prompt"),
+        (lambda e: e.add_request("e7", {"prompt": "x", "multi_modal_data": {"image": b""}}, SamplingParams()),
+         ValueError, "multi_modal_data"),
+        (lambda e: e.add_request("e8", {"prompt": "x", "cache_salt": "s"}, SamplingParams()), ValueError, "cache_salt"),
     ],
 )
 def test_bad_input_names_the_field_and_the_engine_keeps_serving(engine, call, exc, field):
