@@ -1,7 +1,8 @@
-"""The one reader of ``PAGEDLLM_*`` environment variables.
+"""The one reader of the environment variables the engine honours.
 
-Every variable the engine honours is listed in ``VARIABLES`` with its type, default and meaning;
-no other module reads ``os.environ`` for a ``PAGEDLLM_*`` name. Values are read when asked for
+Every variable is listed in ``VARIABLES`` with its type, default and meaning: our ``PAGEDLLM_*``
+ones and the two of other tools that change what we run (``CC``, ``TRITON_INTERPRET``); no other
+module reads ``os.environ``. Values are read when asked for
 (``envs.PAGEDLLM_FUSED_OPS``), not at import, so a test or a launcher can set them before it
 builds an engine. Booleans share one parser: ``0``, ``false``, ``no``, ``off`` (any case) are
 false, ``1``, ``true``, ``yes``, ``on`` are true, anything else is a ``ValueError`` naming the
@@ -72,6 +73,9 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "Log level of the command-line tools."),
     EnvVar("PAGEDLLM_COMMIT", "str", None,
            "The commit recorded in benchmark results (a copied tree may carry a stale .git)."),
+    EnvVar("CC", "str", "cc", "The C compiler that builds the CPU kernels."),
+    EnvVar("TRITON_INTERPRET", "bool", False,
+           "Triton's interpreter runs the kernels on the CPU (tests); programmatic dependent launch is off."),
 )}
 
 

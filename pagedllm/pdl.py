@@ -46,10 +46,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from collections.abc import Iterator
 
 import torch
+
+from pagedllm import envs
 
 MAX_TOKENS = 1
 
@@ -91,7 +92,7 @@ def _supports_pdl(device_index: int) -> bool:
 
 def pdl_enabled(device: torch.device) -> bool:
     """Whether Triton kernels launched on ``device`` now use PDL."""
-    if not _Switch.enabled or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    if not _Switch.enabled or device.type != "cuda" or envs.TRITON_INTERPRET:
         return False
     return _supports_pdl(device.index if device.index is not None else torch.cuda.current_device())
 

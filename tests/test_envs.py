@@ -47,7 +47,7 @@ def test_kernel_config_reads_the_switches_once(monkeypatch):
     assert config.gemm_tuning is False and config.cpu_kernels is False
 
 
-def test_no_other_module_reads_pagedllm_variables():
+def test_no_other_module_reads_the_environment():
     import pathlib
     import re
 
@@ -57,6 +57,6 @@ def test_no_other_module_reads_pagedllm_variables():
         if path.name == "envs.py":
             continue
         text = path.read_text()
-        if re.search(r"environ(\.get)?\s*[\[(]\s*['\"]PAGEDLLM_", text) or re.search(r"getenv\(\s*['\"]PAGEDLLM_", text):
+        if re.search(r"os\.environ\b|getenv\(", text):
             offenders.append(str(path.relative_to(root)))
     assert offenders == []

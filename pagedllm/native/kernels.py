@@ -82,7 +82,7 @@ def load() -> ctypes.CDLL | None:
     """The compiled kernels, or None (with one warning saying why) where they cannot be built."""
     if not envs.PAGEDLLM_CPU_KERNELS:
         return None
-    compiler = shutil.which(os.environ.get("CC", "cc"))
+    compiler = shutil.which(envs.CC)
     if compiler is None:
         logger.warning("no C compiler found: the CPU path uses torch ops only (slower decode attention)")
         return None
