@@ -47,10 +47,6 @@ class ParallelConfig:
     data_parallel_size: int = 1
     distributed_executor_backend: str = "uni"  # "uni" (one process) | "mp" | "ray"
 
-    @property
-    def world_size(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size
-
 
 @dataclass(frozen=True)
 class KernelConfig:
