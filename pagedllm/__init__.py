@@ -1,7 +1,7 @@
 """pagedllm: a readable LLM inference and serving engine (paged KV cache, continuous batching)."""
 
 from pagedllm.config import EngineArgs
-from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.version import __version__
 
@@ -12,6 +12,7 @@ __all__ = [
     "EngineArgs",
     "SamplingParams",
     "RequestOutputKind",
+    "RequestMetrics",
     "RequestOutput",
     "CompletionOutput",
     "Logprob",

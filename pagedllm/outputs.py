@@ -20,6 +20,23 @@ PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
+class RequestMetrics:
+    """When a request went through the engine (vLLM's fields; seconds on the ``time.time()`` clock).
+
+    ``arrival_time`` is set at ``add_request``; the others stay ``None`` until the event happens:
+    first scheduled (left the waiting queue), first token produced, latest token produced, finished.
+    ``time_in_queue`` = ``first_scheduled_time - arrival_time``.
+    """
+
+    arrival_time: float
+    last_token_time: float | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    time_in_queue: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
@@ -42,4 +59,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
-    metrics: dict | None = field(default=None, repr=False)
+    metrics: RequestMetrics | None = field(default=None, repr=False)
