@@ -8,7 +8,8 @@ from pagedllm.entrypoints.openai.tool_parsers import HermesToolParser
 from tests.entrypoints.tool_parsers.stream_replay import replay, without_ids
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
-TRICKY = '{"name": "search", "arguments": {"q": "a \\"quoted\\" } ] brace, \\u00e9t\\u00e9", "n": 1.5e3, "ok": true}}'
+# An escaped quote before brackets, an escaped backslash before a closing quote, escapes, literals.
+TRICKY = '{"name": "search", "arguments": {"q": "say \\"hi } ] in C:\\\\", "e": "\\u00e9t\\u00e9", "n": 1.5e3, "ok": true}}'
 
 
 def test_no_tool_call_is_all_content():
