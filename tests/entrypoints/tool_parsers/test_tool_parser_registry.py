@@ -6,7 +6,9 @@ import pytest
 
 from pagedllm.entrypoints.openai.tool_parsers import (
     HermesToolParser,
+    Llama3JsonToolParser,
     MistralToolParser,
+    PythonicToolParser,
     ToolParserManager,
     tool_parser_for_chat_template,
 )
@@ -15,6 +17,8 @@ from pagedllm.entrypoints.openai.tool_parsers import (
 def test_parsers_by_name():
     assert ToolParserManager.get_tool_parser("hermes") is HermesToolParser
     assert ToolParserManager.get_tool_parser("mistral") is MistralToolParser
+    assert ToolParserManager.get_tool_parser("llama3_json") is Llama3JsonToolParser
+    assert ToolParserManager.get_tool_parser("pythonic") is PythonicToolParser
     with pytest.raises(ValueError, match=r"^tool_call_parser: unknown parser 'nope'; choose one of .*hermes"):
         ToolParserManager.get_tool_parser("nope")
 
@@ -22,6 +26,8 @@ def test_parsers_by_name():
 @pytest.mark.parametrize("template,name", [
     ("{% for t in tools %}...{% endfor %}<tool_call>\n{{ tool_call | tojson }}\n</tool_call>", "hermes"),
     ("{{ '[TOOL_CALLS]' }}{{ tool_calls | tojson }}", "mistral"),
+    ("{%- if builtin_tools %}{{- '<|python_tag|>' }}{% endif %}Environment: ipython", "llama3_json"),
+    ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>{% endfor %}", "hermes"),
     (None, "hermes"),
 ])
 def test_parser_from_chat_template(template, name):

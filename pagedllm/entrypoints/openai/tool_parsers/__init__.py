@@ -19,7 +19,9 @@ from .abstract_tool_parser import (
 )
 from .hermes_tool_parser import HermesToolParser
 from .json_tool_calls import make_tool_call_id
+from .llama3_json_tool_parser import Llama3JsonToolParser
 from .mistral_tool_parser import MistralToolParser
+from .pythonic_tool_parser import PythonicToolParser
 from .tool_choice import ConstrainedToolParser, tool_choice_json_schema, validate_tool_choice, validate_tools
 
 __all__ = [
@@ -27,7 +29,9 @@ __all__ = [
     "ConstrainedToolParser",
     "ExtractedToolCallInformation",
     "HermesToolParser",
+    "Llama3JsonToolParser",
     "MistralToolParser",
+    "PythonicToolParser",
     "ToolParser",
     "ToolParserManager",
     "make_tool_call_id",

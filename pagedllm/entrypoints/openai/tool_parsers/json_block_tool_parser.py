@@ -10,10 +10,10 @@ from .json_tool_calls import tool_call_dict
 from .tool_call_stream import ToolCallStream
 
 
-def extract_with_stream(stream: ToolCallStream, model_output: str) -> ExtractedToolCallInformation:
-    """Read a whole reply with a fresh ``stream``: the non-streaming result is the streaming one in
-    a single step, so the two always agree."""
-    delta = stream.advance(model_output, final=True) or {}
+def information_from_delta(delta: dict | None) -> ExtractedToolCallInformation:
+    """The result of a whole reply from the one delta a fresh stream gives for all of it: the
+    non-streaming result is the streaming one in a single step, so the two always agree."""
+    delta = delta or {}
     tool_calls = [tool_call_dict(call["function"]["name"], call["function"]["arguments"], call["id"])
                   for call in delta.get("tool_calls", [])]
     return ExtractedToolCallInformation(tools_called=bool(tool_calls), tool_calls=tool_calls,
@@ -33,7 +33,7 @@ class JsonBlockToolParser(ToolParser):
         self._stream = ToolCallStream(self.start_tag, self.end_tag)
 
     def extract_tool_calls(self, model_output: str, request: Any = None) -> ExtractedToolCallInformation:
-        return extract_with_stream(ToolCallStream(self.start_tag, self.end_tag), model_output)
+        return information_from_delta(ToolCallStream(self.start_tag, self.end_tag).advance(model_output, final=True))
 
     def extract_tool_calls_streaming(self, previous_text: str, current_text: str, delta_text: str,
                                      previous_token_ids: Sequence[int] = (),

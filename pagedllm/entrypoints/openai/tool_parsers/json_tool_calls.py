@@ -113,11 +113,13 @@ class ParsedBlock:
     finished: bool = False
 
 
-def parse_calls(block: str) -> ParsedBlock:
-    """Read the calls in ``block`` (a whole block or a prefix of one). Cost: O(len(block))."""
+def parse_calls(block: str, separator: str | None = None) -> ParsedBlock:
+    """Read the calls in ``block`` (a whole block or a prefix of one): one call object, a JSON list
+    of them, or (with ``separator``, e.g. ``";"``) objects separated by it. Each call object must
+    be valid JSON. Cost: O(len(block))."""
     parsed = ParsedBlock()
     try:
-        _parse_block(block, parsed)
+        _parse_block(block, parsed, separator)
         parsed.finished = True
     except _TextEnded:
         pass
@@ -135,7 +137,7 @@ def _next(text: str, i: int) -> int:
     return i
 
 
-def _parse_block(block: str, parsed: ParsedBlock) -> None:
+def _parse_block(block: str, parsed: ParsedBlock, separator: str | None) -> None:
     i = _next(block, 0)
     in_list = block[i] == "["
     if in_list:
@@ -149,7 +151,11 @@ def _parse_block(block: str, parsed: ParsedBlock) -> None:
         parsed.calls.append(call)
         i = _parse_call_object(block, i, call)
         if not in_list:
-            return _expect_end(block, i)
+            rest = block[i:].lstrip(_WHITESPACE)
+            if not separator or not rest.startswith(separator):
+                return _expect_end(block, i)
+            i = _next(block, len(block) - len(rest) + len(separator))
+            continue
         i = _next(block, i)
         if block[i] == "]":
             return _expect_end(block, i + 1)
@@ -165,7 +171,7 @@ def _expect_end(block: str, i: int) -> None:
 
 def _parse_call_object(block: str, i: int, call: PartialToolCall) -> int:
     """Fill ``call`` from the object at ``block[i] == "{"``; return the index past its ``}``."""
-    i = _next(block, i + 1)
+    start, i = i, _next(block, i + 1)
     while block[i] != "}":
         if block[i] != '"':
             raise _Malformed
@@ -195,15 +201,8 @@ def _parse_call_object(block: str, i: int, call: PartialToolCall) -> int:
             raise _Malformed
     if call.name is None:
         raise _Malformed
+    json.loads(block[start:i + 1])  # the values the scan skipped must be valid JSON too
     call.arguments = call.arguments or "{}"
     call.complete = True
     return i + 1
 
-
-def is_valid_block(block: str) -> bool:
-    """Whether a finished block is valid JSON (``parse_calls`` checks the shape, not the values)."""
-    try:
-        json.loads(block)
-    except ValueError:
-        return False
-    return True

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .json_tool_calls import PartialToolCall, is_valid_block, make_tool_call_id, parse_calls
+from .json_tool_calls import PartialToolCall, make_tool_call_id, parse_calls
 
 _WHITESPACE = " \t\n\r"
 
@@ -36,8 +36,8 @@ class ToolCallStream:
     O(sum of block length x steps inside it).
     """
 
-    def __init__(self, start_tag: str | None, end_tag: str | None):
-        self.start_tag, self.end_tag = start_tag, end_tag
+    def __init__(self, start_tag: str | None, end_tag: str | None, separator: str | None = None):
+        self.start_tag, self.end_tag, self.separator = start_tag, end_tag, separator
         self._pos = 0
         self._block_start: int | None = 0 if start_tag is None else None  # where the open block's tag begins
         self._sent_arguments: list[int] = []  # per announced call of the open block: chars of arguments sent
@@ -80,8 +80,8 @@ class ToolCallStream:
         close = text.find(self.end_tag, self._pos) if self.end_tag else -1
         body = text[self._pos:] if close == -1 else text[self._pos:close]
         closed = close != -1 or final
-        parsed = parse_calls(body)
-        usable = parsed.well_formed and (not closed or (parsed.finished and is_valid_block(body)))
+        parsed = parse_calls(body, self.separator)
+        usable = parsed.well_formed and (not closed or parsed.finished)
         if usable:
             self._send_calls(parsed.calls, tool_calls)
         if not closed:

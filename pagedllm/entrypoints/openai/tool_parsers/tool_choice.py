@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .abstract_tool_parser import ExtractedToolCallInformation, ToolParser
-from .json_block_tool_parser import extract_with_stream
+from .json_block_tool_parser import information_from_delta
 from .json_tool_calls import compact_json, make_tool_call_id, tool_call_dict
 from .tool_call_stream import ToolCallStream
 
@@ -133,7 +133,7 @@ class ConstrainedToolParser(ToolParser):
 
     def extract_tool_calls(self, model_output: str, request: Any = None) -> ExtractedToolCallInformation:
         if self.function_name is None:
-            return extract_with_stream(ToolCallStream(None, None), model_output)
+            return information_from_delta(ToolCallStream(None, None).advance(model_output, final=True))
         call = tool_call_dict(self.function_name, compact_json(model_output))
         return ExtractedToolCallInformation(tools_called=True, tool_calls=[call], content=None)
 
