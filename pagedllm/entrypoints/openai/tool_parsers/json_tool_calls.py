@@ -1,9 +1,9 @@
 """Tool calls written as JSON in a model's text, read whole or while they stream.
 
 Every JSON-based format (hermes ``<tool_call>{...}</tool_call>``, mistral ``[TOOL_CALLS][...]``, the
-``required`` tool choice's ``[{"name", "parameters"}, ...]``) is one *block* of text holding either
-one call object ``{"name": str, "arguments": {...}}`` or a list of them; ``"parameters"`` is read as
-a synonym of ``"arguments"``. ``parse_calls`` reads a block or any prefix of one, so the same code
+``required`` tool choice's ``[{"name", "parameters"}, ...]``, llama3_json's ``{...}; {...}``) is one
+*block* of text holding one call object ``{"name": str, "arguments": {...}}``, a list of them, or
+several separated by a separator; ``"parameters"`` is read as a synonym of ``"arguments"``. ``parse_calls`` reads a block or any prefix of one, so the same code
 serves the finished reply and each streamed step.
 
 The ``arguments`` string handed to the client is the model's own JSON with the whitespace outside

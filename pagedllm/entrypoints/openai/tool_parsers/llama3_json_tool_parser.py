@@ -1,6 +1,7 @@
 """Llama 3.1 / 3.2 JSON tool calls: a reply that starts (after an optional ``<|python_tag|>``) with
 ``{"name": ..., "parameters": {...}}``, several separated by ``;``. Any other reply is content, as
-in vLLM's ``llama3_json`` parser: Llama writes calls only at the start of a reply."""
+in vLLM's ``llama3_json`` parser: Llama writes calls only at the start of a reply. (A reply
+detokenized with special tokens skipped has no tag and starts with ``{`` directly.)"""
 
 from __future__ import annotations
 

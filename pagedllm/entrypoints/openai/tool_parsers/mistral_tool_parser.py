@@ -1,5 +1,6 @@
 """Mistral tool calls (tokenizers before v11): ``[TOOL_CALLS]`` and then a JSON list of
-``{"name", "arguments"}`` objects to the end of the reply; text before the marker is content."""
+``{"name", "arguments"}`` objects to the end of the reply; text before the marker is content.
+``[TOOL_CALLS]`` is a special token: detokenize with ``skip_special_tokens=False``."""
 
 from __future__ import annotations
 

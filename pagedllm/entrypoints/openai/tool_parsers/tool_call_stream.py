@@ -20,7 +20,8 @@ def _tag_prefix_length(text: str, start: int, tag: str | None) -> int:
 class ToolCallStream:
     """Reads a growing reply in which tool calls are JSON blocks between ``start_tag`` and
     ``end_tag`` (no ``end_tag``: a block runs to the end of the reply; no ``start_tag``: the reply
-    is one block from its first character), and returns OpenAI ``delta`` dicts.
+    is one block from its first character; ``separator``: as in ``parse_calls``), and returns
+    OpenAI ``delta`` dicts.
 
     Invariant: ``text[:self._pos]`` is settled: its content has been returned, except
     ``self._held_whitespace``, and so have the calls of its blocks. Text that may still turn out
@@ -28,7 +29,7 @@ class ToolCallStream:
     next content, or at the end unless only tools were called (then ``content`` stays null).
 
     A block is returned as calls only when it is well formed: a block that cannot be JSON of one
-    call object or a list of them is returned as content when it closes. A call is announced (id,
+    call object, a list of them or separated ones is returned as content when it closes. A call is announced (id,
     type, name) as soon as its name is complete and its arguments follow as compact-JSON fragments;
     a block that breaks after a call was announced cannot be taken back and is dropped.
 
