@@ -72,6 +72,8 @@ REPLIES = [
     f"Let me check.\n<tool_call>\n{WEATHER}\n</tool_call>\nOne moment.",
     f"<tool_call>{WEATHER}</tool_call>\n<tool_call>\n{TRICKY}\n</tool_call>\n",
     '<tool_call>[\n{"name": "a", "arguments": {"k": [1, {"z": null}]}},\n{"name": "b", "arguments": {}}\n]</tool_call>',
+    '<tool_call>[{"name": "a", "arguments": {"i": 1}}, {"name": "b", "arguments": {"i": 2}}, '
+    '{"name": "c", "arguments": {"i": 3}}, {"name": "d"}]</tool_call>',
     '<tool_call>{"arguments": {"late": "name"}, "name": "f"}</tool_call> after',
     "A <tool_call>not json</tool_call> then <tool_call>" + WEATHER + "</tool_call>",
     f"<tool_call>{WEATHER}",

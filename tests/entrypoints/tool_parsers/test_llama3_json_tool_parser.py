@@ -23,7 +23,8 @@ def test_anything_else_is_content(text):
     assert not result.tools_called and result.content == text.removeprefix("<|python_tag|>")
 
 
-@pytest.mark.parametrize("text", [f"<|python_tag|>{ONE}; {TWO}", f"Calling {ONE}", "Hello there", "<|py"])
+@pytest.mark.parametrize("text", [f"<|python_tag|>{ONE}; {TWO}", f"{ONE};{TWO};{ONE}; {TWO}", f"Calling {ONE}",
+                                  "Hello there", "<|py"])
 @pytest.mark.parametrize("seed", range(4))
 def test_streaming_reassembles(text, seed):
     expected = Llama3JsonToolParser().extract_tool_calls(text)

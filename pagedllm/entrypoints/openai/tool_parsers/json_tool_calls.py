@@ -103,21 +103,35 @@ class _Malformed(Exception):
     """The text cannot be (a prefix of) one call object or a list of them."""
 
 
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a later parse of the same growing block may start: the call object number
+    ``call_index`` begins at ``position``, all the calls before it are complete."""
+
+    position: int
+    in_list: bool
+    call_index: int
+
+
 @dataclass
 class ParsedBlock:
-    """``calls`` found in a block; ``well_formed`` is False once the text cannot be a prefix of the
-    expected shape; ``finished`` once the outer object or list has closed."""
+    """The calls of a block from number ``first_call`` on; ``well_formed`` is False once the text
+    cannot be a prefix of the expected shape; ``finished`` once the outer object or list has
+    closed; ``resume`` the last point a later parse may start from (None: the beginning)."""
 
     calls: list[PartialToolCall] = field(default_factory=list)
+    first_call: int = 0
     well_formed: bool = True
     finished: bool = False
+    resume: ResumePoint | None = None
 
 
-def parse_calls(block: str, separator: str | None = None) -> ParsedBlock:
+def parse_calls(block: str, separator: str | None = None, resume: ResumePoint | None = None) -> ParsedBlock:
     """Read the calls in ``block`` (a whole block or a prefix of one): one call object, a JSON list
     of them, or (with ``separator``, e.g. ``";"``) objects separated by it. Each call object must
-    be valid JSON. Cost: O(len(block))."""
-    parsed = ParsedBlock()
+    be valid JSON. With ``resume`` (from an earlier parse of a prefix of ``block``) the complete
+    calls before it are skipped. Cost: O(len(block) - resume.position)."""
+    parsed = ParsedBlock(first_call=resume.call_index if resume else 0, resume=resume)
     try:
         _parse_block(block, parsed, separator)
         parsed.finished = True
@@ -138,12 +152,15 @@ def _next(text: str, i: int) -> int:
 
 
 def _parse_block(block: str, parsed: ParsedBlock, separator: str | None) -> None:
-    i = _next(block, 0)
-    in_list = block[i] == "["
-    if in_list:
-        i = _next(block, i + 1)
-        if block[i] == "]":  # an empty list: the model chose to call nothing
-            return _expect_end(block, i + 1)
+    if parsed.resume is not None:
+        i, in_list = parsed.resume.position, parsed.resume.in_list
+    else:
+        i = _next(block, 0)
+        in_list = block[i] == "["
+        if in_list:
+            i = _next(block, i + 1)
+            if block[i] == "]":  # an empty list: the model chose to call nothing
+                return _expect_end(block, i + 1)
     while True:
         if block[i] != "{":
             raise _Malformed
@@ -155,6 +172,7 @@ def _parse_block(block: str, parsed: ParsedBlock, separator: str | None) -> None
             if not separator or not rest.startswith(separator):
                 return _expect_end(block, i)
             i = _next(block, len(block) - len(rest) + len(separator))
+            parsed.resume = ResumePoint(i, False, parsed.first_call + len(parsed.calls))
             continue
         i = _next(block, i)
         if block[i] == "]":
@@ -162,6 +180,7 @@ def _parse_block(block: str, parsed: ParsedBlock, separator: str | None) -> None
         if block[i] != ",":
             raise _Malformed
         i = _next(block, i + 1)
+        parsed.resume = ResumePoint(i, True, parsed.first_call + len(parsed.calls))
 
 
 def _expect_end(block: str, i: int) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .json_tool_calls import PartialToolCall, make_tool_call_id, parse_calls
+from .json_tool_calls import ParsedBlock, ResumePoint, make_tool_call_id, parse_calls
 
 _WHITESPACE = " \t\n\r"
 
@@ -33,8 +33,8 @@ class ToolCallStream:
     type, name) as soon as its name is complete and its arguments follow as compact-JSON fragments;
     a block that breaks after a call was announced cannot be taken back and is dropped.
 
-    Cost: each step re-reads the text after ``self._pos`` (the open block), so a reply costs
-    O(sum of block length x steps inside it).
+    Cost: each step re-reads the open block from the start of its first unfinished call, so a
+    reply costs O(sum over calls of call length x steps inside it).
     """
 
     def __init__(self, start_tag: str | None, end_tag: str | None, separator: str | None = None):
@@ -42,6 +42,7 @@ class ToolCallStream:
         self._pos = 0
         self._block_start: int | None = 0 if start_tag is None else None  # where the open block's tag begins
         self._sent_arguments: list[int] = []  # per announced call of the open block: chars of arguments sent
+        self._resume: ResumePoint | None = None  # the open block's calls before it are complete and sent
         self._num_calls_closed = 0  # announced calls of the blocks already closed
         self._held_whitespace = ""
         self._sent_content = False
@@ -81,21 +82,22 @@ class ToolCallStream:
         close = text.find(self.end_tag, self._pos) if self.end_tag else -1
         body = text[self._pos:] if close == -1 else text[self._pos:close]
         closed = close != -1 or final
-        parsed = parse_calls(body, self.separator)
+        parsed = parse_calls(body, self.separator, self._resume)
         usable = parsed.well_formed and (not closed or parsed.finished)
         if usable:
-            self._send_calls(parsed.calls, tool_calls)
+            self._send_calls(parsed, tool_calls)
+            self._resume = parsed.resume
         if not closed:
             return False
         block_end = len(text) if close == -1 else close + len(self.end_tag)
         if not usable and not self._sent_arguments:
             self._add_content(text[self._block_start:block_end], content)
         self._num_calls_closed += len(self._sent_arguments)
-        self._sent_arguments, self._block_start, self._pos = [], None, block_end
+        self._sent_arguments, self._resume, self._block_start, self._pos = [], None, None, block_end
         return block_end < len(text)
 
-    def _send_calls(self, calls: list[PartialToolCall], tool_calls: list[dict]) -> None:
-        for k, call in enumerate(calls):
+    def _send_calls(self, parsed: ParsedBlock, tool_calls: list[dict]) -> None:
+        for k, call in enumerate(parsed.calls, start=parsed.first_call):
             index = self._num_calls_closed + k
             if k == len(self._sent_arguments):
                 if call.name is None:  # the name comes first on the wire: wait for it

@@ -68,8 +68,8 @@ def validate_tool_choice(tool_choice: Any, tools: list[dict]) -> str | None:
     if isinstance(tool_choice, str):
         raise ValueError(f"tool_choice must be one of {', '.join(TOOL_CHOICE_MODES)} or "
                          f"{{'type': 'function', 'function': {{'name': ...}}}}, got {tool_choice!r}")
-    if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function" \
-            or not isinstance(tool_choice.get("function"), dict):
+    named = isinstance(tool_choice, dict) and tool_choice.get("type") == "function"
+    if not named or not isinstance(tool_choice.get("function"), dict):
         raise ValueError("tool_choice must be a mode or {'type': 'function', 'function': {'name': ...}}")
     name = tool_choice["function"].get("name")
     names = [tool["function"]["name"] for tool in tools]
