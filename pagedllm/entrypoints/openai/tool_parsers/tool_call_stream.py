@@ -29,9 +29,10 @@ class ToolCallStream:
     next content, or at the end unless only tools were called (then ``content`` stays null).
 
     A block is returned as calls only when it is well formed: a block that cannot be JSON of one
-    call object, a list of them or separated ones is returned as content when it closes. A call is announced (id,
-    type, name) as soon as its name is complete and its arguments follow as compact-JSON fragments;
-    a block that breaks after a call was announced cannot be taken back and is dropped.
+    call object, a list of them or separated ones is returned as content when it closes. A call is
+    announced (id, type, name) as soon as its name is complete, and its arguments follow as
+    compact-JSON fragments; a block that breaks after a call was announced cannot be taken back
+    and is dropped.
 
     Cost: each step re-reads the open block from the start of its first unfinished call, so a
     reply costs O(sum over calls of call length x steps inside it).
