@@ -8,6 +8,20 @@
 
 Every parser returns OpenAI's wire format: ``message.tool_calls`` entries for a finished reply and
 ``delta.tool_calls`` chunks while it streams.
+
+How a chat request uses it (one parser per choice of a request)::
+
+    tools = validate_tools(request.tools)              # ValueError naming tools[i]...
+    schema = tool_choice_json_schema(tools, request.tool_choice, request.parallel_tool_calls)
+    if schema is not None:                             # 'required' or a named function
+        # constrain the sampling with the JSON schema `schema`
+        parser = ConstrainedToolParser(tools, request.tool_choice)
+    elif tools and request.tool_choice in (None, "auto"):
+        name = cli_tool_call_parser or tool_parser_for_chat_template(chat_template)
+        parser = ToolParserManager.get_tool_parser(name)(tokenizer)
+    # whole reply: parser.extract_tool_calls(text) -> tool_calls, content (None if only calls)
+    # streaming: parser.extract_tool_calls_streaming(prev, text, delta) each step, then
+    #            parser.finish_streaming(text) once; each returns a delta dict or None
 """
 
 from .abstract_tool_parser import (
