@@ -1,4 +1,9 @@
-"""POST /v1/chat/completions: chat template -> one engine request (n choices) -> message or SSE deltas."""
+"""POST /v1/chat/completions: chat template -> one engine request (n choices) -> message or SSE deltas.
+
+Undeclared fields are judged by the field table: refused -> 400 naming the field, others listed
+in the ``x-ignored-fields`` response header. ``prompt_logprobs`` come back at the top of the
+response, as vLLM.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ from starlette.responses import JSONResponse, Response
 from pagedllm.engine.async_engine import RequestStream
 from pagedllm.entrypoints.chat_utils import apply_chat_template
 from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request
+from pagedllm.entrypoints.openai.field_status import CHAT, fields_of
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from pagedllm.entrypoints.openai.serving_common import (
     SSE_DONE,
@@ -21,8 +27,9 @@ from pagedllm.entrypoints.openai.serving_common import (
     sse_error,
     usage,
 )
+from pagedllm.entrypoints.openai.serving_completion import prompt_logprobs_json
 
-_FIELDS = set(ChatCompletionRequest.model_fields)
+_FIELDS = set(ChatCompletionRequest.model_fields) | set(fields_of(CHAT))
 
 
 def render_chat(ctx: ServingContext, messages: list[ChatMessage], chat_template: str | None,
@@ -49,8 +56,10 @@ class OpenAIServingChat:
     async def create(self, req: ChatCompletionRequest) -> Response:
         ctx = self.ctx
         model = ctx.check_model(req.model)
+        max_num_seqs = ctx.engine.get_engine_config().scheduler_config.max_num_seqs
         try:
-            params = req.to_sampling_params(ctx.max_logprobs)
+            ignored = req.check_fields()
+            params = req.to_sampling_params(ctx.max_logprobs, max_num_seqs)
         except (ValueError, TypeError) as e:
             raise bad_request(e, _FIELDS) from e
         prompt_ids = render_chat(ctx, req.messages, req.chat_template, req.add_generation_prompt,
@@ -69,8 +78,12 @@ class OpenAIServingChat:
             raise bad_request(e, _FIELDS, default_param="messages") from e
         created = int(time.time())
         if req.stream:
-            return EventStreamResponse(self._stream(req, request_id, created, model, stream))
-        return await self._full(req, request_id, created, model, stream)
+            response: Response = EventStreamResponse(self._stream(req, request_id, created, model, stream))
+        else:
+            response = await self._full(req, request_id, created, model, stream)
+        if ignored:
+            response.headers["x-ignored-fields"] = ",".join(ignored)
+        return response
 
     def _echo_prefix(self, req: ChatCompletionRequest) -> str:
         if req.echo and req.messages and req.messages[-1].role == "assistant":
@@ -111,6 +124,7 @@ class OpenAIServingChat:
             "choices": choices, "usage": usage(len(final.prompt_token_ids), completion_tokens,
                                                final.num_cached_tokens),
             "system_fingerprint": None,
+            "prompt_logprobs": prompt_logprobs_json(final.prompt_logprobs, self.ctx.tokenizer),
         })
 
     async def _stream(self, req: ChatCompletionRequest, request_id: str, created: int, model: str,
