@@ -130,8 +130,9 @@ FIELDS: tuple[FieldStatus, ...] = (
     _row("request_id", W, "the response's id", "my-request-1", origin="vLLM"),
     _row("add_special_tokens", W, "add BOS etc. to the prompt (default: true for completions, false "
          "for chat, where the template adds them)", True, origin="vLLM"),
-    _row("use_beam_search", W, "completions: beam search of width n, the n beams as choices best first "
-         "(not with stream=true)", True, (COMPLETIONS,), origin="vLLM"),
+    _row("use_beam_search", W, "beam search of width n, the n beams as choices best first (streamed whole "
+         "at the end); temperature defaults to 0; sampling fields it cannot honour are refused", True,
+         (COMPLETIONS,), origin="vLLM"),
     _row("use_beam_search", R, "beam search is served on /v1/completions only", True, (CHAT,), origin="vLLM",
          inert=(None, False)),
     _row("length_penalty", W, "beam score = cumulative logprob / length ** length_penalty; with "
