@@ -17,10 +17,11 @@ from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 async def beam_search(engine: AsyncLLMEngine, prompts: list[list[int]], params: BeamSearchParams,
-                      request_id: str) -> list[BeamSearchOutput]:
+                      request_id: str, priority: int = 0) -> list[BeamSearchOutput]:
     """One BeamSearchOutput per prompt (token ids), its ``beam_width`` best beams first.
 
-    Beam texts are left to the caller (``text`` is None). Cancelling the coroutine aborts the
+    Beam texts are left to the caller (``text`` is None). Every beam request has ``priority``;
+    add_request's ValueError/TypeError propagate. Cancelling the coroutine aborts the
     step's requests (their streams abort on close), so no KV block outlives it.
     """
     step_params = SamplingParams(max_tokens=1, logprobs=2 * params.beam_width, temperature=params.temperature,
@@ -30,7 +31,7 @@ async def beam_search(engine: AsyncLLMEngine, prompts: list[list[int]], params: 
     async def one_beam(tokens: list[int]) -> dict[int, Logprob]:
         final = None
         async for out in engine.generate({"prompt_token_ids": tokens}, step_params,
-                                         f"{request_id}-beam-{next(counter)}"):
+                                         f"{request_id}-beam-{next(counter)}", priority=priority):
             final = out
         return (final.outputs[0].logprobs or [{}])[0] if final is not None else {}
 

@@ -19,7 +19,15 @@ from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.entrypoints.openai.api_server import build_app
-from pagedllm.entrypoints.openai.field_status import CHAT, COMPLETIONS, FIELDS, Status, check_extra_fields
+from pagedllm.entrypoints.openai.field_status import (
+    CHAT,
+    COMPLETIONS,
+    FIELDS,
+    Status,
+    check_extra_fields,
+    fields_of,
+)
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -72,6 +80,18 @@ def test_every_field_of_the_table_does_what_the_table_says(client, endpoint, row
     assert resp.status_code == 200, resp.text
     ignored = resp.headers.get("x-ignored-fields", "").split(",")
     assert (row.name in ignored) == (row.status is Status.IGNORED)
+
+
+@pytest.mark.parametrize("endpoint,model", [(COMPLETIONS, CompletionRequest), (CHAT, ChatCompletionRequest)])
+def test_the_table_and_the_request_models_agree(endpoint, model):
+    """A field works only if the model declares it (so flipping a row to works without wiring the
+    field fails here), an ignored one must not be declared (it would not be reported), and every
+    declared field has a row."""
+    rows = fields_of(endpoint)
+    declared = set(model.model_fields)
+    assert {n for n, r in rows.items() if r.status is Status.WORKS} <= declared
+    assert not {n for n, r in rows.items() if r.status is Status.IGNORED} & declared
+    assert declared <= set(rows)
 
 
 def test_refused_fields_pass_with_their_inert_values(client):
@@ -188,6 +208,14 @@ def test_beam_search_refuses_what_it_cannot_honour(client):
 
 
 # -- validation as OpenAI ----------------------------------------------------------------------------
+def test_multimodal_parts_are_refused_naming_the_part(client):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                             {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]
+    err = _error(_post(client, CHAT, messages=messages))
+    assert err["param"] == "messages" and "'image_url' part" in err["message"]
+    assert "template" not in err["message"]
+
+
 @pytest.mark.parametrize("endpoint,fields,param", [
     (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
     (CHAT, {"messages": [{"role": "user", "content": None}]}, "messages"),

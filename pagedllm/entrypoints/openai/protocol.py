@@ -14,9 +14,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, Strict, model_validator
+from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, Strict
 
 from pagedllm.beam_search import BeamSearchParams
+from pagedllm.entrypoints.chat_utils import Role
 from pagedllm.entrypoints.openai.field_status import CHAT, COMPLETIONS, check_extra_fields, check_refused
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -131,7 +132,8 @@ class _SamplingFields(OpenAIBaseModel):
 # with use_beam_search rather than ignored (vLLM drops them silently).
 _NOT_WITH_BEAM_SEARCH = ("frequency_penalty", "presence_penalty", "logit_bias", "seed", "stop", "top_p",
                          "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids",
-                         "allowed_token_ids", "bad_words", "prompt_logprobs", "logprobs", "truncate_prompt_tokens")
+                         "allowed_token_ids", "bad_words", "prompt_logprobs", "logprobs",
+                         "spaces_between_special_tokens")
 
 
 class CompletionRequest(_SamplingFields):
@@ -183,20 +185,13 @@ class CompletionRequest(_SamplingFields):
                                 early_stopping=self.early_stopping)
 
 
-Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
-
-
 class ChatMessage(OpenAIBaseModel):
+    """One message; its content rules (required unless the assistant's, text parts only) are
+    checked with the conversation by ``chat_utils.text_messages``."""
+
     role: Role
     content: Str | list[dict[str, Any]] | None = None
     name: Str | None = None
-
-    @model_validator(mode="after")
-    def _content_required(self) -> ChatMessage:
-        # OpenAI: only an assistant message (carrying tool calls) may go without content.
-        if self.content is None and self.role != "assistant":
-            raise ValueError(f"content is required for a {self.role!r} message")
-        return self
 
 
 class ChatCompletionRequest(_SamplingFields):

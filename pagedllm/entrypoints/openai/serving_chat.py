@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from starlette.responses import JSONResponse, Response
 
 from pagedllm.engine.async_engine import RequestStream
-from pagedllm.entrypoints.chat_utils import apply_chat_template
+from pagedllm.entrypoints.chat_utils import apply_chat_template, text_messages
 from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request
 from pagedllm.entrypoints.openai.field_status import CHAT, fields_of
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
@@ -37,15 +37,16 @@ def render_chat(ctx: ServingContext, messages: list[ChatMessage], chat_template:
     """Messages -> prompt token ids through the chat template; a 400 naming ``messages`` on failure."""
     if not messages:
         raise OpenAIError(400, "messages must be a non-empty list", param="messages")
-    dicts = [m.model_dump(exclude_none=True) for m in messages]
-    for m in dicts:
-        m.setdefault("content", "")
+    try:
+        dicts = text_messages([m.model_dump(exclude_none=True) for m in messages])
+    except ValueError as e:  # the conversation itself: role, content, a non-text part
+        raise OpenAIError(400, str(e), param="messages") from e
     try:
         return apply_chat_template(ctx.tokenizer, dicts, chat_template or ctx.chat_template,
                                    add_generation_prompt, continue_final_message)
     except OpenAIError:
         raise
-    except Exception as e:  # template errors (jinja), unsupported content parts, no template at all
+    except Exception as e:  # template errors (jinja), no template at all
         raise OpenAIError(400, f"messages could not be rendered with the chat template: {e}", param="messages") from e
 
 

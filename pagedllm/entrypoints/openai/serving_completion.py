@@ -114,7 +114,10 @@ class OpenAIServingCompletion:
         """One prompt's beam search as a stream of one final output whose choices are the beams."""
         if req.max_tokens is None:  # as far as the context allows
             params = dataclasses.replace(params, max_tokens=self.ctx.max_model_len - len(prompt.token_ids))
-        [result] = await beam_search(self.ctx.engine, [prompt.token_ids], params, request_id)
+        try:
+            [result] = await beam_search(self.ctx.engine, [prompt.token_ids], params, request_id, req.priority)
+        except (ValueError, TypeError) as e:
+            raise bad_request(e, _FIELDS, default_param="prompt") from e
         choices = [self._beam_choice(i, beam, len(prompt.token_ids), req) for i, beam in enumerate(result.sequences)]
         yield RequestOutput(request_id, prompt.text, prompt.token_ids, None, choices, finished=True)
 
