@@ -95,8 +95,8 @@ def test_the_table_and_the_request_models_agree(endpoint, model):
 
 
 def test_refused_fields_pass_with_their_inert_values(client):
-    inert = {"tool_choice": "none", "response_format": {"type": "text"}, "use_beam_search": False,
-             "guided_json": None, "include_reasoning": True}
+    inert = {"tool_choice": "none", "response_format": {"type": "text"}, "guided_json": None,
+             "include_reasoning": True}
     resp = _post(client, CHAT, **inert)
     assert resp.status_code == 200, resp.text
     assert "x-ignored-fields" not in resp.headers
@@ -188,15 +188,33 @@ def test_beam_search_choices_equal_llm_beam_search_best_first(client, offline, e
     assert [c["finish_reason"] for c in choices] == [b.finish_reason for b in result.sequences]
 
 
-def test_beam_search_streams_each_beam_once_then_done(client):
-    full = _post(client, COMPLETIONS, use_beam_search=True, n=2, max_tokens=4).json()["choices"]
-    with client.stream("POST", "/v1/completions", json={**BASE[COMPLETIONS][1], "use_beam_search": True, "n": 2,
-                                                        "max_tokens": 4, "stream": True}) as resp:
+def test_chat_beam_search_equals_llm_beam_search_on_the_rendered_prompt(client, offline):
+    prompt_ids = client.post("/tokenize", json={"messages": MESSAGES}).json()["tokens"]
+    body = _post(client, CHAT, use_beam_search=True, n=2, max_tokens=5).json()
+    [result] = offline.beam_search({"prompt_token_ids": prompt_ids}, BeamSearchParams(beam_width=2, max_tokens=5,
+                                                                                      early_stopping=False))
+    texts = [offline.get_tokenizer().decode(b.tokens[len(prompt_ids):], skip_special_tokens=True)
+             for b in result.sequences]
+    assert [c["message"]["content"] for c in body["choices"]] == texts
+
+
+@pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT])
+def test_beam_search_streams_each_beam_whole_then_done(client, endpoint):
+    def text_of(choice: dict) -> str:
+        return choice["text"] if endpoint == COMPLETIONS else choice.get("delta", choice.get("message", {}))["content"]
+
+    full = _post(client, endpoint, use_beam_search=True, n=2, max_tokens=4).json()["choices"]
+    path, base = BASE[endpoint]
+    with client.stream("POST", path, json={**base, "use_beam_search": True, "n": 2, "max_tokens": 4,
+                                           "stream": True}) as resp:
         text = resp.read().decode()
     assert text.rstrip().endswith("data: [DONE]")
     chunks = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
-    streamed = {c["choices"][0]["index"]: c["choices"][0]["text"] for c in chunks}
-    assert streamed == {c["index"]: c["text"] for c in full}
+    streamed: dict[int, str] = {}
+    for chunk in chunks:
+        choice = chunk["choices"][0]
+        streamed[choice["index"]] = streamed.get(choice["index"], "") + (text_of(choice) or "")
+    assert streamed == {c["index"]: text_of(c) for c in full}
 
 
 def test_beam_search_refuses_what_it_cannot_honour(client):

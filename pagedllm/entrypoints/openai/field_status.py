@@ -132,18 +132,11 @@ FIELDS: tuple[FieldStatus, ...] = (
          "for chat, where the template adds them)", True, origin="vLLM"),
     _row("use_beam_search", W, "beam search of width n, the n beams as choices best first (streamed whole "
          "at the end); temperature defaults to 0; sampling fields it cannot honour are refused", True,
-         (COMPLETIONS,), origin="vLLM"),
-    _row("use_beam_search", R, "beam search is served on /v1/completions only", True, (CHAT,), origin="vLLM",
-         inert=(None, False)),
-    _row("length_penalty", W, "beam score = cumulative logprob / length ** length_penalty; with "
-         "use_beam_search only", 1.0, (COMPLETIONS,), origin="vLLM"),
-    _row("length_penalty", R, "applies to beam search, served on /v1/completions only", 0.5, (CHAT,),
-         origin="vLLM", inert=(None, 1.0, 1)),
-    _row("early_stopping", W, "beam search: true stops at n finished beams, false when no live beam can "
-         "win (heuristic), \"never\" searches to max_tokens; with use_beam_search only", True, (COMPLETIONS,),
          origin="vLLM"),
-    _row("early_stopping", R, "applies to beam search, served on /v1/completions only", True, (CHAT,),
-         origin="vLLM", inert=(None, False)),
+    _row("length_penalty", W, "beam score = cumulative logprob / length ** length_penalty; with "
+         "use_beam_search only", 1.0, origin="vLLM"),
+    _row("early_stopping", W, "beam search: true stops at n finished beams, false when no live beam can "
+         "win (heuristic), \"never\" searches to max_tokens; with use_beam_search only", True, origin="vLLM"),
     _row("guided_json", R, _STRUCTURED, {"type": "object"}, origin="vLLM"),
     _row("guided_regex", R, _STRUCTURED, "[0-9]+", origin="vLLM"),
     _row("guided_choice", R, _STRUCTURED, ["yes", "no"], origin="vLLM"),

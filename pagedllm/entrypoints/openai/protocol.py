@@ -70,6 +70,10 @@ class _SamplingFields(OpenAIBaseModel):
     truncate_prompt_tokens: Int | None = Field(default=None, ge=1)
     priority: Int = 0
     request_id: Str | None = None
+    # vLLM's beam search (V0's fields): beam width = n
+    use_beam_search: Bool = False
+    length_penalty: Float = 1.0
+    early_stopping: Bool | Literal["never"] = False
 
     def check_fields(self) -> list[str]:
         """The undeclared fields this server ignores; ValueError naming a refused one."""
@@ -87,6 +91,26 @@ class _SamplingFields(OpenAIBaseModel):
                 raise ValueError("prompt_logprobs: not available with stream=true")
             if not 0 <= self.prompt_logprobs <= max_logprobs:
                 raise ValueError(f"prompt_logprobs must be in [0, {max_logprobs}], got {self.prompt_logprobs}")
+
+    def _check_no_beam_fields(self) -> None:
+        for name in ("length_penalty", "early_stopping"):
+            if name in self.model_fields_set and getattr(self, name) != type(self).model_fields[name].default:
+                raise ValueError(f"{name}: applies to beam search only (set use_beam_search=true)")
+
+    def _beam_search_params(self, max_logprobs: int, max_num_seqs: int, max_tokens: int) -> BeamSearchParams:
+        """Beam search of width ``n``; the sampling fields it cannot honour are refused by name."""
+        self._check_common(max_logprobs, max_num_seqs)
+        fields = type(self).model_fields
+        for name in _NOT_WITH_BEAM_SEARCH:
+            if name in fields and name in self.model_fields_set and getattr(self, name) != fields[name].default:
+                raise ValueError(f"{name}: not supported with use_beam_search")
+        if 2 * self.n > max_logprobs:
+            raise ValueError(f"n (the beam width) must be at most {max_logprobs // 2} (max_logprobs / 2) with "
+                             f"use_beam_search, got {self.n}")
+        return BeamSearchParams(beam_width=self.n, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
+                                temperature=_default(self.temperature, 0.0), length_penalty=self.length_penalty,
+                                include_stop_str_in_output=self.include_stop_str_in_output,
+                                early_stopping=self.early_stopping)
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
                          prompt_logprobs: int | None) -> SamplingParams:
@@ -133,7 +157,7 @@ class _SamplingFields(OpenAIBaseModel):
 _NOT_WITH_BEAM_SEARCH = ("frequency_penalty", "presence_penalty", "logit_bias", "seed", "stop", "top_p",
                          "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids",
                          "allowed_token_ids", "bad_words", "prompt_logprobs", "logprobs",
-                         "spaces_between_special_tokens")
+                         "spaces_between_special_tokens", "top_logprobs")
 
 
 class CompletionRequest(_SamplingFields):
@@ -146,10 +170,6 @@ class CompletionRequest(_SamplingFields):
     max_tokens: Int | None = 16
     suffix: Str | None = None
     add_special_tokens: Bool = True
-    # vLLM's beam search (V0's fields): beam width = n
-    use_beam_search: Bool = False
-    length_penalty: Float = 1.0
-    early_stopping: Bool | Literal["never"] = False
 
     def to_sampling_params(self, max_logprobs: int, max_num_seqs: int) -> SamplingParams:
         self._check_common(max_logprobs, max_num_seqs)
@@ -158,31 +178,18 @@ class CompletionRequest(_SamplingFields):
             raise ValueError(f"logprobs must be at most {max_logprobs}, got {self.logprobs}")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of must equal n (other values are not supported), got best_of={self.best_of}")
-        for name in ("length_penalty", "early_stopping"):
-            if name in self.model_fields_set and getattr(self, name) != type(self).model_fields[name].default:
-                raise ValueError(f"{name}: applies to beam search only (set use_beam_search=true)")
+        self._check_no_beam_fields()
         prompt_logprobs = self.prompt_logprobs
         if self.echo and self.logprobs is not None and prompt_logprobs is None:
             prompt_logprobs = self.logprobs  # echo with logprobs reports the prompt's too
         return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
 
     def to_beam_search_params(self, max_logprobs: int, max_num_seqs: int, max_tokens: int) -> BeamSearchParams:
-        """Beam search of width ``n`` (``max_tokens``: the request's, or what the context leaves)."""
-        self._check_common(max_logprobs, max_num_seqs)
+        """``max_tokens``: the request's, or what the context leaves."""
         check_refused(COMPLETIONS, "suffix", self.suffix)
-        for name in _NOT_WITH_BEAM_SEARCH:
-            value = getattr(self, name)
-            if name in self.model_fields_set and value != type(self).model_fields[name].default:
-                raise ValueError(f"{name}: not supported with use_beam_search")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of must equal n (the beam width), got best_of={self.best_of}")
-        if 2 * self.n > max_logprobs:
-            raise ValueError(f"n (the beam width) must be at most {max_logprobs // 2} (max_logprobs / 2) with "
-                             f"use_beam_search, got {self.n}")
-        return BeamSearchParams(beam_width=self.n, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
-                                temperature=_default(self.temperature, 0.0), length_penalty=self.length_penalty,
-                                include_stop_str_in_output=self.include_stop_str_in_output,
-                                early_stopping=self.early_stopping)
+        return self._beam_search_params(max_logprobs, max_num_seqs, max_tokens)
 
 
 class ChatMessage(OpenAIBaseModel):
@@ -213,20 +220,33 @@ class ChatCompletionRequest(_SamplingFields):
 
     def to_sampling_params(self, max_logprobs: int, max_num_seqs: int) -> SamplingParams:
         self._check_common(max_logprobs, max_num_seqs)
-        check_refused(CHAT, "tools", self.tools)
-        check_refused(CHAT, "tool_choice", self.tool_choice)
+        self._check_no_beam_fields()
+        self._check_chat()
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise ValueError("top_logprobs requires logprobs to be true")
             if not 0 <= self.top_logprobs <= max_logprobs:
                 raise ValueError(f"top_logprobs must be in [0, {max_logprobs}], got {self.top_logprobs}")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(self.requested_max_tokens, logprobs, self.prompt_logprobs)
+
+    def to_beam_search_params(self, max_logprobs: int, max_num_seqs: int, max_tokens: int) -> BeamSearchParams:
+        """``max_tokens``: the request's, or what the context leaves."""
+        self._check_chat()
+        return self._beam_search_params(max_logprobs, max_num_seqs, max_tokens)
+
+    def _check_chat(self) -> None:
+        check_refused(CHAT, "tools", self.tools)
+        check_refused(CHAT, "tool_choice", self.tool_choice)
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message: cannot be combined with add_generation_prompt=true")
-        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        max_tokens = self.requested_max_tokens
         if max_tokens is not None and max_tokens < 1:
             raise ValueError(f"{self.max_tokens_field} must be at least 1, got {max_tokens}")
-        logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs, self.prompt_logprobs)
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     @property
     def max_tokens_field(self) -> str:

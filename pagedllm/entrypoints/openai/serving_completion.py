@@ -2,7 +2,7 @@
 
 With ``use_beam_search`` each prompt is searched by ``engine/async_beam_search.py`` instead and
 its ``n`` beams, best first, become its choices (streamed as one chunk per beam at the end, as
-vLLM). Undeclared fields are judged by the field table: refused -> 400 naming the field, others
+vLLM; ``beam_search_outputs`` serves the chat handler too). Undeclared fields are judged by the field table: refused -> 400 naming the field, others
 listed in the ``x-ignored-fields`` response header.
 """
 
@@ -20,7 +20,7 @@ from pagedllm.engine.async_beam_search import beam_search
 from pagedllm.engine.async_engine import RequestStream
 from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request
 from pagedllm.entrypoints.openai.field_status import COMPLETIONS, fields_of
-from pagedllm.entrypoints.openai.protocol import CompletionRequest
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pagedllm.entrypoints.openai.serving_common import (
     SSE_DONE,
     EventStreamResponse,
@@ -94,7 +94,8 @@ class OpenAIServingCompletion:
         ctx.check_capacity(len(prompts))
         request_id = req.request_id or random_id("cmpl")
         if req.use_beam_search:
-            sources = [self._beam_search(req, f"{request_id}-{i}", p, beam_params) for i, p in enumerate(prompts)]
+            sources = [beam_search_outputs(ctx, req, f"{request_id}-{i}", p.token_ids, p.text, beam_params,
+                                           req.max_tokens) for i, p in enumerate(prompts)]
             streams: list[RequestStream] = []
         else:
             streams = await self._submit(request_id, prompts, params, req.priority)
@@ -108,27 +109,6 @@ class OpenAIServingCompletion:
         if ignored:
             response.headers["x-ignored-fields"] = ",".join(ignored)
         return response
-
-    async def _beam_search(self, req: CompletionRequest, request_id: str, prompt: _Prompt,
-                           params: BeamSearchParams) -> AsyncIterator[RequestOutput]:
-        """One prompt's beam search as a stream of one final output whose choices are the beams."""
-        if req.max_tokens is None:  # as far as the context allows
-            params = dataclasses.replace(params, max_tokens=self.ctx.max_model_len - len(prompt.token_ids))
-        try:
-            [result] = await beam_search(self.ctx.engine, [prompt.token_ids], params, request_id, req.priority)
-        except (ValueError, TypeError) as e:
-            raise bad_request(e, _FIELDS, default_param="prompt") from e
-        choices = [self._beam_choice(i, beam, len(prompt.token_ids), req) for i, beam in enumerate(result.sequences)]
-        yield RequestOutput(request_id, prompt.text, prompt.token_ids, None, choices, finished=True)
-
-    def _beam_choice(self, index: int, beam: BeamSearchSequence, prompt_len: int,
-                     req: CompletionRequest) -> CompletionOutput:
-        token_ids = beam.tokens[prompt_len:]
-        shown = token_ids
-        if beam.finish_reason == "stop" and not req.include_stop_str_in_output:
-            shown = token_ids[:-1]  # the EOS that ended the beam, as vLLM
-        text = self.ctx.tokenizer.decode(shown, skip_special_tokens=req.skip_special_tokens)
-        return CompletionOutput(index, text, token_ids, beam.cum_logprob, None, beam.finish_reason)
 
     def _prompts(self, req: CompletionRequest) -> list[_Prompt]:
         p = req.prompt
@@ -278,6 +258,32 @@ class OpenAIServingCompletion:
                 chunk["usage"] = (usage(state.prompt_tokens, state.completion_tokens)
                                   if req.continuous_usage else None)
             yield chunk
+
+
+async def beam_search_outputs(ctx: ServingContext, req: CompletionRequest | ChatCompletionRequest, request_id: str,
+                              prompt_ids: list[int], prompt_text: str | None, params: BeamSearchParams,
+                              max_tokens: int | None) -> AsyncIterator[RequestOutput]:
+    """One prompt's beam search as a stream of one final output whose choices are the beams, best
+    first (``max_tokens`` None: as far as the context allows). Shared with the chat handler."""
+    if max_tokens is None:
+        params = dataclasses.replace(params, max_tokens=max(1, ctx.max_model_len - len(prompt_ids)))
+    try:
+        [result] = await beam_search(ctx.engine, [prompt_ids], params, request_id, req.priority)
+    except (ValueError, TypeError) as e:
+        raise bad_request(e, _FIELDS, default_param="messages" if isinstance(req, ChatCompletionRequest)
+                          else "prompt") from e
+    choices = [_beam_choice(ctx, i, beam, len(prompt_ids), req) for i, beam in enumerate(result.sequences)]
+    yield RequestOutput(request_id, prompt_text, prompt_ids, None, choices, finished=True)
+
+
+def _beam_choice(ctx: ServingContext, index: int, beam: BeamSearchSequence, prompt_len: int,
+                 req: CompletionRequest | ChatCompletionRequest) -> CompletionOutput:
+    token_ids = beam.tokens[prompt_len:]
+    shown = token_ids
+    if beam.finish_reason == "stop" and not req.include_stop_str_in_output:
+        shown = token_ids[:-1]  # the EOS that ended the beam, as vLLM
+    text = ctx.tokenizer.decode(shown, skip_special_tokens=req.skip_special_tokens)
+    return CompletionOutput(index, text, token_ids, beam.cum_logprob, None, beam.finish_reason)
 
 
 def prompt_logprobs_json(prompt_logprobs: PromptLogprobs | None, tokenizer) -> list[dict | None] | None:
