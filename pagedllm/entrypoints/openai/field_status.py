@@ -135,8 +135,9 @@ FIELDS: tuple[FieldStatus, ...] = (
          origin="vLLM"),
     _row("length_penalty", W, "beam score = cumulative logprob / length ** length_penalty; with "
          "use_beam_search only", 1.0, origin="vLLM"),
-    _row("early_stopping", W, "beam search: true stops at n finished beams, false when no live beam can "
-         "win (heuristic), \"never\" searches to max_tokens; with use_beam_search only", True, origin="vLLM"),
+    _row("early_stopping", W, "beam search: true stops at n finished beams, false (the default, vLLM's) "
+         "when no live beam can win (heuristic), \"never\" searches to max_tokens; with use_beam_search only",
+         True, origin="vLLM"),
     _row("guided_json", R, _STRUCTURED, {"type": "object"}, origin="vLLM"),
     _row("guided_regex", R, _STRUCTURED, "[0-9]+", origin="vLLM"),
     _row("guided_choice", R, _STRUCTURED, ["yes", "no"], origin="vLLM"),
@@ -168,6 +169,8 @@ FIELDS: tuple[FieldStatus, ...] = (
     # -- vLLM's extensions, completions -------------------------------------------------------------
     _row("prompt_embeds", R, "prompt embeddings are not supported", "AAAA", (COMPLETIONS,), origin="vLLM"),
     # -- vLLM's extensions, chat --------------------------------------------------------------------
+    _row("best_of", R, "not served on chat (n choices are returned as they are)", 2, (CHAT,), origin="vLLM",
+         inert=(None, 1)),
     _row("echo", W, "the reply starts with the last message when it is the assistant's", True, (CHAT,),
          origin="vLLM"),
     _row("add_generation_prompt", W, "passed to the chat template", True, (CHAT,), origin="vLLM"),

@@ -2,8 +2,9 @@
 
 With ``use_beam_search`` each prompt is searched by ``engine/async_beam_search.py`` instead and
 its ``n`` beams, best first, become its choices (streamed as one chunk per beam at the end, as
-vLLM; ``beam_search_outputs`` serves the chat handler too). Undeclared fields are judged by the field table: refused -> 400 naming the field, others
-listed in the ``x-ignored-fields`` response header.
+vLLM; ``beam_search_outputs`` serves the chat handler too). Undeclared fields are judged by the
+field table: refused -> 400 naming the field, others listed in the ``x-ignored-fields`` header.
+``prompt_logprobs`` come back on each choice, as vLLM.
 """
 
 from __future__ import annotations
