@@ -119,6 +119,16 @@ def test_unknown_fields_are_logged_once_and_echoed_in_the_header_json_and_sse(cl
         assert resp.read().decode().rstrip().endswith("data: [DONE]")
 
 
+def test_odd_field_names_cannot_break_the_header(client):
+    odd = {"naïve ✓": 1, "a,b": 2, "x\r\nSet-Cookie: y": 3}
+    resp = _post(client, COMPLETIONS, **odd)
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["x-ignored-fields"] == "na\\u00efve \\u2713,a\\u002cb,x\\r\\nSet-Cookie: y"
+    assert "set-cookie" not in resp.headers
+    many = _post(client, COMPLETIONS, **{f"f{i}": i for i in range(40)}).headers["x-ignored-fields"].split(",")
+    assert len(many) == 33 and many[-1] == "..."
+
+
 def test_table_check_refuses_by_name():
     with pytest.raises(ValueError, match="^guided_regex: structured output"):
         check_extra_fields(COMPLETIONS, {"guided_regex": "[0-9]"})

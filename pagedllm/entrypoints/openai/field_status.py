@@ -17,6 +17,7 @@ Cost: a dict lookup per top-level field of a request.
 from __future__ import annotations
 
 import enum
+import json
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -195,7 +196,10 @@ def fields_of(endpoint: str) -> dict[str, FieldStatus]:
 
 
 _BY_ENDPOINT = {endpoint: fields_of(endpoint) for endpoint in BOTH}
+# Names already logged; bounded, so that clients inventing names cannot grow it without end.
 _warned: set[str] = set()
+_MAX_WARNED = 1024
+_MAX_HEADER_NAMES = 32
 
 
 def _is_inert(value: Any, inert: Iterable[Any]) -> bool:
@@ -217,7 +221,7 @@ def check_extra_fields(endpoint: str, body: dict[str, Any]) -> list[str]:
                 raise ValueError(f"{name}: {row.why}")
             continue
         ignored.append(name)
-        if name not in _warned:
+        if name not in _warned and len(_warned) < _MAX_WARNED:
             _warned.add(name)
             why = row.why if row is not None else "not a field this server knows"
             logger.warning("request field %r is accepted and ignored: %s", name, why)
@@ -229,6 +233,14 @@ def check_refused(endpoint: str, name: str, value: Any) -> None:
     row = _BY_ENDPOINT[endpoint][name]
     if row.status is Status.REFUSED and not _is_inert(value, row.inert):
         raise ValueError(f"{name}: {row.why}")
+
+
+def ignored_fields_header(names: list[str]) -> str:
+    """The ``x-ignored-fields`` value: the names comma-separated, each as a JSON string body (so a
+    name with a comma, a control character or non-ASCII text cannot break the header), at most
+    ``_MAX_HEADER_NAMES`` of them."""
+    shown = [json.dumps(name)[1:-1].replace(",", "\\u002c") for name in names[:_MAX_HEADER_NAMES]]
+    return ",".join(shown + (["..."] if len(names) > _MAX_HEADER_NAMES else []))
 
 
 def markdown_table(endpoint: str, escape=lambda text: text.replace("|", "\\|")) -> str:

@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 from pagedllm.engine.async_engine import RequestStream
 from pagedllm.entrypoints.chat_utils import apply_chat_template, text_messages
 from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request
-from pagedllm.entrypoints.openai.field_status import CHAT, fields_of
+from pagedllm.entrypoints.openai.field_status import CHAT, fields_of, ignored_fields_header
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from pagedllm.entrypoints.openai.serving_common import (
     SSE_DONE,
@@ -92,7 +92,7 @@ class OpenAIServingChat:
         else:
             response = await self._full(req, request_id, created, model, outputs, stream)
         if ignored:
-            response.headers["x-ignored-fields"] = ",".join(ignored)
+            response.headers["x-ignored-fields"] = ignored_fields_header(ignored)
         return response
 
     def _echo_prefix(self, req: ChatCompletionRequest) -> str:

@@ -20,7 +20,7 @@ from pagedllm.beam_search import BeamSearchParams, BeamSearchSequence
 from pagedllm.engine.async_beam_search import beam_search
 from pagedllm.engine.async_engine import RequestStream
 from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request
-from pagedllm.entrypoints.openai.field_status import COMPLETIONS, fields_of
+from pagedllm.entrypoints.openai.field_status import COMPLETIONS, fields_of, ignored_fields_header
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pagedllm.entrypoints.openai.serving_common import (
     SSE_DONE,
@@ -108,7 +108,7 @@ class OpenAIServingCompletion:
         else:
             response = await self._full(req, request_id, created, model, prompts, sources, streams)
         if ignored:
-            response.headers["x-ignored-fields"] = ",".join(ignored)
+            response.headers["x-ignored-fields"] = ignored_fields_header(ignored)
         return response
 
     def _prompts(self, req: CompletionRequest) -> list[_Prompt]:
