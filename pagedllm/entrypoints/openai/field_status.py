@@ -117,7 +117,7 @@ FIELDS: tuple[FieldStatus, ...] = (
     _row("min_p", W, "in [0, 1]", 0.05, origin="vLLM"),
     _row("repetition_penalty", W, "> 0; 1 = off", 1.1, origin="vLLM"),
     _row("ignore_eos", W, "keep generating past EOS", True, origin="vLLM"),
-    _row("min_tokens", W, "EOS, stop token ids and stop strings are held back until then", 1, origin="vLLM"),
+    _row("min_tokens", W, "the choice does not stop (EOS, stop token ids) before this many tokens", 1, origin="vLLM"),
     _row("stop_token_ids", W, "token ids that end a choice", [2], origin="vLLM"),
     _row("skip_special_tokens", W, "in the detokenized text", False, origin="vLLM"),
     _row("spaces_between_special_tokens", W, "in the detokenized text", False, origin="vLLM"),
