@@ -1,15 +1,17 @@
 """Beam search as vLLM exposes it: ``LLM.beam_search(prompts, BeamSearchParams(...))``.
 
-The search itself lives in ``LLM.beam_search``: every step runs each live beam as a one-token
-request asking for ``2 * beam_width`` logprobs, so the beams of a prompt share their common
-prefix's KV blocks through the prefix cache. A beam's score is its cumulative logprob divided by
-``len(tokens) ** length_penalty`` (tokens = prompt + generated, a final EOS not counted), as vLLM.
-This module holds only the plain data types (no torch), so ``import pagedllm`` stays cheap.
-"""
+The search is ``beam_search_steps``, a generator of steps that any engine front drives:
+``run_beam_search`` with a blocking step (``LLM.beam_search``), ``run_beam_search_async`` with an
+awaitable one (``engine/async_beam_search.py``, the server's ``use_beam_search``). Every step runs
+each live beam as a one-token request asking for ``2 * beam_width`` logprobs, so the beams of a
+prompt share their common prefix's KV blocks through the prefix cache. A beam's score is its
+cumulative logprob divided by ``len(tokens) ** length_penalty`` (tokens = prompt + generated, a
+final EOS not counted), as vLLM.
+This module holds only the plain data types (no torch), so ``import pagedllm`` stays cheap."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass, field
 
 from pagedllm.outputs import Logprob
@@ -25,6 +27,10 @@ class BeamSearchParams:
     temperature: float = 0.0
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
+    # When a prompt's search ends once ``beam_width`` beams have finished: True at once; False
+    # when no live beam can beat the worst of them at its current length (vLLM V0's heuristic);
+    # "never" runs to max_tokens (or until no beam is live).
+    early_stopping: bool | str = "never"
 
     def __post_init__(self) -> None:
         for name in ("beam_width", "max_tokens"):
@@ -37,6 +43,8 @@ class BeamSearchParams:
                 raise ValueError(f"{name} must be a number, got {value!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(f"early_stopping must be true, false or 'never', got {self.early_stopping!r}")
 
 
 @dataclass
@@ -76,16 +84,46 @@ def get_beam_search_score(tokens: list[int], cum_logprob: float, eos_token_id: i
 # One search step: the token ids of each live beam -> its candidate next tokens with their logprobs
 # (an empty dict when the beam cannot go on).
 StepFn = Callable[[list[list[int]]], list[dict[int, Logprob]]]
+AsyncStepFn = Callable[[list[list[int]]], Awaitable[list[dict[int, Logprob]]]]
+# The search as a coroutine of its steps: it yields the live beams' token ids, is sent their
+# candidates, and returns the outputs. The sync and async drivers below only run the steps.
+BeamSearchSteps = Generator[list[list[int]], list[dict[int, Logprob]], list[BeamSearchOutput]]
 
 
 def run_beam_search(step: StepFn, prompts: list[list[int]], params: BeamSearchParams, eos_token_id: int | None,
                     max_model_len: int, decode: Callable[[list[int]], str] | None = None) -> list[BeamSearchOutput]:
+    """Beam search over every prompt at once, each step run by ``step`` (see ``beam_search_steps``)."""
+    search = beam_search_steps(prompts, params, eos_token_id, max_model_len, decode)
+    try:
+        beams = next(search)
+        while True:
+            beams = search.send(step(beams))
+    except StopIteration as done:
+        return done.value
+
+
+async def run_beam_search_async(step: AsyncStepFn, prompts: list[list[int]], params: BeamSearchParams,
+                                eos_token_id: int | None, max_model_len: int,
+                                decode: Callable[[list[int]], str] | None = None) -> list[BeamSearchOutput]:
+    """``run_beam_search`` with an awaitable step (an asyncio engine front)."""
+    search = beam_search_steps(prompts, params, eos_token_id, max_model_len, decode)
+    try:
+        beams = next(search)
+        while True:
+            beams = search.send(await step(beams))
+    except StopIteration as done:
+        return done.value
+
+
+def beam_search_steps(prompts: list[list[int]], params: BeamSearchParams, eos_token_id: int | None,
+                      max_model_len: int, decode: Callable[[list[int]], str] | None = None) -> BeamSearchSteps:
     """Beam search over every prompt at once (all live beams of all prompts form one batch per step).
 
     Per step each beam grows by each of its candidates; a candidate ending in EOS (unless
     ignore_eos) is finished, the others compete for the prompt's ``beam_width`` places by score.
-    At the end the finished and live beams compete together. Cost: ``max_tokens`` calls of
-    ``step``, each on at most ``len(prompts) * beam_width`` beams.
+    A prompt whose search is done (``early_stopping``) drops its live beams. At the end the
+    finished and live beams compete together. Cost: at most ``max_tokens`` steps, each on at most
+    ``len(prompts) * beam_width`` beams.
     """
     def score(b: BeamSearchSequence) -> float:
         return get_beam_search_score(b.tokens, b.cum_logprob, eos_token_id, params.length_penalty)
@@ -99,7 +137,7 @@ def run_beam_search(step: StepFn, prompts: list[list[int]], params: BeamSearchPa
         live = [(inst, beam) for inst in instances for beam in inst.beams]
         if not live:
             break
-        candidates = step([beam.tokens for _, beam in live])
+        candidates = yield [beam.tokens for _, beam in live]
         grown: dict[int, list[BeamSearchSequence]] = {id(inst): [] for inst in instances}
         for (inst, beam), cands in zip(live, candidates):
             for token_id, lp in cands.items():
@@ -111,6 +149,8 @@ def run_beam_search(step: StepFn, prompts: list[list[int]], params: BeamSearchPa
                     grown[id(inst)].append(child)
         for inst in instances:
             inst.beams = sorted(grown[id(inst)], key=score, reverse=True)[: params.beam_width]
+            if _search_done(inst, params, score):
+                inst.beams = []
     outputs = []
     for inst in instances:
         best = sorted(inst.completed + inst.beams, key=score, reverse=True)[: params.beam_width]
@@ -119,3 +159,14 @@ def run_beam_search(step: StepFn, prompts: list[list[int]], params: BeamSearchPa
             beam.text = decode(beam.tokens) if decode is not None else None
         outputs.append(BeamSearchOutput(best))
     return outputs
+
+
+def _search_done(inst: BeamSearchInstance, params: BeamSearchParams,
+                 score: Callable[[BeamSearchSequence], float]) -> bool:
+    """vLLM V0's early-stopping rule, checked once ``beam_width`` beams have finished."""
+    if params.early_stopping == "never" or len(inst.completed) < params.beam_width or not inst.beams:
+        return False
+    if params.early_stopping is True:
+        return True
+    worst_kept = sorted(map(score, inst.completed), reverse=True)[params.beam_width - 1]
+    return worst_kept >= max(map(score, inst.beams))

@@ -72,6 +72,8 @@ def from_validation_errors(errors: list[dict]) -> OpenAIError:
     param = loc[0] if loc else None
     path = ".".join(loc)
     msg = first.get("msg", "invalid value")
+    if first.get("type") == "value_error":  # a validator's own ValueError: its message as written
+        msg = msg.removeprefix("Value error, ")
     same_field = [e for e in errors if [p for p in e.get("loc", ()) if p != "body"][:1] == [param]]
     if first.get("type") == "missing":
         message = f"{path} is required"

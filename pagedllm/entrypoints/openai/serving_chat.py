@@ -1,4 +1,9 @@
-"""POST /v1/chat/completions: chat template -> one engine request (n choices) -> message or SSE deltas."""
+"""POST /v1/chat/completions: chat template -> one engine request (n choices) -> message or SSE deltas.
+
+Undeclared fields are judged by the field table: refused -> 400 naming the field, others listed
+in the ``x-ignored-fields`` response header. ``prompt_logprobs`` come back at the top of the
+response, as vLLM. With ``use_beam_search`` the ``n`` beams, best first, are the choices.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +13,9 @@ from collections.abc import AsyncIterator
 from starlette.responses import JSONResponse, Response
 
 from pagedllm.engine.async_engine import RequestStream
-from pagedllm.entrypoints.chat_utils import apply_chat_template
+from pagedllm.entrypoints.chat_utils import apply_chat_template, text_messages
 from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request
+from pagedllm.entrypoints.openai.field_status import CHAT, fields_of, ignored_fields_header
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from pagedllm.entrypoints.openai.serving_common import (
     SSE_DONE,
@@ -21,8 +27,10 @@ from pagedllm.entrypoints.openai.serving_common import (
     sse_error,
     usage,
 )
+from pagedllm.entrypoints.openai.serving_completion import beam_search_outputs, prompt_logprobs_json
+from pagedllm.outputs import RequestOutput
 
-_FIELDS = set(ChatCompletionRequest.model_fields)
+_FIELDS = set(ChatCompletionRequest.model_fields) | set(fields_of(CHAT))
 
 
 def render_chat(ctx: ServingContext, messages: list[ChatMessage], chat_template: str | None,
@@ -30,15 +38,16 @@ def render_chat(ctx: ServingContext, messages: list[ChatMessage], chat_template:
     """Messages -> prompt token ids through the chat template; a 400 naming ``messages`` on failure."""
     if not messages:
         raise OpenAIError(400, "messages must be a non-empty list", param="messages")
-    dicts = [m.model_dump(exclude_none=True) for m in messages]
-    for m in dicts:
-        m.setdefault("content", "")
+    try:
+        dicts = text_messages([m.model_dump(exclude_none=True) for m in messages])
+    except ValueError as e:  # the conversation itself: role, content, a non-text part
+        raise OpenAIError(400, str(e), param="messages") from e
     try:
         return apply_chat_template(ctx.tokenizer, dicts, chat_template or ctx.chat_template,
                                    add_generation_prompt, continue_final_message)
     except OpenAIError:
         raise
-    except Exception as e:  # template errors (jinja), unsupported content parts, no template at all
+    except Exception as e:  # template errors (jinja), no template at all
         raise OpenAIError(400, f"messages could not be rendered with the chat template: {e}", param="messages") from e
 
 
@@ -49,28 +58,42 @@ class OpenAIServingChat:
     async def create(self, req: ChatCompletionRequest) -> Response:
         ctx = self.ctx
         model = ctx.check_model(req.model)
+        max_num_seqs = ctx.engine.get_engine_config().scheduler_config.max_num_seqs
         try:
-            params = req.to_sampling_params(ctx.max_logprobs)
+            ignored = req.check_fields()
+            if req.use_beam_search:
+                beam_params = req.to_beam_search_params(ctx.max_logprobs, max_num_seqs, req.requested_max_tokens or 1)
+            else:
+                params = req.to_sampling_params(ctx.max_logprobs, max_num_seqs)
         except (ValueError, TypeError) as e:
             raise bad_request(e, _FIELDS) from e
         prompt_ids = render_chat(ctx, req.messages, req.chat_template, req.add_generation_prompt,
                                  req.continue_final_message)
         if req.truncate_prompt_tokens is not None:
             prompt_ids = prompt_ids[-req.truncate_prompt_tokens:]
-        ctx.check_length(len(prompt_ids), params.max_tokens,
+        ctx.check_length(len(prompt_ids), req.requested_max_tokens,
                          req.max_completion_tokens is not None or req.max_tokens is not None,
                          "messages", req.max_tokens_field)
         ctx.check_capacity(1)
         request_id = req.request_id or random_id("chatcmpl")
-        try:
-            stream = await ctx.engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, params,
-                                                  priority=req.priority)
-        except (ValueError, TypeError) as e:
-            raise bad_request(e, _FIELDS, default_param="messages") from e
+        stream: RequestStream | None = None
+        if req.use_beam_search:
+            outputs = beam_search_outputs(ctx, req, request_id, prompt_ids, None, beam_params, req.requested_max_tokens)
+        else:
+            try:
+                stream = await ctx.engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, params,
+                                                      priority=req.priority)
+            except (ValueError, TypeError) as e:
+                raise bad_request(e, _FIELDS, default_param="messages") from e
+            outputs = ctx.engine.stream_outputs(stream)
         created = int(time.time())
         if req.stream:
-            return EventStreamResponse(self._stream(req, request_id, created, model, stream))
-        return await self._full(req, request_id, created, model, stream)
+            response: Response = EventStreamResponse(self._stream(req, request_id, created, model, outputs, stream))
+        else:
+            response = await self._full(req, request_id, created, model, outputs, stream)
+        if ignored:
+            response.headers["x-ignored-fields"] = ignored_fields_header(ignored)
+        return response
 
     def _echo_prefix(self, req: ChatCompletionRequest) -> str:
         if req.echo and req.messages and req.messages[-1].role == "assistant":
@@ -87,13 +110,15 @@ class OpenAIServingChat:
         return chat_logprobs(token_ids, lps, req.top_logprobs or 0, self.ctx.tokenizer)
 
     async def _full(self, req: ChatCompletionRequest, request_id: str, created: int, model: str,
-                    stream: RequestStream) -> Response:
+                    outputs: AsyncIterator[RequestOutput], stream: RequestStream | None) -> Response:
         final = None
         try:
-            async for out in self.ctx.engine.stream_outputs(stream):
+            async for out in outputs:
                 final = out
         finally:
-            self.ctx.engine.abort_stream(stream)  # a no-op once finished
+            await outputs.aclose()
+            if stream is not None:
+                self.ctx.engine.abort_stream(stream)  # a no-op once finished
         assert final is not None
         prefix = self._echo_prefix(req)
         choices = []
@@ -111,17 +136,17 @@ class OpenAIServingChat:
             "choices": choices, "usage": usage(len(final.prompt_token_ids), completion_tokens,
                                                final.num_cached_tokens),
             "system_fingerprint": None,
+            "prompt_logprobs": prompt_logprobs_json(final.prompt_logprobs, self.ctx.tokenizer),
         })
 
     async def _stream(self, req: ChatCompletionRequest, request_id: str, created: int, model: str,
-                      stream: RequestStream) -> AsyncIterator[str]:
+                      outputs: AsyncIterator[RequestOutput], stream: RequestStream | None) -> AsyncIterator[str]:
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
         include_usage, continuous = req.include_usage, req.continuous_usage
         prompt_tokens = 0
         completion_tokens = 0
         cached = 0
         finished: set[int] = set()
-        outputs = self.ctx.engine.stream_outputs(stream)
 
         def chunk(choice: dict) -> str:
             body = {**head, "choices": [choice]}
@@ -154,5 +179,6 @@ class OpenAIServingChat:
             yield sse_error(e)
         finally:
             await outputs.aclose()
-            self.ctx.engine.abort_stream(stream)  # a no-op once finished; needed if never iterated
+            if stream is not None:  # a no-op once finished; needed if never iterated
+                self.ctx.engine.abort_stream(stream)
         yield SSE_DONE

@@ -1,16 +1,27 @@
-"""POST /v1/completions: one engine request per prompt, choices indexed prompt * n + i."""
+"""POST /v1/completions: one engine request per prompt, choices indexed prompt * n + i.
+
+With ``use_beam_search`` each prompt is searched by ``engine/async_beam_search.py`` instead and
+its ``n`` beams, best first, become its choices (streamed as one chunk per beam at the end, as
+vLLM; ``beam_search_outputs`` serves the chat handler too). Undeclared fields are judged by the
+field table: refused -> 400 naming the field, others listed in the ``x-ignored-fields`` header.
+``prompt_logprobs`` come back on each choice, as vLLM.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from starlette.responses import JSONResponse, Response
 
+from pagedllm.beam_search import BeamSearchParams, BeamSearchSequence
+from pagedllm.engine.async_beam_search import beam_search
 from pagedllm.engine.async_engine import RequestStream
 from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request
-from pagedllm.entrypoints.openai.protocol import CompletionRequest
+from pagedllm.entrypoints.openai.field_status import COMPLETIONS, fields_of, ignored_fields_header
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pagedllm.entrypoints.openai.serving_common import (
     SSE_DONE,
     EventStreamResponse,
@@ -22,9 +33,10 @@ from pagedllm.entrypoints.openai.serving_common import (
     sse_error,
     usage,
 )
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 
-_FIELDS = set(CompletionRequest.model_fields)
+_FIELDS = set(CompletionRequest.model_fields) | set(fields_of(COMPLETIONS))
+_MIN_LOGPROB = -9999.0  # vLLM's stand-in for -inf, which JSON cannot carry
 
 
 @dataclass
@@ -68,8 +80,13 @@ class OpenAIServingCompletion:
     async def create(self, req: CompletionRequest) -> Response:
         ctx = self.ctx
         model = ctx.check_model(req.model)
+        max_num_seqs = ctx.engine.get_engine_config().scheduler_config.max_num_seqs
         try:
-            params = req.to_sampling_params(ctx.max_logprobs)
+            ignored = req.check_fields()
+            if req.use_beam_search:
+                beam_params = req.to_beam_search_params(ctx.max_logprobs, max_num_seqs, req.max_tokens or 1)
+            else:
+                params = req.to_sampling_params(ctx.max_logprobs, max_num_seqs)
         except (ValueError, TypeError) as e:
             raise bad_request(e, _FIELDS) from e
         prompts = self._prompts(req)
@@ -77,11 +94,22 @@ class OpenAIServingCompletion:
             ctx.check_length(len(p.token_ids), req.max_tokens, "max_tokens" in req.model_fields_set, "prompt")
         ctx.check_capacity(len(prompts))
         request_id = req.request_id or random_id("cmpl")
-        streams = await self._submit(request_id, prompts, params, req.priority)
+        if req.use_beam_search:
+            sources = [beam_search_outputs(ctx, req, f"{request_id}-{i}", p.token_ids, p.text, beam_params,
+                                           req.max_tokens) for i, p in enumerate(prompts)]
+            streams: list[RequestStream] = []
+        else:
+            streams = await self._submit(request_id, prompts, params, req.priority)
+            sources = [ctx.engine.stream_outputs(s) for s in streams]
         created = int(time.time())
         if req.stream:
-            return EventStreamResponse(self._stream(req, request_id, created, model, prompts, streams))
-        return await self._full(req, request_id, created, model, prompts, streams)
+            response: Response = EventStreamResponse(
+                self._stream(req, request_id, created, model, prompts, sources, streams))
+        else:
+            response = await self._full(req, request_id, created, model, prompts, sources, streams)
+        if ignored:
+            response.headers["x-ignored-fields"] = ignored_fields_header(ignored)
+        return response
 
     def _prompts(self, req: CompletionRequest) -> list[_Prompt]:
         p = req.prompt
@@ -137,11 +165,12 @@ class OpenAIServingCompletion:
 
     # -- non-streaming ----------------------------------------------------------------------------
     async def _full(self, req: CompletionRequest, request_id: str, created: int, model: str,
-                    prompts: list[_Prompt], streams: list[RequestStream]) -> Response:
+                    prompts: list[_Prompt], sources: list[AsyncIterator[RequestOutput]],
+                    streams: list[RequestStream]) -> Response:
         engine = self.ctx.engine
-        finals: list[RequestOutput | None] = [None] * len(streams)
+        finals: list[RequestOutput | None] = [None] * len(sources)
         try:
-            async for i, out in merge_streams([engine.stream_outputs(s) for s in streams]):
+            async for i, out in merge_streams(sources):
                 finals[i] = out
         finally:
             for s in streams:  # a no-op for finished requests
@@ -150,6 +179,7 @@ class OpenAIServingCompletion:
         prompt_tokens = completion_tokens = cached = 0
         for i, out in enumerate(finals):
             assert out is not None
+            prompt_logprobs = prompt_logprobs_json(out.prompt_logprobs, self.ctx.tokenizer)
             prompt_tokens += len(out.prompt_token_ids)
             cached += out.num_cached_tokens
             for c in out.outputs:
@@ -165,7 +195,8 @@ class OpenAIServingCompletion:
                 if req.logprobs is not None and lps is not None:
                     logprobs = completion_logprobs(token_ids, lps, req.logprobs, 0, self.ctx.tokenizer)
                 choices.append({"index": i * req.n + c.index, "text": prefix + text, "logprobs": logprobs,
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                                "prompt_logprobs": prompt_logprobs})
         choices.sort(key=lambda ch: ch["index"])
         return JSONResponse({
             "id": request_id, "object": "text_completion", "created": created, "model": model,
@@ -175,11 +206,12 @@ class OpenAIServingCompletion:
 
     # -- streaming --------------------------------------------------------------------------------
     async def _stream(self, req: CompletionRequest, request_id: str, created: int, model: str,
-                      prompts: list[_Prompt], streams: list[RequestStream]) -> AsyncIterator[str]:
+                      prompts: list[_Prompt], sources: list[AsyncIterator[RequestOutput]],
+                      streams: list[RequestStream]) -> AsyncIterator[str]:
         engine = self.ctx.engine
         state = _StreamState()
         head = {"id": request_id, "object": "text_completion", "created": created, "model": model}
-        merged = merge_streams([engine.stream_outputs(s) for s in streams])
+        merged = merge_streams(sources)
         try:
             async for i, out in merged:
                 for chunk in self._chunks(req, head, state, i, out, prompts[i]):
@@ -227,3 +259,43 @@ class OpenAIServingCompletion:
                 chunk["usage"] = (usage(state.prompt_tokens, state.completion_tokens)
                                   if req.continuous_usage else None)
             yield chunk
+
+
+async def beam_search_outputs(ctx: ServingContext, req: CompletionRequest | ChatCompletionRequest, request_id: str,
+                              prompt_ids: list[int], prompt_text: str | None, params: BeamSearchParams,
+                              max_tokens: int | None) -> AsyncIterator[RequestOutput]:
+    """One prompt's beam search as a stream of one final output whose choices are the beams, best
+    first (``max_tokens`` None: as far as the context allows). Shared with the chat handler."""
+    if max_tokens is None:
+        params = dataclasses.replace(params, max_tokens=max(1, ctx.max_model_len - len(prompt_ids)))
+    try:
+        [result] = await beam_search(ctx.engine, [prompt_ids], params, request_id, req.priority)
+    except (ValueError, TypeError) as e:
+        raise bad_request(e, _FIELDS, default_param="messages" if isinstance(req, ChatCompletionRequest)
+                          else "prompt") from e
+    choices = [_beam_choice(ctx, i, beam, len(prompt_ids), req) for i, beam in enumerate(result.sequences)]
+    yield RequestOutput(request_id, prompt_text, prompt_ids, None, choices, finished=True)
+
+
+def _beam_choice(ctx: ServingContext, index: int, beam: BeamSearchSequence, prompt_len: int,
+                 req: CompletionRequest | ChatCompletionRequest) -> CompletionOutput:
+    token_ids = beam.tokens[prompt_len:]
+    shown = token_ids
+    if beam.finish_reason == "stop" and not req.include_stop_str_in_output:
+        shown = token_ids[:-1]  # the EOS that ended the beam, as vLLM
+    text = ctx.tokenizer.decode(shown, skip_special_tokens=req.skip_special_tokens)
+    return CompletionOutput(index, text, token_ids, beam.cum_logprob, None, beam.finish_reason)
+
+
+def prompt_logprobs_json(prompt_logprobs: PromptLogprobs | None, tokenizer) -> list[dict | None] | None:
+    """vLLM's wire form: per prompt position None (the first) or {token id: {logprob, rank,
+    decoded_token}} for the prompt's token and the top ``prompt_logprobs`` ones."""
+    if prompt_logprobs is None:
+        return None
+    return [None if position is None else {str(t): _logprob_json(t, lp, tokenizer) for t, lp in position.items()}
+            for position in prompt_logprobs]
+
+
+def _logprob_json(token_id: int, lp: Logprob, tokenizer) -> dict:
+    text = lp.decoded_token if lp.decoded_token is not None else tokenizer.decode([token_id])
+    return {"logprob": max(lp.logprob, _MIN_LOGPROB), "rank": lp.rank, "decoded_token": text}
