@@ -53,14 +53,14 @@ class OpenAIServingChat:
             params = req.to_sampling_params(ctx.max_logprobs)
         except (ValueError, TypeError) as e:
             raise bad_request(e, _FIELDS) from e
-        prompt_ids = render_chat(ctx, req.messages, req.chat_template, req.add_generation_prompt,
-                                 req.continue_final_message)
+        prompt_ids = await ctx.off_loop(render_chat, ctx, req.messages, req.chat_template,
+                                        req.add_generation_prompt, req.continue_final_message)
         if req.truncate_prompt_tokens is not None:
             prompt_ids = prompt_ids[-req.truncate_prompt_tokens:]
         ctx.check_length(len(prompt_ids), params.max_tokens,
                          req.max_completion_tokens is not None or req.max_tokens is not None,
                          "messages", req.max_tokens_field)
-        ctx.check_capacity(1)
+        ctx.check_capacity(req.n)
         request_id = req.request_id or random_id("chatcmpl")
         try:
             stream = await ctx.engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, params,

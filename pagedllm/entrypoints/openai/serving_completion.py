@@ -72,10 +72,10 @@ class OpenAIServingCompletion:
             params = req.to_sampling_params(ctx.max_logprobs)
         except (ValueError, TypeError) as e:
             raise bad_request(e, _FIELDS) from e
-        prompts = self._prompts(req)
+        prompts = await self._prompts(req)
         for p in prompts:
             ctx.check_length(len(p.token_ids), req.max_tokens, "max_tokens" in req.model_fields_set, "prompt")
-        ctx.check_capacity(len(prompts))
+        ctx.check_capacity(len(prompts) * req.n)
         request_id = req.request_id or random_id("cmpl")
         streams = await self._submit(request_id, prompts, params, req.priority)
         created = int(time.time())
@@ -83,7 +83,7 @@ class OpenAIServingCompletion:
             return EventStreamResponse(self._stream(req, request_id, created, model, prompts, streams))
         return await self._full(req, request_id, created, model, prompts, streams)
 
-    def _prompts(self, req: CompletionRequest) -> list[_Prompt]:
+    async def _prompts(self, req: CompletionRequest) -> list[_Prompt]:
         p = req.prompt
         if isinstance(p, str):
             items: list = [p]
@@ -93,13 +93,13 @@ class OpenAIServingCompletion:
             items = list(p)
         if not items:
             raise OpenAIError(400, "prompt must not be empty", param="prompt")
-        tok = self.ctx.tokenizer
         out = []
         for item in items:
             if isinstance(item, str):
                 if not item:
                     raise OpenAIError(400, "prompt must not be an empty string", param="prompt")
-                ids = tok.encode(item, add_special_tokens=req.add_special_tokens)
+                ids = await self.ctx.encode(item, req.add_special_tokens, "prompt",
+                                            truncating=req.truncate_prompt_tokens is not None)
                 prompt = _Prompt(item, ids)
             else:
                 if not item:
