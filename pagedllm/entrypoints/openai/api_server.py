@@ -4,9 +4,13 @@ Endpoints: POST /v1/completions, POST /v1/chat/completions (both stream and non-
 GET /v1/models, POST /tokenize, POST /detokenize, GET /health, GET /version, GET /metrics.
 Every error is OpenAI-shaped (``{"error": {"message", "type", "param", "code"}}``): 400 for a bad
 body (naming the field), 401 for a wrong API key (/v1/* and /metrics), 404 for an unknown model,
-503 with Retry-After when more than --max-waiting-requests wait. A client that disconnects has its
-engine request aborted before the next engine step. SIGTERM/SIGINT: stop accepting, let in-flight
-requests finish for up to --shutdown-timeout seconds, abort the rest, exit 0. With
+413 for a body over --max-request-body-bytes, 503 with Retry-After when more than
+--max-waiting-requests would wait beyond the free running slots. Tokenization and chat templates
+run on tokenizer threads (``tokenizer_pool.py``), so one large prompt never holds /health or the
+running streams. A client that disconnects has its engine request aborted before the next engine
+step. SIGTERM/SIGINT: stop accepting, let in-flight requests finish for up to --shutdown-timeout
+seconds, then answer the rest with a 503 (a stream: an error event and ``[DONE]``), exit 0. The
+port is bound before the model loads, so a busy port is reported at once. With
 --engine-process the engine runs in a child process; if the engine dies, in-flight requests get an
 error, /health answers 503 and the server stops with exit status 1.
 """
