@@ -194,6 +194,9 @@ def test_a_burst_fills_the_free_slots_before_anything_counts_as_waiting(server):
 @pytest.mark.parametrize("path,body,param", [
     ("/v1/completions", {"prompt": ["hi"] * (MAX_NUM_SEQS + MAX_WAITING + 1), "max_tokens": 2}, "prompt"),
     ("/v1/completions", {"prompt": ["hi"] * 20, "n": 2, "max_tokens": 2}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "n": MAX_NUM_SEQS + MAX_WAITING + 1, "max_tokens": 2}, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": MAX_NUM_SEQS + MAX_WAITING + 1,
+                              "max_tokens": 2}, "n"),
 ])
 def test_a_request_that_can_never_fit_is_400_not_503(server, path, body, param):
     _error(_post(server, path, json.dumps(body)), 400, param)

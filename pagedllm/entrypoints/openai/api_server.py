@@ -239,6 +239,10 @@ def run_server(ns: argparse.Namespace) -> int:
     from pagedllm.entrypoints.cli_args import engine_args_from
 
     chat_template = load_chat_template(ns.chat_template)
+    for flag in ("max_request_body_bytes", "max_waiting_requests"):
+        value = getattr(ns, flag)
+        if value is not None and value < 0:
+            raise SystemExit(f"pagedllm serve: --{flag.replace('_', '-')} must be >= 0, got {value}")
     sock = bind_socket(ns.host, ns.port)  # a busy port is an error now, not after the model loaded
     threads = configure_torch_threads(for_server=True)
     t0 = time.perf_counter()

@@ -60,7 +60,7 @@ class OpenAIServingChat:
         ctx.check_length(len(prompt_ids), params.max_tokens,
                          req.max_completion_tokens is not None or req.max_tokens is not None,
                          "messages", req.max_tokens_field)
-        ctx.check_capacity(req.n)
+        ctx.check_capacity(req.n, "n")
         request_id = req.request_id or random_id("chatcmpl")
         try:
             stream = await ctx.engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, params,

@@ -53,6 +53,8 @@ class ServingContext:
         self.max_num_seqs = engine_config.scheduler_config.max_num_seqs
         self.chat_template = chat_template
         self.max_waiting_requests = max_waiting_requests
+        if max_request_body_bytes is not None and max_request_body_bytes < 0:
+            raise ValueError(f"max_request_body_bytes must be >= 0 (0: no limit), got {max_request_body_bytes}")
         self.max_request_body_bytes = (default_max_body_bytes(self.max_model_len) if max_request_body_bytes is None
                                        else max_request_body_bytes or None)  # 0: no limit
         self.tokenizers = TokenizerPool(engine.get_tokenizer())

@@ -75,7 +75,7 @@ class OpenAIServingCompletion:
         prompts = await self._prompts(req)
         for p in prompts:
             ctx.check_length(len(p.token_ids), req.max_tokens, "max_tokens" in req.model_fields_set, "prompt")
-        ctx.check_capacity(len(prompts) * req.n)
+        ctx.check_capacity(len(prompts) * req.n, "prompt" if len(prompts) > 1 else "n")
         request_id = req.request_id or random_id("cmpl")
         streams = await self._submit(request_id, prompts, params, req.priority)
         created = int(time.time())
