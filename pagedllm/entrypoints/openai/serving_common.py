@@ -132,8 +132,8 @@ class ServingContext:
         free_slots = max(0, self.max_num_seqs - self.engine.num_running_requests())
         would_wait = self.engine.num_waiting_requests() + num_new - free_slots
         if would_wait > limit:
-            raise OpenAIError(503, f"server overloaded: {would_wait - num_new} requests are waiting for a slot "
-                              f"(limit {limit}); retry later", code="overloaded", headers={"Retry-After": "1"})
+            raise OpenAIError(503, f"server overloaded: {would_wait} sequences would wait for a running slot, more "
+                              f"than the limit of {limit}; retry later", code="overloaded", headers={"Retry-After": "1"})
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None, max_tokens_explicit: bool,
                      prompt_param: str, max_tokens_param: str = "max_tokens") -> None:
