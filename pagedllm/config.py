@@ -110,41 +110,57 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * cache_dtype_bytes
 
 
+def arg(default: Any, help: str) -> Any:
+    """An EngineArgs field with its one-line meaning (the CLI's --help and docs/configuration.md)."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class EngineArgs:
-    """Engine arguments with vLLM's names and meanings (``model=None`` is the embedded SmolLM2)."""
+    """Engine arguments with vLLM's names and meanings (``model=None`` is the embedded SmolLM2).
 
-    model: str | None = None
-    tokenizer: str | None = None
-    served_model_name: str | None = None
-    dtype: str = "auto"
-    seed: int = 0
-    max_model_len: int | None = None
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory: int | None = None
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    scheduling_policy: str = "priority"
+    Every field is declared with ``arg(default, help)``: its help is the flag's --help line and the
+    meaning column of docs/configuration.md.
+    """
+
+    model: str | None = arg(None, "HF folder, .gguf file or hub id (default: the embedded SmolLM2-135M-Instruct)")
+    tokenizer: str | None = arg(None, "tokenizer folder or hub id (default: the model's)")
+    served_model_name: str | None = arg(None, "the model name in the API (default: derived from the model)")
+    dtype: str = arg("auto", "compute dtype: auto (float32 on the CPU, the model's half type on a GPU), "
+                     "float32, bfloat16 or float16")
+    seed: int = arg(0, "random seed of sampling without a per-request seed")
+    max_model_len: int | None = arg(None, "context length, prompt plus output (default: the model's)")
+    max_num_seqs: int | None = arg(None, "most sequences run in one step (default: 256)")
+    max_num_batched_tokens: int | None = arg(None, "most tokens computed in one step, the chunked-prefill "
+                                             "budget (default: 2048 on the CPU, 8192 on a GPU)")
+    block_size: int = arg(16, "tokens per KV-cache block (a power of two up to 256)")
+    gpu_memory_utilization: float = arg(0.9, "share of GPU memory the engine may take (weights, activations, "
+                                        "KV cache)")
+    kv_cache_memory: int | None = arg(None, "bytes of KV cache on the CPU (default: enough for max_num_seqs full-length requests, at most 2 GiB)")
+    enable_prefix_caching: bool = arg(True, "reuse the KV blocks of common prompt prefixes")
+    enable_chunked_prefill: bool = arg(True, "split long prompts over steps so that running streams keep "
+                                       "their pace")
+    scheduling_policy: str = arg("priority", "priority (larger priority first, then arrival) or fcfs")
     # The seed spec's name for scheduling_policy ("fifo" means "fcfs"); resolved into it by validate().
-    scheduler_policy: str | None = None
-    preemption_mode: str = "recompute"
-    enforce_eager: bool = False
-    device: str = "auto"
-    attention_backend: str = "auto"
-    max_logprobs: int = 20
-    disable_log_stats: bool = True
-    num_gpu_blocks_override: int | None = None
-    load_format: str = "auto"
-    skip_tokenizer_init: bool = False
+    scheduler_policy: str | None = arg(None, "alias of scheduling_policy; fifo means fcfs")
+    preemption_mode: str = arg("recompute", "what a preempted request loses: recompute (swap is not supported "
+                               "yet)")
+    enforce_eager: bool = arg(False, "no CUDA graphs (slower decode, faster start)")
+    device: str = arg("auto", "auto (CUDA when available), cpu, cuda or cuda:N")
+    attention_backend: str = arg("auto", "auto, cpu, torch_ref or triton")
+    max_logprobs: int = arg(20, "most logprobs a request may ask for per token")
+    disable_log_stats: bool = arg(True, "no periodic stats log line")
+    num_gpu_blocks_override: int | None = arg(None, "a fixed number of KV-cache blocks (tests, benchmarks)")
+    load_format: str = arg("auto", "auto (the checkpoint's weights) or dummy (random weights, benchmarks)")
+    skip_tokenizer_init: bool = arg(False, "no tokenizer: prompts must be token ids, outputs have no text")
     # Overlap the CPU side of a step with the GPU's previous step (default: on for CUDA).
-    async_scheduling: bool | None = None
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    data_parallel_size: int = 1
-    distributed_executor_backend: str | None = None  # "uni" | "mp" | "ray"; None: "uni" for one rank
+    async_scheduling: bool | None = arg(None, "schedule the next step while the GPU runs this one "
+                                        "(default: on for CUDA)")
+    tensor_parallel_size: int = arg(1, "GPUs a layer is split over (only 1 is supported yet)")
+    pipeline_parallel_size: int = arg(1, "pipeline stages (only 1 is supported yet)")
+    data_parallel_size: int = arg(1, "engine replicas (only 1 is supported yet)")
+    distributed_executor_backend: str | None = arg(None, "uni, mp or ray (only uni, one process, is "
+                                                   "supported yet)")
 
     def __post_init__(self) -> None:
         self.validate()

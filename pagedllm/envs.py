@@ -1,7 +1,8 @@
 """The one reader of the environment variables the engine honours.
 
 Every variable is listed in ``VARIABLES`` with its type, default and meaning: our ``PAGEDLLM_*``
-ones and the two of other tools that change what we run (``CC``, ``TRITON_INTERPRET``); no other
+ones and those of other tools that change what we run (``OMP_NUM_THREADS``, ``CC``,
+``TRITON_INTERPRET``); no other
 module reads ``os.environ``. Values are read when asked for
 (``envs.PAGEDLLM_FUSED_OPS``), not at import, so a test or a launcher can set them before it
 builds an engine. Booleans share one parser: ``0``, ``false``, ``no``, ``off`` (any case) are
@@ -36,7 +37,7 @@ def parse_bool(name: str, text: str) -> bool:
 @dataclass(frozen=True)
 class EnvVar:
     name: str
-    kind: str  # "bool" | "str" | "path"
+    kind: str  # "bool" | "int" | "str" | "path"
     default: Any
     help: str
 
@@ -48,6 +49,11 @@ class EnvVar:
             return parse_bool(self.name, text)
         if self.kind == "path":
             return Path(text).expanduser()
+        if self.kind == "int":
+            try:
+                return int(text)
+            except ValueError:
+                raise ValueError(f"environment variable {self.name}={text!r}: expected an integer") from None
         return text
 
 
@@ -73,6 +79,11 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "Log level of the command-line tools."),
     EnvVar("PAGEDLLM_COMMIT", "str", None,
            "The commit recorded in benchmark results (a copied tree may carry a stale .git)."),
+    EnvVar("PAGEDLLM_CPU_THREADS", "int", None,
+           "Threads of torch's intra-op pool on the CPU (unset: the CPUs this process may use, from its "
+           "affinity and cgroup quota, less one for the server's event loop when more than two)."),
+    EnvVar("OMP_NUM_THREADS", "int", None,
+           "OpenMP's thread count; used as the CPU thread count when PAGEDLLM_CPU_THREADS is unset."),
     EnvVar("CC", "str", "cc", "The C compiler that builds the CPU kernels."),
     EnvVar("TRITON_INTERPRET", "bool", False,
            "Triton's interpreter runs the kernels on the CPU (tests); programmatic dependent launch is off."),

@@ -439,7 +439,7 @@ before the engine starts.
 
 
 def engine_args_table() -> str:
-    """EngineArgs' fields with their flags and defaults, in declaration order."""
+    """EngineArgs' fields with their flags, defaults and meanings (``config.arg``), in declaration order."""
     import dataclasses
 
     from pagedllm.config import EngineArgs
@@ -449,8 +449,9 @@ def engine_args_table() -> str:
     for f in dataclasses.fields(EngineArgs):
         value = getattr(defaults, f.name)
         shown = "unset" if value is None else f"`{value!r}`" if isinstance(value, str) else f"`{value}`"
-        rows.append([f"`{f.name}`", f"`--{f.name.replace('_', '-')}`", shown])
-    return table(["argument", "flag", "default"], rows)
+        meaning = f.metadata.get("help", "").replace("|", "\\|")
+        rows.append([f"`{f.name}`", f"`--{f.name.replace('_', '-')}`", shown, meaning])
+    return table(["argument", "flag", "default", "meaning"], rows)
 
 
 def render_configuration() -> str:

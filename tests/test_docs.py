@@ -16,7 +16,7 @@ SCRIPT = ROOT / "scripts" / "render_performance.py"
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
-RUN_COMMAND = "bash scripts/install.sh && pagedllm serve --port 8000"
+RUN_COMMAND = "bash scripts/install.sh && source .venv/bin/activate && pagedllm serve --port 8000"
 TEST_COMMAND = "bash scripts/test.sh"
 CURL_EXAMPLE = """curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
   -d '{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "What is the capital of France?"}], "temperature": 0}'"""

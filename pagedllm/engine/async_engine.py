@@ -66,6 +66,7 @@ class RequestStream:
         self.output_kind = output_kind
         self.arrival_time = arrival_time
         self.add_id = -1  # set when the add is sent: names this request (not a namesake) in aborts
+        self.num_seqs = 1  # sequences the scheduler will hold for it (SamplingParams.n)
         self.pending: RequestOutput | None = None
         self.error: BaseException | None = None
         self.event = asyncio.Event()
@@ -214,10 +215,15 @@ class AsyncLLMEngine:
         return self._dead is not None
 
     def num_waiting_requests(self) -> int:
-        """Requests not yet scheduled: the scheduler's waiting queue plus adds not yet answered."""
-        return self._num_waiting + len(self._adding)
+        """Sequences not yet scheduled: the scheduler's waiting queue (as of the last step, plus
+        those accepted since) and those of adds not yet answered. A request with ``n`` choices
+        counts ``n``, as the scheduler holds one sequence per choice."""
+        with self._lock:
+            adding = sum(s.num_seqs for s in self._adding.values())
+        return self._num_waiting + adding
 
     def num_running_requests(self) -> int:
+        """Sequences the scheduler ran at its last step (at most ``max_num_seqs``)."""
         return self._num_running
 
     def num_live_requests(self) -> int:
@@ -286,6 +292,7 @@ class AsyncLLMEngine:
         kind = getattr(sampling_params, "output_kind", RequestOutputKind.CUMULATIVE)
         arrival = time.time() if arrival_time is None else arrival_time
         stream = RequestStream(request_id, asyncio.get_running_loop(), kind, arrival)
+        stream.num_seqs = max(1, int(getattr(sampling_params, "n", 1) or 1))
         with self._lock:
             if self._closed or not self.is_running:
                 stream.put_error(EngineDeadError(self._dead or "engine is shut down"))
@@ -356,7 +363,7 @@ class AsyncLLMEngine:
             stream = self._take_adding(event.add_id)
             if stream is not None:
                 self._streams[stream.request_id] = stream
-                self._num_waiting += 1  # until the next step's stats say otherwise
+                self._num_waiting += stream.num_seqs  # until the next step's stats say otherwise
                 self.metrics.on_request_added(stream.request_id, stream.arrival_time)
                 _call_soon(stream.loop, stream.accept)
         elif isinstance(event, Refused):

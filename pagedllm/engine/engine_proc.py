@@ -146,9 +146,11 @@ def run_engine_process(config: EngineConfig, commands: Connection, events: Conne
     # Ctrl-C reaches the whole process group; the parent decides when the engine stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format=_LOG_FORMAT, datefmt="%H:%M:%S")
+    from pagedllm.cpu_threads import configure_torch_threads
     from pagedllm.engine.llm_engine import LLMEngine
 
     try:
+        configure_torch_threads(for_server=True)  # the parent's event loop keeps a CPU (cpu_threads.py)
         engine = LLMEngine(config)
     except BaseException as e:
         events.send(StartupFailed(f"{type(e).__name__}: {e}", traceback.format_exc()))

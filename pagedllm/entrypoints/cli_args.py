@@ -16,25 +16,36 @@ _BOOL_PAIRS = ("enable_prefix_caching", "enable_chunked_prefill")
 
 
 def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
-    """Add one flag per EngineArgs field, named as vLLM's (--max-num-seqs, ...)."""
+    """Add one flag per EngineArgs field, named as vLLM's (--max-num-seqs, ...), with the field's
+    help line (``config.arg``); ``HelpFormatter`` adds the default."""
     defaults = EngineArgs()
-    if not model_positional:
-        parser.add_argument("--model", default=None, help="HF folder, .gguf file or hub id (default: embedded SmolLM2)")
+    group = parser.add_argument_group("engine")
     for f in dataclasses.fields(EngineArgs):
-        if f.name == "model":
+        if f.name == "model" and model_positional:
             continue
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
+        kwargs = {"dest": f.name, "default": default, "help": f.metadata.get("help", "").replace("%", "%%")}
         if f.name in _BOOL_PAIRS or f.name == "async_scheduling":
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default)
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
         elif isinstance(default, bool):
-            parser.add_argument(flag, dest=f.name, action="store_true", default=default)
+            group.add_argument(flag, action="store_true", **kwargs)
         elif f.name == "gpu_memory_utilization":
-            parser.add_argument(flag, dest=f.name, type=float, default=default)
+            group.add_argument(flag, type=float, **kwargs)
         elif f.type in ("int | None", "int") or isinstance(default, int):
-            parser.add_argument(flag, dest=f.name, type=int, default=default)
+            group.add_argument(flag, type=int, **kwargs)
         else:
-            parser.add_argument(flag, dest=f.name, type=str, default=default)
+            group.add_argument(flag, type=str, **kwargs)
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's formatter, plus each option's default unless its help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.option_strings and action.default is not argparse.SUPPRESS and "(default" not in text:
+            text += " (default: %(default)s)"
+        return text
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from pagedllm.loader.architectures import gguf_permutes_qk
-from pagedllm.loader.cache import gguf_cache_folder, write_atomically
+from pagedllm.loader.cache import ensure_entry, gguf_cache_folder, write_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -134,4 +134,5 @@ def iter_gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
                 collected = None  # too big to cache: stop holding on to the tensors
         yield name, w
     if collected:
+        ensure_entry(cached.parent, path)
         write_atomically(cached, lambda tmp: save_file(collected, str(tmp)))

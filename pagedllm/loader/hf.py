@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedllm import envs
-from pagedllm.loader.cache import gguf_cache_folder, write_atomically
+from pagedllm.loader.cache import ensure_entry, gguf_cache_folder, write_atomically
 from pagedllm.loader.plain_config import read_plain_config
 from pagedllm.loader.source import ModelSource
 
@@ -55,6 +55,7 @@ def load_hf_config(source: ModelSource) -> Any:
 
     path = Path(source.path)
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    ensure_entry(cached.parent, path)
     write_atomically(cached, config.save_pretrained)
     return config
 
@@ -87,5 +88,6 @@ def _gguf_tokenizer(path: Path) -> Any:
     if cached.is_dir():
         return AutoTokenizer.from_pretrained(cached)
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    ensure_entry(cached.parent, path)
     write_atomically(cached, tok.save_pretrained)
     return tok

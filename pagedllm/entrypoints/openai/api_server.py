@@ -4,9 +4,13 @@ Endpoints: POST /v1/completions, POST /v1/chat/completions (both stream and non-
 GET /v1/models, POST /tokenize, POST /detokenize, GET /health, GET /version, GET /metrics.
 Every error is OpenAI-shaped (``{"error": {"message", "type", "param", "code"}}``): 400 for a bad
 body (naming the field), 401 for a wrong API key (/v1/* and /metrics), 404 for an unknown model,
-503 with Retry-After when more than --max-waiting-requests wait. A client that disconnects has its
-engine request aborted before the next engine step. SIGTERM/SIGINT: stop accepting, let in-flight
-requests finish for up to --shutdown-timeout seconds, abort the rest, exit 0. With
+413 for a body over --max-request-body-bytes, 503 with Retry-After when more than
+--max-waiting-requests would wait beyond the free running slots. Tokenization and chat templates
+run on tokenizer threads (``tokenizer_pool.py``), so one large prompt never holds /health or the
+running streams. A client that disconnects has its engine request aborted before the next engine
+step. SIGTERM/SIGINT: stop accepting, let in-flight requests finish for up to --shutdown-timeout
+seconds, then answer the rest with a 503 (a stream: an error event and ``[DONE]``), exit 0. The
+port is bound before the model loads, so a busy port is reported at once. With
 --engine-process the engine runs in a child process; if the engine dies, in-flight requests get an
 error, /health answers 503 and the server stops with exit status 1.
 """
@@ -14,15 +18,19 @@ error, /health answers 503 and the server stops with exit status 1.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hmac
 import logging
 import os
 import signal
+import socket
 import threading
 import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -31,6 +39,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pagedllm import envs
+from pagedllm.cpu_threads import configure_torch_threads
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pagedllm.entrypoints.openai.errors import OpenAIError, error_body, error_response, from_validation_errors
 from pagedllm.entrypoints.openai.protocol import (
@@ -53,18 +62,23 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     """Server-only flags (the engine's flags are added by the CLI), named as vLLM's."""
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="0.0.0.0", help="address to bind (default: all interfaces)")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--port", type=int, default=8000, help="TCP port to listen on; checked before the model loads")
     g.add_argument("--api-key", default=envs.PAGEDLLM_API_KEY,
                    help="require 'Authorization: Bearer KEY' on every route but /health (env PAGEDLLM_API_KEY)")
     g.add_argument("--chat-template", default=None,
                    help="a Jinja chat template, or a file holding one (default: the tokenizer's)")
     g.add_argument("--uvicorn-log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"])
-    g.add_argument("--disable-uvicorn-access-log", action="store_true")
+                   choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's log level")
+    g.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per HTTP request")
     g.add_argument("--max-waiting-requests", type=int, default=1024,
-                   help="requests allowed to wait for a slot; beyond it: 503 with Retry-After")
+                   help="sequences allowed to wait beyond the free running slots (--max-num-seqs); beyond "
+                   "it: 503 with Retry-After; a request that could never fit: 400")
+    g.add_argument("--max-request-body-bytes", type=int, default=None,
+                   help="largest request body accepted (413 beyond it); 0: no limit "
+                   "(default: 4 MiB + 64 bytes per token of --max-model-len)")
     g.add_argument("--shutdown-timeout", type=float, default=10.0,
-                   help="on SIGTERM/SIGINT, seconds in-flight requests may finish before they are aborted")
+                   help="on SIGTERM/SIGINT, seconds in-flight requests may finish; then they get a 503 "
+                   "(streams: an error event and [DONE])")
     g.add_argument("--stats-log-interval", type=float, default=10.0,
                    help="seconds between throughput log lines (0 turns them off)")
     g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
@@ -108,15 +122,16 @@ class APIKeyMiddleware:
 
 def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = None, chat_template: str | None = None,
               api_key: str | None = None, max_waiting_requests: int | None = 1024,
-              shutdown_engine: bool = True) -> FastAPI:
+              shutdown_engine: bool = True, max_request_body_bytes: int | None = None) -> FastAPI:
     """The FastAPI app around a running AsyncLLMEngine."""
-    ctx = ServingContext(engine, served_model_names, chat_template, max_waiting_requests)
+    ctx = ServingContext(engine, served_model_names, chat_template, max_waiting_requests, max_request_body_bytes)
     completions = OpenAIServingCompletion(ctx)
     chat = OpenAIServingChat(ctx)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
+        ctx.tokenizers.shutdown()
         if shutdown_engine:
             logger.info("shutting down the engine")
             engine.shutdown()
@@ -129,12 +144,12 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
 
     @app.post("/v1/completions")
     async def create_completion(request: Request) -> Response:
-        body = await parse_body(request, CompletionRequest)
+        body = await parse_body(request, CompletionRequest, ctx.max_request_body_bytes)
         return await cancel_on_disconnect(request, completions.create(body))
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: Request) -> Response:
-        body = await parse_body(request, ChatCompletionRequest)
+        body = await parse_body(request, ChatCompletionRequest, ctx.max_request_body_bytes)
         return await cancel_on_disconnect(request, chat.create(body))
 
     def model_card(name: str) -> dict:
@@ -155,14 +170,14 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
-        body = await parse_body(request, TokenizeRequest)
+        body = await parse_body(request, TokenizeRequest, ctx.max_request_body_bytes)
         ctx.check_model(body.model)
         if body.messages is not None:
-            ids = render_chat(ctx, body.messages, body.chat_template, body.add_generation_prompt,
-                              body.continue_final_message)
+            ids = await ctx.off_loop(render_chat, ctx, body.messages, body.chat_template,
+                                     body.add_generation_prompt, body.continue_final_message)
         elif body.prompt is not None:
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
-            ids = ctx.tokenizer.encode(body.prompt, add_special_tokens=add_special)
+            ids = await ctx.encode(body.prompt, add_special, "prompt", truncating=True)  # counts any length
         else:
             raise OpenAIError(400, "prompt or messages is required", param="prompt")
         out: dict[str, Any] = {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
@@ -172,10 +187,11 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> JSONResponse:
-        body = await parse_body(request, DetokenizeRequest)
+        body = await parse_body(request, DetokenizeRequest, ctx.max_request_body_bytes)
         ctx.check_model(body.model)
         ctx.check_token_ids(body.tokens, "tokens")
-        return JSONResponse({"prompt": ctx.tokenizer.decode(body.tokens)})
+        text = await ctx.off_loop(lambda: ctx.tokenizer.decode(body.tokens))
+        return JSONResponse({"prompt": text})
 
     @app.get("/health")
     async def health() -> Response:
@@ -219,24 +235,31 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def run_server(ns: argparse.Namespace) -> int:
-    """``pagedllm serve``: load the model, serve until SIGTERM/SIGINT, exit 0."""
-    import uvicorn
-
+    """``pagedllm serve``: bind the port, load the model, serve until SIGTERM/SIGINT, exit 0."""
     from pagedllm.entrypoints.cli_args import engine_args_from
 
     chat_template = load_chat_template(ns.chat_template)
+    for flag in ("max_request_body_bytes", "max_waiting_requests"):
+        value = getattr(ns, flag)
+        if value is not None and value < 0:
+            raise SystemExit(f"pagedllm serve: --{flag.replace('_', '-')} must be >= 0, got {value}")
+    sock = bind_socket(ns.host, ns.port)  # a busy port is an error now, not after the model loaded
+    threads = configure_torch_threads(for_server=True)
     t0 = time.perf_counter()
     interval = ns.stats_log_interval if ns.stats_log_interval and ns.stats_log_interval > 0 else None
     engine = AsyncLLMEngine.from_engine_args(engine_args_from(ns), "OPENAI_API_SERVER", engine_process=ns.engine_process,
                                              log_stats=interval is not None, log_interval_s=interval or 10.0)
     app = build_app(engine, chat_template=chat_template, api_key=ns.api_key,
-                    max_waiting_requests=ns.max_waiting_requests)
-    logger.info("model %s loaded in %.1f s; serving on http://%s:%d", engine.get_model_config().served_model_name,
-                time.perf_counter() - t0, ns.host, ns.port)
+                    max_waiting_requests=ns.max_waiting_requests, max_request_body_bytes=ns.max_request_body_bytes)
+    logger.info("model %s loaded in %.1f s (%d CPU threads); serving on http://%s:%d",
+                engine.get_model_config().served_model_name, time.perf_counter() - t0, threads, ns.host, ns.port)
+    shutdown_timeout = max(0.1, ns.shutdown_timeout)
+    # uvicorn cancels the handlers still running _SHUTDOWN_GRACE_S after our deadline; by then they
+    # have answered (503 / error event and [DONE]) and ended.
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
                             access_log=not ns.disable_uvicorn_access_log,
-                            timeout_graceful_shutdown=max(0.1, ns.shutdown_timeout), timeout_keep_alive=5)
-    server = uvicorn.Server(config)
+                            timeout_graceful_shutdown=shutdown_timeout + _SHUTDOWN_GRACE_S, timeout_keep_alive=5)
+    server = _Server(config, shutdown_timeout, app.state.ctx.abort_in_flight)
     threading.Thread(target=_stop_when_engine_dies, args=(engine, server), name="pagedllm-engine-watch",
                      daemon=True).start()
     # uvicorn re-raises the signal it handled once it has shut down gracefully; make that a no-op
@@ -244,10 +267,46 @@ def run_server(ns: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         engine.shutdown()
     return 0 if server.started and not engine.errored else 1
+
+
+_SHUTDOWN_GRACE_S = 5.0
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before anything slow happens; SystemExit (status 1, one clear
+    line, no traceback) when the address is taken or not ours to bind."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: rebinding after a restart
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise SystemExit(f"pagedllm serve: cannot listen on {host}:{port}: {e.strerror or e} "
+                         "(another server there? choose another --port)") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, plus: ``shutdown_timeout`` seconds into a graceful shutdown, call
+    ``on_deadline`` (on the event loop) so that in-flight requests are answered with a 503."""
+
+    def __init__(self, config: uvicorn.Config, shutdown_timeout: float, on_deadline: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._shutdown_timeout = shutdown_timeout
+        self._on_deadline = on_deadline
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        handle = asyncio.get_running_loop().call_later(self._shutdown_timeout, self._on_deadline)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            handle.cancel()
 
 
 def _stop_when_engine_dies(engine: AsyncLLMEngine, server: Any, poll_s: float = 0.5) -> None:

@@ -67,14 +67,14 @@ class OpenAIServingChat:
                 params = req.to_sampling_params(ctx.max_logprobs, max_num_seqs)
         except (ValueError, TypeError) as e:
             raise bad_request(e, _FIELDS) from e
-        prompt_ids = render_chat(ctx, req.messages, req.chat_template, req.add_generation_prompt,
-                                 req.continue_final_message)
+        prompt_ids = await ctx.off_loop(render_chat, ctx, req.messages, req.chat_template,
+                                        req.add_generation_prompt, req.continue_final_message)
         if req.truncate_prompt_tokens is not None:
             prompt_ids = prompt_ids[-req.truncate_prompt_tokens:]
         ctx.check_length(len(prompt_ids), req.requested_max_tokens,
                          req.max_completion_tokens is not None or req.max_tokens is not None,
                          "messages", req.max_tokens_field)
-        ctx.check_capacity(1)
+        ctx.check_capacity(req.n, "n")
         request_id = req.request_id or random_id("chatcmpl")
         stream: RequestStream | None = None
         if req.use_beam_search:

@@ -5,44 +5,99 @@ limits), body parsing, admission control, logprob formatting, SSE framing and di
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 import anyio
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from pagedllm.engine.async_engine import AsyncLLMEngine
+from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from pagedllm.entrypoints.chat_utils import apply_chat_template
+from pagedllm.entrypoints.openai import request_body
 from pagedllm.entrypoints.openai.errors import OpenAIError, error_body, from_validation_errors
+from pagedllm.entrypoints.openai.request_body import default_max_body_bytes
+from pagedllm.entrypoints.openai.tokenizer_pool import TokenizerPool
 from pagedllm.outputs import Logprob
 
 logger = logging.getLogger("pagedllm.server")
+
+T = TypeVar("T")
 
 # vLLM's stand-in for -inf, which JSON cannot carry.
 _MIN_LOGPROB = -9999.0
 
 
 class ServingContext:
-    """Everything a handler needs; one per server."""
+    """Everything a handler needs; one per server.
+
+    ``tokenizer`` is the calling thread's own copy (see ``TokenizerPool``): the event loop may use
+    it for short work (decoding a token); long work goes through ``off_loop``/``encode``.
+    """
 
     def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str] | None = None,
-                 chat_template: str | None = None, max_waiting_requests: int | None = None) -> None:
+                 chat_template: str | None = None, max_waiting_requests: int | None = None,
+                 max_request_body_bytes: int | None = None) -> None:
         self.engine = engine
         self.model_config = engine.get_model_config()
         names = served_model_names or [self.model_config.served_model_name]
         self.served_model_names = [n for n in names if n]
         self.max_model_len = self.model_config.max_model_len
-        self.max_logprobs = engine.get_engine_config().max_logprobs
+        engine_config = engine.get_engine_config()
+        self.max_logprobs = engine_config.max_logprobs
+        self.max_num_seqs = engine_config.scheduler_config.max_num_seqs
         self.chat_template = chat_template
         self.max_waiting_requests = max_waiting_requests
-        self.tokenizer = _private_tokenizer(engine.get_tokenizer())
+        if max_request_body_bytes is not None and max_request_body_bytes < 0:
+            raise ValueError(f"max_request_body_bytes must be >= 0 (0: no limit), got {max_request_body_bytes}")
+        self.max_request_body_bytes = (default_max_body_bytes(self.max_model_len) if max_request_body_bytes is None
+                                       else max_request_body_bytes or None)  # 0: no limit
+        self.tokenizers = TokenizerPool(engine.get_tokenizer())
+        _ = self.tokenizer  # this thread's copy (uvicorn's event loop runs here), made before serving
+        self._compile_chat_template()
+        per_token = self.tokenizers.max_chars_per_token
+        # A text longer than this cannot fit in max_model_len tokens (None: length proves nothing).
+        self.max_prompt_chars = None if per_token is None else self.max_model_len * per_token
         self.created = int(time.time())
+        # Set (on the event loop) when --shutdown-timeout has passed after SIGTERM: every in-flight
+        # request then ends with a 503 (a stream: an error event and [DONE]).
+        self.shutdown_deadline = asyncio.Event()
+
+    def abort_in_flight(self) -> None:
+        """Call on the event loop: in-flight requests stop now with a 503 "shutting down"."""
+        self.shutdown_deadline.set()
+
+    def _compile_chat_template(self) -> None:
+        """Render a one-message chat once, now: compiling a Jinja template takes ~0.1 s holding the
+        GIL (transformers caches the result process-wide), too long to happen beside live requests."""
+        try:
+            apply_chat_template(self.tokenizer, [{"role": "user", "content": "hi"}], self.chat_template)
+        except Exception:  # no template, or one that needs more: the first real request will say why
+            pass
+
+    @property
+    def tokenizer(self):
+        return self.tokenizers.tokenizer
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run tokenizer work (encoding, chat-template rendering) on a tokenizer thread."""
+        return await self.tokenizers.run(fn, *args)
+
+    async def encode(self, text: str, add_special_tokens: bool, param: str, truncating: bool = False) -> list[int]:
+        """Token ids of ``text``, computed off the event loop. A text whose length alone proves it
+        longer than the context is refused without tokenizing it (unless it will be truncated)."""
+        if not truncating and self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
+            raise OpenAIError(
+                400, f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                f"{param} has {len(text)} characters, more than {self.max_model_len} tokens can hold "
+                f"(at most {self.tokenizers.max_chars_per_token} characters each). Please reduce the length "
+                "of the input.", param=param, code="context_length_exceeded")
+        return await self.off_loop(lambda: self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     @property
     def model_name(self) -> str:
@@ -55,18 +110,30 @@ class ServingContext:
         raise OpenAIError(404, f"The model `{model}` does not exist. Served: {', '.join(self.served_model_names)}",
                           param="model", code="model_not_found")
 
-    def check_capacity(self, num_new: int = 1) -> None:
-        """503 with Retry-After when the waiting queue is full (nothing is queued silently forever)."""
+    def check_capacity(self, num_new: int = 1, param: str = "prompt") -> None:
+        """Admission control for ``num_new`` new sequences (prompts times ``n``).
+
+        Only sequences that would truly wait count against ``--max-waiting-requests``: those beyond
+        the running slots that are free now (``max_num_seqs`` minus running), which the scheduler
+        fills at its next step. More than that: 503 with Retry-After. A request that could not be
+        admitted even by an idle server (more than ``max_num_seqs`` + the limit) is a 400: retrying
+        it would never help.
+        """
         if not self.engine.is_running:
             raise OpenAIError(503, "the engine is not running (shutting down or failed)", code="engine_unavailable",
                               headers={"Retry-After": "5"})
         limit = self.max_waiting_requests
         if limit is None:
             return
-        waiting = self.engine.num_waiting_requests()
-        if waiting + num_new > limit:
-            raise OpenAIError(503, f"server overloaded: {waiting} requests are waiting (limit {limit}); retry later",
-                              code="overloaded", headers={"Retry-After": "1"})
+        if num_new > self.max_num_seqs + limit:
+            raise OpenAIError(400, f"{param}: this request needs {num_new} sequences (prompts times n), more than "
+                              f"the server can ever hold at once ({self.max_num_seqs} running + {limit} waiting)",
+                              param=param)
+        free_slots = max(0, self.max_num_seqs - self.engine.num_running_requests())
+        would_wait = self.engine.num_waiting_requests() + num_new - free_slots
+        if would_wait > limit:
+            raise OpenAIError(503, f"server overloaded: {would_wait} sequences would wait for a running slot, more "
+                              f"than the limit of {limit}; retry later", code="overloaded", headers={"Retry-After": "1"})
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None, max_tokens_explicit: bool,
                      prompt_param: str, max_tokens_param: str = "max_tokens") -> None:
@@ -91,22 +158,12 @@ class ServingContext:
                               param=param)
 
 
-def _private_tokenizer(tokenizer):
-    """A copy for the event-loop thread: HF fast tokenizers must not be used by two threads at once."""
-    try:
-        return copy.deepcopy(tokenizer)
-    except Exception:  # pragma: no cover - an unusual tokenizer; share it
-        return tokenizer
-
-
-async def parse_body(request: Request, model_cls: type[BaseModel]) -> Any:
-    raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise OpenAIError(400, f"malformed JSON in the request body: {e}", code="invalid_json") from e
+async def parse_body(request: Request, model_cls: type[BaseModel], max_bytes: int | None = None) -> Any:
+    """Read (at most ``max_bytes``), parse and validate a JSON body; every failure is a 4xx."""
+    data = request_body.loads(await request_body.read_body(request, max_bytes))
     if not isinstance(data, dict):
         raise OpenAIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    request_body.check_values(data)
     try:
         return model_cls.model_validate(data)
     except ValidationError as e:
@@ -192,16 +249,33 @@ SSE_DONE = "data: [DONE]\n\n"
 def sse_error(err: BaseException) -> str:
     if isinstance(err, OpenAIError):
         return sse(err.body())
+    if isinstance(err, EngineDeadError):
+        return sse(error_body(503, str(err), code="engine_unavailable"))
     return sse(error_body(500, f"{type(err).__name__}: {err}"))
+
+
+def _shutting_down_error() -> OpenAIError:
+    return OpenAIError(503, "the server is shutting down: the request was aborted after --shutdown-timeout",
+                       code="server_shutting_down", headers={"Retry-After": "5"})
+
+
+def _shutdown_deadline(scope) -> asyncio.Event | None:
+    app = scope.get("app")
+    ctx = getattr(getattr(app, "state", None), "ctx", None)
+    return ctx.shutdown_deadline if isinstance(ctx, ServingContext) else None
 
 
 class EventStreamResponse(StreamingResponse):
     """SSE that watches for the client's disconnect whatever the server's ASGI version: when the
-    client goes, the body iterator is cancelled, which aborts the engine request(s) behind it."""
+    client goes, the body iterator is cancelled, which aborts the engine request(s) behind it.
+    When the shutdown deadline passes first, the iterator is cancelled the same way and the client
+    gets an error event and ``[DONE]``."""
 
     media_type = "text/event-stream"
 
     async def __call__(self, scope, receive, send) -> None:
+        deadline = _shutdown_deadline(scope)
+        cut_by_shutdown = False
         async with anyio.create_task_group() as tg:
 
             async def stream_then_stop() -> None:
@@ -211,9 +285,23 @@ class EventStreamResponse(StreamingResponse):
                     pass  # the client went away mid-write
                 tg.cancel_scope.cancel()
 
+            async def stop_at_deadline() -> None:
+                nonlocal cut_by_shutdown
+                await deadline.wait()
+                cut_by_shutdown = True
+                tg.cancel_scope.cancel()
+
             tg.start_soon(stream_then_stop)
+            if deadline is not None:
+                tg.start_soon(stop_at_deadline)
             await self.listen_for_disconnect(receive)
             tg.cancel_scope.cancel()
+        if cut_by_shutdown:
+            tail = sse_error(_shutting_down_error()) + SSE_DONE
+            try:
+                await send({"type": "http.response.body", "body": tail.encode(), "more_body": False})
+            except OSError:
+                pass
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -224,16 +312,23 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 async def cancel_on_disconnect(request: Request, work: Awaitable[Response]) -> Response:
-    """Run a handler; if the client disconnects first, cancel it (its requests are aborted)."""
+    """Run a handler; if the client disconnects first, cancel it (its requests are aborted); if
+    the shutdown deadline passes first, cancel it and answer 503."""
     task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    watchers = [asyncio.ensure_future(_wait_disconnect(request))]
+    deadline = _shutdown_deadline(request.scope)
+    if deadline is not None:
+        watchers.append(asyncio.ensure_future(deadline.wait()))
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, *watchers}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         if not task.done():
             task.cancel()
-        watcher.cancel()
+        for w in watchers:
+            w.cancel()
     if task.cancelled() or not task.done():
+        if deadline is not None and deadline.is_set():
+            return _shutting_down_error().response()
         logger.info("client disconnected: request cancelled")
         return Response(status_code=499)
     return task.result()

@@ -89,10 +89,10 @@ class OpenAIServingCompletion:
                 params = req.to_sampling_params(ctx.max_logprobs, max_num_seqs)
         except (ValueError, TypeError) as e:
             raise bad_request(e, _FIELDS) from e
-        prompts = self._prompts(req)
+        prompts = await self._prompts(req)
         for p in prompts:
             ctx.check_length(len(p.token_ids), req.max_tokens, "max_tokens" in req.model_fields_set, "prompt")
-        ctx.check_capacity(len(prompts))
+        ctx.check_capacity(len(prompts) * req.n, "prompt" if len(prompts) > 1 else "n")
         request_id = req.request_id or random_id("cmpl")
         if req.use_beam_search:
             sources = [beam_search_outputs(ctx, req, f"{request_id}-{i}", p.token_ids, p.text, beam_params,
@@ -111,7 +111,7 @@ class OpenAIServingCompletion:
             response.headers["x-ignored-fields"] = ignored_fields_header(ignored)
         return response
 
-    def _prompts(self, req: CompletionRequest) -> list[_Prompt]:
+    async def _prompts(self, req: CompletionRequest) -> list[_Prompt]:
         p = req.prompt
         if isinstance(p, str):
             items: list = [p]
@@ -121,13 +121,13 @@ class OpenAIServingCompletion:
             items = list(p)
         if not items:
             raise OpenAIError(400, "prompt must not be empty", param="prompt")
-        tok = self.ctx.tokenizer
         out = []
         for item in items:
             if isinstance(item, str):
                 if not item:
                     raise OpenAIError(400, "prompt must not be an empty string", param="prompt")
-                ids = tok.encode(item, add_special_tokens=req.add_special_tokens)
+                ids = await self.ctx.encode(item, req.add_special_tokens, "prompt",
+                                            truncating=req.truncate_prompt_tokens is not None)
                 prompt = _Prompt(item, ids)
             else:
                 if not item:
