@@ -86,6 +86,10 @@ class Request:
         self.stop_reason: int | str | None = None
         # Hashes of this request's full blocks (prefix caching), extended as tokens arrive.
         self.block_hashes: list[int] = []
+        # Structured output: the grammar state (structured_output.StructuredOutputRequest), set by
+        # the engine core for requests with ``structured_outputs``. The scheduler only calls its
+        # is_ready(), failed, accept_tokens() and is_terminated().
+        self.structured_output_request = None
         # Timestamps for metrics.
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None

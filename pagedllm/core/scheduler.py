@@ -179,6 +179,7 @@ class Scheduler:
         # Set once a runner returns drafts: until then the hot loops skip every draft test.
         self._drafts_seen = False
         self._num_with_stop_strings = 0  # unfinished requests with stop strings
+        self._num_structured = 0  # unfinished requests with a grammar (structured output)
         # Finished since the previous schedule(): sent to the runner in the next SchedulerOutput.
         self.finished_req_ids: set[str] = set()
         # Finished inside schedule() (could never fit): reported by the next update_from_output.
@@ -213,6 +214,7 @@ class Scheduler:
         for r in group:
             self.requests[r.request_id] = r
             self._num_with_stop_strings += r.has_stop_strings
+            self._num_structured += r.structured_output_request is not None
             self._insertion_number[r.request_id] = self._num_added
             self._num_added += 1
             r.status = RequestStatus.WAITING
@@ -268,6 +270,7 @@ class Scheduler:
         del self.requests[request.request_id]
         del self._insertion_number[request.request_id]
         self._num_with_stop_strings -= request.has_stop_strings
+        self._num_structured -= request.structured_output_request is not None
         self.finished_req_ids.add(request.request_id)
         if self._held_siblings and request.request_id in self._held_siblings:
             self._queue_siblings(request.request_id)
@@ -418,12 +421,21 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput) -> None:
         config = self.scheduler_config
-        while self.waiting and len(self.running) < config.max_num_seqs and self._budget_left(out) > 0:
-            request = self.waiting.peek()
+        num_skipped = 0  # requests at the front whose grammar is still compiling: passed over
+        while len(self.waiting) > num_skipped and len(self.running) < config.max_num_seqs and self._budget_left(out) > 0:
+            request = self.waiting[num_skipped]
+            grammar = request.structured_output_request
+            if grammar is not None and (not grammar.is_ready() or grammar.failed):
+                if grammar.failed:
+                    self.waiting.remove(request)
+                    self._abort_unschedulable(request)
+                else:
+                    num_skipped += 1
+                continue
             hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new_tokens = request.num_tokens - num_hit_tokens
             if self._can_never_run(request, num_new_tokens):
-                self.waiting.popleft()
+                self.waiting.remove(request)
                 self._abort_unschedulable(request)
                 continue
             if not config.enable_chunked_prefill and num_new_tokens > self._budget_left(out):
@@ -434,7 +446,10 @@ class Scheduler:
             )
             if new_block_ids is None:
                 break  # no skipping ahead: the head waits for blocks, and so does everyone behind
-            self.waiting.popleft()
+            if num_skipped:
+                self.waiting.remove(request)
+            else:
+                self.waiting.popleft()
             self._admit(request, num_hit_tokens, out)
 
     def _can_never_run(self, request: Request, num_new_tokens: int) -> bool:
@@ -500,7 +515,8 @@ class Scheduler:
         if model_runner_output.draft_token_ids is not None:
             self._drafts_seen = True
         any_extras = bool(scheduler_output.scheduled_spec_decode_tokens or self._held_siblings or (
-            self._num_with_stop_strings and self.stop_checker)) or model_runner_output.draft_token_ids is not None
+            self._num_with_stop_strings and self.stop_checker) or self._num_structured
+        ) or model_runner_output.draft_token_ids is not None
         kv = self.kv_cache_manager
         num_cached_blocks = kv.num_cached_blocks if kv.enable_caching else None
         block_size = self.block_size
@@ -573,10 +589,26 @@ class Scheduler:
             finished = self._check_stop_strings(request, new_token_ids, finished) or finished
         if finished:
             return True
+        if request.structured_output_request is not None and self._advance_grammar(request, new_token_ids):
+            return True
         if model_runner_output.draft_token_ids is not None:
             request.spec_token_ids = model_runner_output.draft_token_ids.get(req_id) or []
         if req_id in self._held_siblings:
             self._queue_siblings(req_id)  # its prompt is computed (its full blocks are cached next)
+        return False
+
+    @staticmethod
+    def _advance_grammar(request: Request, new_token_ids: list[int]) -> bool:
+        """Advance the request's grammar by its new tokens; finish it (True) when the grammar has
+        terminated (its stop token accepted: "stop", as EOS) or refused a token ("abort": the
+        text could no longer match)."""
+        grammar = request.structured_output_request
+        if not grammar.accept_tokens(new_token_ids):
+            request.status = RequestStatus.FINISHED_ABORTED
+            return True
+        if grammar.is_terminated():
+            request.status, request.stop_reason = _FINISHED_STOPPED, None
+            return True
         return False
 
     @staticmethod
