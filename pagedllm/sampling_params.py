@@ -92,7 +92,7 @@ class StructuredOutputsParams:
         schema and its JSON string with the same content share one key)."""
         kind = self.kind
         if kind == "json":
-            spec = self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
+            spec = _canonical_json(self.json)
         elif kind == "choice":
             spec = tuple(self.choice)
         else:
@@ -101,6 +101,17 @@ class StructuredOutputsParams:
 
 
 CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def _canonical_json(schema: str | dict) -> str:
+    """The schema as sorted, compact JSON (a string that is not JSON stays as is: it is refused
+    when the engine parses it)."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError:
+            return schema
+    return json.dumps(schema, sort_keys=True, separators=(",", ":"))
 
 
 @dataclass

@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import numpy as np
 
@@ -120,6 +120,13 @@ class StructuredOutputManager:
     def num_requests(self) -> int:
         """Attached requests not yet released (each holds a matcher once scheduled)."""
         return len(self._requests)
+
+    def wait_for_compile(self, timeout_s: float) -> None:
+        """Block until one attached request's grammar is compiled, or ``timeout_s`` passes
+        (returns at once when none is compiling). O(attached requests)."""
+        compiling = [state.compiled for state in self._requests.values() if not state.is_ready()]
+        if compiling:
+            wait(compiling, timeout=timeout_s, return_when=FIRST_COMPLETED)
 
     # -- one step ------------------------------------------------------------------------------
     def has_requests_in(self, scheduler_output: SchedulerOutput) -> bool:

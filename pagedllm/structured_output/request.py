@@ -29,6 +29,11 @@ class StructuredOutputRequest:
         self._new_matcher = new_matcher
         self._matcher = None
 
+    @property
+    def compiled(self) -> Future:
+        """The future of the compiled grammar (shared by the requests with the same constraint)."""
+        return self._compiled
+
     def is_ready(self) -> bool:
         """The grammar is compiled, or failed to compile (``failed`` says which)."""
         return self._compiled.done()
