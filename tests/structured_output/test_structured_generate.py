@@ -34,11 +34,32 @@ GRAMMAR = 'root ::= "yes" | "no" | ("maybe " [0-9])'
 GRAMMAR_RE = r"yes|no|maybe [0-9]"
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
-def llm(request):
-    engine = LLM(dtype="float32", max_model_len=256, max_num_seqs=8, async_scheduling=request.param)
-    yield engine
-    engine.llm_engine.shutdown()
+@pytest.fixture(scope="module")
+def engines():
+    """One engine per scheduling mode, built on first use."""
+    built: dict[bool, LLM] = {}
+
+    def get(async_scheduling: bool) -> LLM:
+        if async_scheduling not in built:
+            built[async_scheduling] = LLM(dtype="float32", max_model_len=256, max_num_seqs=8,
+                                          async_scheduling=async_scheduling)
+        return built[async_scheduling]
+
+    yield get
+    for engine in built.values():
+        engine.llm_engine.shutdown()
+
+
+@pytest.fixture
+def llm(engines):
+    """The synchronous engine (tests whose subject does not depend on the step order)."""
+    return engines(False)
+
+
+@pytest.fixture(params=[False, True], ids=["sync", "async"])
+def any_llm(engines, request):
+    """Both engines: the bitmask is filled at a different point of the step in each."""
+    return engines(request.param)
 
 
 def grammars(llm):
@@ -69,7 +90,8 @@ SPECS = [("json", {"json": SCHEMA, "disable_any_whitespace": True}, 0.0), ("json
          ("regex", {"regex": REGEX}, 0.9), ("choice", {"choice": CHOICES}, 0.0), ("grammar", {"grammar": GRAMMAR}, 0.9)]
 
 
-def test_every_kind_gives_valid_text_in_one_mixed_batch(llm):
+def test_every_kind_gives_valid_text_in_one_mixed_batch(any_llm):
+    llm = any_llm
     free = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     alone = llm.generate(PROMPT, free, use_tqdm=False)[0].outputs[0].token_ids
     kinds = [kind for kind, _, _ in SPECS]
@@ -105,37 +127,39 @@ def test_n_sequences_and_seeds(llm):
     assert [o.text for o in first.outputs] == [o.text for o in again.outputs]
 
 
-@pytest.mark.parametrize("spec, field", [
-    ({"json": {"type": 5}}, "json"),
-    ({"json": "{oops"}, "json"),
-    ({"regex": "[a-"}, "regex"),
-    ({"grammar": "root ::= nothing"}, "grammar"),
-])
-def test_bad_constraints_are_refused_with_nothing_leaked(llm, spec, field):
+BAD = [({"json": {"type": 5}}, "json"), ({"json": "{oops"}, "json"), ({"regex": "[a-"}, "regex"),
+       ({"grammar": "root ::= nothing"}, "grammar")]
+
+
+def test_bad_constraints_are_refused_with_nothing_leaked(llm):
     engine = llm.llm_engine
     pool = engine.engine_core.scheduler.block_pool
     free_before = pool.get_num_free_blocks()
-    with pytest.raises(ValueError) as e:
-        engine.add_request("bad", PROMPT, constrained(**spec))
-    assert str(e.value).startswith(field)
-    assert not engine.has_unfinished_requests() and not engine.output_processor.has_request("bad")
-    assert pool.get_num_free_blocks() == free_before
-    engine.engine_core.scheduler.check_integrity()
+    for spec, field in BAD:
+        with pytest.raises(ValueError) as e:
+            engine.add_request("bad", PROMPT, constrained(**spec))
+        assert str(e.value).startswith(field)
+        assert not engine.has_unfinished_requests() and not engine.output_processor.has_request("bad")
+        assert pool.get_num_free_blocks() == free_before
+        engine.engine_core.scheduler.check_integrity()
     out = llm.generate(PROMPT, constrained(choice=CHOICES), use_tqdm=False)[0]  # the engine is unharmed
     assert out.outputs[0].text in CHOICES
 
 
-def test_abort_of_a_constrained_request_frees_its_matcher_and_blocks(llm):
+def test_abort_of_a_constrained_request_frees_its_matcher_and_blocks(any_llm):
+    llm = any_llm
     engine = llm.llm_engine
     pool = engine.engine_core.scheduler.block_pool
     engine.add_request("a", PROMPT, constrained(regex="[a-z ]+", max_tokens=200))
     for _ in range(4):
         engine.step()
-    assert grammars(llm).num_requests == 1
+    state = engine.engine_core.scheduler.get_request("a").structured_output_request
+    assert grammars(llm).num_requests == 1 and state.matcher is not None
     engine.abort_request("a")
+    outputs = []
     while engine.has_unfinished_requests():
-        outputs = engine.step()
-    assert outputs[-1].outputs[0].finish_reason == "abort" or not engine.has_unfinished_requests()
+        outputs += engine.step()
+    assert [o.outputs[0].finish_reason for o in outputs if o.finished] == ["abort"]
     assert grammars(llm).num_requests == 0
     assert pool.get_num_free_blocks() == pool.num_blocks
     engine.engine_core.scheduler.check_integrity()
