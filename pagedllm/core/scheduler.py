@@ -14,7 +14,9 @@ One step, in order:
 2. Waiting requests, in policy order, only if nobody was preempted in this step: prefix-cache
    lookup, then as many tokens as the budget allows. The queue never skips ahead: if the head
    cannot be allocated (or, without chunked prefill, does not fit the rest of the budget),
-   nothing behind it is admitted either.
+   nothing behind it is admitted either. The one exception: a request whose grammar
+   (structured output) is still compiling is passed over, holding nothing, until it is ready;
+   one whose grammar failed to compile is finished as FINISHED_ABORTED.
 
 Semantics fixed here:
 - ``num_computed_tokens`` advances in ``schedule()`` (as in vLLM): the output carries each
@@ -41,6 +43,10 @@ Semantics fixed here:
   engine's ``stop_checker`` (which owns the detokenizer state) is asked about each step's tokens,
   so a stopped request is freed in the update that sees its tokens; with async scheduling the
   result of the step still in flight for it is then ignored (its token is never emitted).
+- Structured output: ``Request.structured_output_request`` (None for most requests) is advanced
+  by each step's kept tokens in ``update_from_output``; the request finishes with "stop" when
+  its grammar terminates, and as aborted if the grammar refuses a token (its bitmask was not
+  applied: never expected).
 - Sequences of an n > 1 request are added together (``add_request(first, siblings)``); the
   siblings wait until the first has computed the prompt, so that they hit its prefix cache.
 - A request whose tokens need more blocks than the whole pool holds (or, without chunked prefill,

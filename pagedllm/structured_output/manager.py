@@ -28,7 +28,6 @@ from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sample.bitmask import GrammarOutput
 from pagedllm.sampling_params import StructuredOutputsParams
-from pagedllm.structured_output.backend import XgrammarBackend
 from pagedllm.structured_output.request import StructuredOutputRequest
 
 _RUNNING = RequestStatus.RUNNING
@@ -50,7 +49,8 @@ class StructuredOutputManager:
     """
 
     def __init__(self, tokenizer, vocab_size: int, max_compile_threads: int = 2, max_cached_grammars: int = 512) -> None:
-        self.backend = XgrammarBackend(tokenizer, vocab_size, max_compile_threads)
+        self._tokenizer = tokenizer
+        self._backend = None  # built on the first constraint: importing xgrammar takes a while
         self.vocab_size = vocab_size
         self._pool: ThreadPoolExecutor | None = None  # started on the first constraint
         self._max_compile_threads = max_compile_threads
@@ -66,6 +66,15 @@ class StructuredOutputManager:
         self.num_cache_hits = 0
         self.bitmask_time_s = 0.0
         self.num_bitmask_steps = 0
+
+    @property
+    def backend(self):
+        """The xgrammar backend (``backend.XgrammarBackend``), built on first use."""
+        if self._backend is None:
+            from pagedllm.structured_output.backend import XgrammarBackend
+
+            self._backend = XgrammarBackend(self._tokenizer, self.vocab_size, self._max_compile_threads)
+        return self._backend
 
     # -- requests in and out -------------------------------------------------------------------
     def prepare(self, params: StructuredOutputsParams) -> None:
