@@ -27,18 +27,22 @@ class GrammarOutput:
 def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor | list[int], bitmask: np.ndarray) -> None:
     """Set ``logits[rows[j], t] = -inf`` wherever bit t of ``bitmask[j]`` is clear, in place.
 
-    Cost: one host->device copy of the mask rows (the host buffer may be reused as soon as this
-    returns: a copy from pageable memory is staged before the call returns), when some logits rows
-    are unconstrained one fill of a full-height mask, and one masking launch over the rows."""
+    Cost: a host-side mask of the logits' height (rows not in ``rows`` allow everything; a memset
+    of ``len(logits) * ceil(vocab / 32)`` words when some rows are unconstrained), one
+    host->device copy of it (from pageable memory: staged before the call returns, so the caller
+    may reuse ``bitmask`` at once) and one masking launch over ``rows``."""
     import xgrammar as xgr  # imported on the first constrained step, not at engine start
 
     rows = rows.tolist() if isinstance(rows, torch.Tensor) else list(rows)
-    words = torch.from_numpy(np.ascontiguousarray(bitmask, dtype=np.int32))
+    num_rows, num_words = logits.shape[0], bitmask.shape[1]
+    if rows == list(range(num_rows)):
+        words = np.ascontiguousarray(bitmask, dtype=np.int32)
+        indices = None
+    else:  # xgrammar indexes the mask by logits row: spread the rows over a mask that allows all
+        words = np.full((num_rows, num_words), -1, dtype=np.int32)
+        words[rows] = bitmask
+        indices = rows
+    mask = torch.from_numpy(words)
     if logits.device.type != "cpu":
-        words = words.to(logits.device, non_blocking=True)
-    if rows != list(range(logits.shape[0])):
-        # xgrammar indexes the mask by logits row: spread the rows over a mask that allows all.
-        full = torch.full((logits.shape[0], words.shape[1]), -1, dtype=torch.int32, device=logits.device)
-        full[torch.tensor(rows, dtype=torch.int64, device=logits.device)] = words
-        words = full
-    xgr.apply_token_bitmask_inplace(logits, words, indices=rows, vocab_size=min(logits.shape[-1], words.shape[1] * 32))
+        mask = mask.to(logits.device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(logits, mask, indices=indices, vocab_size=min(logits.shape[-1], num_words * 32))
