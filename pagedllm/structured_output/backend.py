@@ -72,7 +72,7 @@ class XgrammarBackend:
     @staticmethod
     def new_matcher(compiled: xgr.CompiledGrammar, stop_token_ids: list[int] | None) -> xgr.GrammarMatcher:
         """A matcher at the grammar's start. ``stop_token_ids``: the tokens that end the text (the
-        model's EOS), accepted only once the grammar is complete; None keeps the tokenizer's."""
+        request's EOS and stop token ids), accepted only once the grammar is complete; None keeps the tokenizer's."""
         return xgr.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids or None)
 
 

@@ -115,7 +115,9 @@ class StructuredOutputManager:
         key = params.cache_key()
         if key not in self._cache:  # skipped prepare(), or evicted since: validate and compile here
             self.prepare(params)
-        stop = [request.eos_token_id] if request.eos_token_id is not None else None
+        # The grammar's end admits the request's stop tokens (EOS unless ignore_eos, and its
+        # stop_token_ids); with none, the tokenizer's EOS.
+        stop = sorted(request.stop_token_candidates) or None
         state = StructuredOutputRequest(self._cache[key], stop, self.backend.new_matcher)
         request.structured_output_request = state
         self._requests[request.request_id] = state
