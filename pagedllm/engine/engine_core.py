@@ -30,6 +30,7 @@ from pagedllm.core.sched_output import EngineCoreOutput, ModelRunnerOutput, Sche
 from pagedllm.core.scheduler import Scheduler, StopChecker
 from pagedllm.executor import executor_class
 from pagedllm.request import Request, RequestStatus
+from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.structured_output import StructuredOutputManager
 
 logger = logging.getLogger("pagedllm")
@@ -82,12 +83,21 @@ class EngineCore:
         """The model runner of an in-process executor (benchmarks and tests inspect it)."""
         return self.executor.worker.model_runner
 
+    def prepare_structured_outputs(self, params: StructuredOutputsParams) -> None:
+        """Validate a request's constraint (``ValueError`` naming the field) and start compiling it;
+        called before the request is registered anywhere, so a refusal leaves nothing behind."""
+        self._grammars().prepare(params)
+
+    def _grammars(self) -> StructuredOutputManager:
+        if self.structured_output is None:
+            raise ValueError("structured_outputs needs a tokenizer (the engine was started with skip_tokenizer_init)")
+        return self.structured_output
+
     def add_request(self, request: Request, siblings: Sequence[Request] = ()) -> None:
         if request.sampling_params.structured_outputs is not None:
-            if self.structured_output is None:
-                raise ValueError("structured_outputs needs a tokenizer (the engine was started with skip_tokenizer_init)")
+            grammars = self._grammars()
             for r in (request, *siblings):
-                self.structured_output.attach(r)
+                grammars.attach(r)  # validates here too if the caller did not prepare it
         self.scheduler.add_request(request, siblings)
 
     def abort_requests(self, request_ids: list[str]) -> None:

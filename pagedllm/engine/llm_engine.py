@@ -113,7 +113,7 @@ class LLMEngine:
         if self.tokenizer is None and (params.stop or params.bad_words):
             raise ValueError("stop strings and bad_words need a tokenizer (the engine was started with skip_tokenizer_init)")
         if params.structured_outputs is not None:
-            self._prepare_structured_outputs(params)
+            self.engine_core.prepare_structured_outputs(params.structured_outputs)
         prompt_text, prompt_ids = tokenize_prompt(prompt, self.tokenizer, tokenization_kwargs)
         params = params.clone()  # the engine fills private fields; the caller's object stays as given
         max_tokens = validate_prompt(prompt_ids, params, self.model_config.vocab_size, self.model_config.max_model_len)
@@ -146,13 +146,6 @@ class LLMEngine:
         if index > 0:
             child.prompt_logprobs = None  # reported once, from the first sequence
         return child
-
-    def _prepare_structured_outputs(self, params: SamplingParams) -> None:
-        """Validate the constraint (``ValueError`` naming the field) and start compiling it."""
-        grammars = self.engine_core.structured_output
-        if grammars is None:
-            raise ValueError("structured_outputs needs a tokenizer (the engine was started with skip_tokenizer_init)")
-        grammars.prepare(params.structured_outputs)
 
     def _check_logprobs(self, params: SamplingParams) -> None:
         limit = self.config.max_logprobs

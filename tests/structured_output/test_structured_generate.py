@@ -174,8 +174,22 @@ def test_a_slow_compile_does_not_stall_other_requests(llm, monkeypatch):
     finished = {}
     while "free" not in finished:
         finished.update({o.request_id: o for o in engine.step() if o.finished})
-    assert engine.get_first_scheduled_times(["slow"]) == {"slow": None}  # still waiting for its grammar
+    slow = engine.engine_core.scheduler.get_request("slow")
+    assert slow.first_scheduled_time is None and slow.num_computed_tokens == 0  # waits for its grammar
     gate.set()
     while engine.has_unfinished_requests():
         finished.update({o.request_id: o for o in engine.step() if o.finished})
     assert re.fullmatch("slow[0-9]", finished["slow"].outputs[0].text)
+
+
+def test_steps_without_constrained_requests_keep_the_plain_path(llm, monkeypatch):
+    m = grammars(llm)
+
+    def refuse(*args):
+        raise AssertionError("the grammar path ran for a step without constrained requests")
+
+    monkeypatch.setattr(m, "has_requests_in", refuse)
+    monkeypatch.setattr(m, "grammar_bitmask", refuse)
+    steps = m.num_bitmask_steps
+    out = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 3 and m.num_bitmask_steps == steps and m.num_requests == 0
