@@ -38,14 +38,15 @@ class StructuredOutputManager:
 
     Invariant: ``_requests`` holds exactly the attached requests not yet released (each owns one
     matcher); ``_cache`` maps a constraint key to the future of its compiled grammar, and a key
-    enters it only after its constraint parsed; at most ``max_cached_grammars`` keys are kept (least
-    recently used dropped). Cost: ``prepare`` is a dict lookup on a hit, a
-    parse (about a millisecond) on a miss; ``grammar_bitmask`` is O(structured requests of the
-    step) matcher calls (microseconds each) into one reused int32 buffer.
+    enters it only after its constraint parsed; at most ``max_cached_grammars`` keys are kept
+    (least recently used dropped). Cost: ``prepare`` is a dict lookup on a hit, a parse (about a
+    millisecond) on a miss; ``grammar_bitmask`` is O(structured requests of the step) matcher
+    calls (microseconds each) into one reused int32 buffer.
 
-    Counters (the engine's metrics read them): ``num_compiled``, ``compile_time_s`` (their
-    compile times, summed; ``take_compile_times`` gives each), ``num_cache_hits``, ``bitmask_time_s`` and ``num_bitmask_steps``
-    (CPU time spent filling bitmasks, over the steps that had structured requests).
+    Counters (the engine's metrics read them): ``num_compiled``, ``compile_time_s`` (summed;
+    ``take_compile_times`` gives each), ``num_cache_hits`` (requests whose constraint was already
+    compiled or compiling), ``bitmask_time_s`` and ``num_bitmask_steps`` (CPU time spent filling
+    bitmasks, over the steps that had structured requests: their ratio is the time per step).
     """
 
     def __init__(self, tokenizer, vocab_size: int, max_compile_threads: int = 2, max_cached_grammars: int = 512) -> None:
