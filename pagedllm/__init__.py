@@ -2,7 +2,7 @@
 
 from pagedllm.config import EngineArgs
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from pagedllm.version import __version__
 
 __all__ = [
@@ -11,6 +11,7 @@ __all__ = [
     "AsyncLLMEngine",
     "EngineArgs",
     "SamplingParams",
+    "StructuredOutputsParams",
     "RequestOutputKind",
     "RequestMetrics",
     "RequestOutput",

@@ -67,6 +67,10 @@ class Request:
         )
         # Stop strings are matched in the text, by the engine's stop checker (see Scheduler).
         self.has_stop_strings = bool(sampling_params.stop)
+        # Structured output: the grammar state (structured_output.StructuredOutputRequest), set by
+        # the engine core for requests with ``structured_outputs``. The scheduler only calls its
+        # is_ready(), failed, accept_tokens() and is_terminated().
+        self.structured_output_request = None
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.status = RequestStatus.WAITING

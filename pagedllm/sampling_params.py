@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,89 @@ class SamplingType(enum.IntEnum):
     GREEDY = 0
     RANDOM = 1
     RANDOM_SEED = 2
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the generated text (vLLM's ``StructuredOutputsParams``): exactly one of
+    ``json`` (a JSON schema, as a dict or a JSON string), ``regex``, ``choice`` (the text is one of
+    these strings), ``grammar`` (EBNF as xgrammar reads it: a ``root ::= ...`` rule) or
+    ``json_object=True`` (any JSON object).
+
+    ``disable_any_whitespace`` makes JSON compact (no free whitespace between tokens).
+    ``whitespace_pattern`` is vLLM's field for backends that take a whitespace regex; xgrammar
+    (the only backend here) has none, so it is refused rather than ignored.
+
+    Invariant: after ``__post_init__`` exactly one constraint is set and each has its type (a dict
+    ``json`` stays a dict); whether the schema, regex or grammar *parses* is checked by the engine
+    at ``add_request`` (it needs the grammar library), which raises ``ValueError`` naming the field.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in CONSTRAINT_KINDS if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of json, regex, choice, grammar, json_object, "
+                f"got {kinds or 'none'}"
+            )
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise TypeError(f"json must be a JSON schema (a dict or a JSON string), got {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not isinstance(self.choice, (list, tuple)) or not self.choice:
+                raise ValueError(f"choice must be a non-empty list of strings, got {self.choice!r}")
+            if not all(isinstance(c, str) for c in self.choice):
+                raise ValueError(f"choice must contain only strings, got {self.choice!r}")
+            self.choice = list(self.choice)
+        if self.json_object is not None and self.json_object is not True:
+            raise ValueError(f"json_object must be True when set, got {self.json_object!r}")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError(f"disable_any_whitespace must be a boolean, got {self.disable_any_whitespace!r}")
+        if self.whitespace_pattern is not None:
+            raise ValueError("whitespace_pattern is not supported by the xgrammar backend "
+                             "(use disable_any_whitespace for compact JSON)")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: "json", "regex", "choice", "grammar" or "json_object"."""
+        return next(k for k in CONSTRAINT_KINDS if getattr(self, k) not in (None, False))
+
+    def cache_key(self) -> tuple:
+        """(kind, spec, options): equal for constraints that compile to the same grammar (a dict
+        schema and its JSON string with the same content share one key)."""
+        kind = self.kind
+        if kind == "json":
+            spec = _canonical_json(self.json)
+        elif kind == "choice":
+            spec = tuple(self.choice)
+        else:
+            spec = getattr(self, kind)
+        return (kind, spec, self.disable_any_whitespace)
+
+
+CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def _canonical_json(schema: str | dict) -> str:
+    """The schema as sorted, compact JSON (a string that is not JSON stays as is: it is refused
+    when the engine parses it)."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError:
+            return schema
+    return json.dumps(schema, sort_keys=True, separators=(",", ":"))
 
 
 @dataclass
@@ -64,6 +148,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     truncate_prompt_tokens: int | None = None
+    # Constrained decoding (JSON schema, regex, choice, grammar); see StructuredOutputsParams.
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine from the tokenizer (token id sequences of ``bad_words``).
     _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
     # Filled by the engine: the model's EOS id (min_tokens suppresses it in the sampler).
@@ -140,6 +226,9 @@ class SamplingParams:
         if self.logit_bias is not None:
             for t in self.logit_bias:
                 _check_int("logit_bias", t, minimum=0)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise TypeError(f"structured_outputs must be StructuredOutputsParams, got "
+                            f"{type(self.structured_outputs).__name__}")
 
     # -- derived properties ---------------------------------------------------------------
     @property

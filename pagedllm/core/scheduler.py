@@ -14,7 +14,9 @@ One step, in order:
 2. Waiting requests, in policy order, only if nobody was preempted in this step: prefix-cache
    lookup, then as many tokens as the budget allows. The queue never skips ahead: if the head
    cannot be allocated (or, without chunked prefill, does not fit the rest of the budget),
-   nothing behind it is admitted either.
+   nothing behind it is admitted either. The one exception: a request whose grammar
+   (structured output) is still compiling is passed over, holding nothing, until it is ready;
+   one whose grammar failed to compile is finished as FINISHED_ABORTED.
 
 Semantics fixed here:
 - ``num_computed_tokens`` advances in ``schedule()`` (as in vLLM): the output carries each
@@ -41,6 +43,10 @@ Semantics fixed here:
   engine's ``stop_checker`` (which owns the detokenizer state) is asked about each step's tokens,
   so a stopped request is freed in the update that sees its tokens; with async scheduling the
   result of the step still in flight for it is then ignored (its token is never emitted).
+- Structured output: ``Request.structured_output_request`` (None for most requests) is advanced
+  by each step's kept tokens in ``update_from_output``; the request finishes with "stop" when
+  its grammar terminates, and as aborted if the grammar refuses a token (its bitmask was not
+  applied: never expected).
 - Sequences of an n > 1 request are added together (``add_request(first, siblings)``); the
   siblings wait until the first has computed the prompt, so that they hit its prefix cache.
 - A request whose tokens need more blocks than the whole pool holds (or, without chunked prefill,
@@ -179,6 +185,7 @@ class Scheduler:
         # Set once a runner returns drafts: until then the hot loops skip every draft test.
         self._drafts_seen = False
         self._num_with_stop_strings = 0  # unfinished requests with stop strings
+        self._num_structured = 0  # unfinished requests with a grammar (structured output)
         # Finished since the previous schedule(): sent to the runner in the next SchedulerOutput.
         self.finished_req_ids: set[str] = set()
         # Finished inside schedule() (could never fit): reported by the next update_from_output.
@@ -213,6 +220,7 @@ class Scheduler:
         for r in group:
             self.requests[r.request_id] = r
             self._num_with_stop_strings += r.has_stop_strings
+            self._num_structured += r.structured_output_request is not None
             self._insertion_number[r.request_id] = self._num_added
             self._num_added += 1
             r.status = RequestStatus.WAITING
@@ -268,6 +276,7 @@ class Scheduler:
         del self.requests[request.request_id]
         del self._insertion_number[request.request_id]
         self._num_with_stop_strings -= request.has_stop_strings
+        self._num_structured -= request.structured_output_request is not None
         self.finished_req_ids.add(request.request_id)
         if self._held_siblings and request.request_id in self._held_siblings:
             self._queue_siblings(request.request_id)
@@ -418,12 +427,21 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput) -> None:
         config = self.scheduler_config
-        while self.waiting and len(self.running) < config.max_num_seqs and self._budget_left(out) > 0:
-            request = self.waiting.peek()
+        num_skipped = 0  # requests at the front whose grammar is still compiling: passed over
+        while len(self.waiting) > num_skipped and len(self.running) < config.max_num_seqs and self._budget_left(out) > 0:
+            request = self.waiting[num_skipped]
+            grammar = request.structured_output_request
+            if grammar is not None and (not grammar.is_ready() or grammar.failed):
+                if grammar.failed:
+                    self.waiting.remove(request)
+                    self._abort_unschedulable(request)
+                else:
+                    num_skipped += 1
+                continue
             hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new_tokens = request.num_tokens - num_hit_tokens
             if self._can_never_run(request, num_new_tokens):
-                self.waiting.popleft()
+                self.waiting.remove(request)
                 self._abort_unschedulable(request)
                 continue
             if not config.enable_chunked_prefill and num_new_tokens > self._budget_left(out):
@@ -434,7 +452,10 @@ class Scheduler:
             )
             if new_block_ids is None:
                 break  # no skipping ahead: the head waits for blocks, and so does everyone behind
-            self.waiting.popleft()
+            if num_skipped:
+                self.waiting.remove(request)
+            else:
+                self.waiting.popleft()
             self._admit(request, num_hit_tokens, out)
 
     def _can_never_run(self, request: Request, num_new_tokens: int) -> bool:
@@ -500,7 +521,8 @@ class Scheduler:
         if model_runner_output.draft_token_ids is not None:
             self._drafts_seen = True
         any_extras = bool(scheduler_output.scheduled_spec_decode_tokens or self._held_siblings or (
-            self._num_with_stop_strings and self.stop_checker)) or model_runner_output.draft_token_ids is not None
+            self._num_with_stop_strings and self.stop_checker) or self._num_structured
+        ) or model_runner_output.draft_token_ids is not None
         kv = self.kv_cache_manager
         num_cached_blocks = kv.num_cached_blocks if kv.enable_caching else None
         block_size = self.block_size
@@ -573,10 +595,26 @@ class Scheduler:
             finished = self._check_stop_strings(request, new_token_ids, finished) or finished
         if finished:
             return True
+        if request.structured_output_request is not None and self._advance_grammar(request, new_token_ids):
+            return True
         if model_runner_output.draft_token_ids is not None:
             request.spec_token_ids = model_runner_output.draft_token_ids.get(req_id) or []
         if req_id in self._held_siblings:
             self._queue_siblings(req_id)  # its prompt is computed (its full blocks are cached next)
+        return False
+
+    @staticmethod
+    def _advance_grammar(request: Request, new_token_ids: list[int]) -> bool:
+        """Advance the request's grammar by its new tokens; finish it (True) when the grammar has
+        terminated (its stop token accepted: "stop", as EOS) or refused a token ("abort": the
+        text could no longer match)."""
+        grammar = request.structured_output_request
+        if not grammar.accept_tokens(new_token_ids):
+            request.status = RequestStatus.FINISHED_ABORTED
+            return True
+        if grammar.is_terminated():
+            request.status, request.stop_reason = _FINISHED_STOPPED, None
+            return True
         return False
 
     @staticmethod

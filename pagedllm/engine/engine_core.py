@@ -8,6 +8,12 @@ launches step N, then waits for step N-1's tokens and applies them. The CPU work
 (scheduling, input preparation, output processing) thus overlaps the GPU's work on the previous
 one; the scheduler counts each in-flight sampled token as a placeholder so that step N can
 already compute it, and the runner feeds its id to step N on the GPU.
+
+Structured output: a step with constrained requests needs their bitmask before it samples, and
+the bitmask needs every earlier token accepted by the matchers. Such a step runs
+execute_model(N) -> apply step N-1's tokens (update_from_output advances the matchers) -> fill
+N's bitmask on the CPU -> sample_tokens(N, bitmask): the CPU work overlaps N's forward pass. A
+step without constrained requests keeps the plain order (no cost).
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from pagedllm.core.sched_output import EngineCoreOutput, ModelRunnerOutput, Sche
 from pagedllm.core.scheduler import Scheduler, StopChecker
 from pagedllm.executor import executor_class
 from pagedllm.request import Request, RequestStatus
+from pagedllm.sampling_params import StructuredOutputsParams
+from pagedllm.structured_output import StructuredOutputManager
 
 logger = logging.getLogger("pagedllm")
 
@@ -35,9 +43,10 @@ class EngineCore:
     scheduler (``_in_flight``); without it none. Cost per step: one schedule, one executor launch,
     one wait for a step's tokens and one ``update_from_output``, all O(scheduled requests).
     ``stop_checker`` (the engine's stop-string check) is handed to the scheduler's update.
+    ``structured_output`` (built from ``tokenizer``; None without one) owns the grammars.
     """
 
-    def __init__(self, config: EngineConfig, stop_checker: StopChecker | None = None) -> None:
+    def __init__(self, config: EngineConfig, stop_checker: StopChecker | None = None, tokenizer=None) -> None:
         t0 = time.perf_counter()
         self.executor = executor_class(config)(config)
         num_blocks = self.executor.determine_num_blocks()
@@ -46,6 +55,9 @@ class EngineCore:
         self.config = config
         self.cache_config = cache_config
         self.scheduler = Scheduler(config.scheduler_config, cache_config, stop_checker)
+        self.structured_output = (
+            StructuredOutputManager(tokenizer, config.model_config.vocab_size) if tokenizer is not None else None
+        )
         self.executor.warm_up()
         # Everything built so far (modules, imports, tables) lives as long as the engine: move it out
         # of the garbage collector's sight, or each full collection while serving scans every one
@@ -71,7 +83,21 @@ class EngineCore:
         """The model runner of an in-process executor (benchmarks and tests inspect it)."""
         return self.executor.worker.model_runner
 
+    def prepare_structured_outputs(self, params: StructuredOutputsParams) -> None:
+        """Validate a request's constraint (``ValueError`` naming the field) and start compiling it;
+        called before the request is registered anywhere, so a refusal leaves nothing behind."""
+        self._grammars().prepare(params)
+
+    def _grammars(self) -> StructuredOutputManager:
+        if self.structured_output is None:
+            raise ValueError("structured_outputs needs a tokenizer (the engine was started with skip_tokenizer_init)")
+        return self.structured_output
+
     def add_request(self, request: Request, siblings: Sequence[Request] = ()) -> None:
+        if request.sampling_params.structured_outputs is not None:
+            grammars = self._grammars()
+            for r in (request, *siblings):
+                grammars.attach(r)  # validates here too if the caller did not prepare it
         self.scheduler.add_request(request, siblings)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -85,6 +111,15 @@ class EngineCore:
         sched_out = self.scheduler.schedule()
         t1 = time.perf_counter()
         self.executor.execute_model(sched_out)
+        grammars = self.structured_output
+        if grammars is not None and grammars.num_requests:
+            grammars.release(sched_out.finished_req_ids)
+            if grammars.has_requests_in(sched_out):
+                return self._step_with_grammar(sched_out, t0, t1)
+            if sched_out.is_empty and self._in_flight is None:
+                # Nothing to run but grammars to compile: wait for one rather than spin the loop
+                # (a spinning loop takes the CPU, and the GIL, from the compile threads).
+                grammars.wait_for_compile(timeout_s=0.01)
         handle = self.executor.sample_tokens()
         if self.async_scheduling:
             (done_out, done_handle), self._in_flight = self._in_flight or (None, None), (sched_out, handle)
@@ -96,13 +131,38 @@ class EngineCore:
             runner_out = done_handle.result()
         t2 = time.perf_counter()
         outputs = self.scheduler.update_from_output(done_out, runner_out)
-        t3 = time.perf_counter()
+        self._add_timings(t0, t1, t2, time.perf_counter())
+        return outputs
+
+    def _step_with_grammar(self, sched_out: SchedulerOutput, t0: float, t1: float) -> list[EngineCoreOutput]:
+        """The rest of a step with constrained requests (module doc): apply the step in flight
+        (async) first, so that the bitmask is filled from matchers that accepted its tokens."""
+        outputs: list[EngineCoreOutput] = []
+        t2 = t1
+        if self.async_scheduling:
+            done_out, done_handle = self._in_flight or (SchedulerOutput(), None)
+            self._in_flight = None
+            runner_out = done_handle.result() if done_handle is not None else ModelRunnerOutput([], [])
+            t2 = time.perf_counter()
+            outputs = self.scheduler.update_from_output(done_out, runner_out)
+        grammar_output = self.structured_output.grammar_bitmask(sched_out, self.scheduler.requests)
+        handle = self.executor.sample_tokens(grammar_output)
+        if self.async_scheduling:
+            self._in_flight = (sched_out, handle)
+            self._add_timings(t0, t1, t2, time.perf_counter())
+            return outputs
+        runner_out = handle.result()
+        t2 = time.perf_counter()
+        outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        self._add_timings(t0, t1, t2, time.perf_counter())
+        return outputs
+
+    def _add_timings(self, t0: float, t1: float, t2: float, t3: float) -> None:
         timings = self.step_timings
         timings["schedule"] += t1 - t0
         timings["execute"] += t2 - t1
         timings["update"] += t3 - t2
         timings["steps"] += 1
-        return outputs
 
     def has_unfinished_requests(self) -> bool:
         if self.scheduler.has_unfinished_requests():  # the usual answer, checked first (every step)
@@ -114,4 +174,6 @@ class EngineCore:
         return self.scheduler.get_num_unfinished_requests()
 
     def shutdown(self) -> None:
+        if self.structured_output is not None:
+            self.structured_output.shutdown()
         self.executor.shutdown()

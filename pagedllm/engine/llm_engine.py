@@ -37,7 +37,8 @@ class LLMEngine:
         self.tokenizer = tokenizer  # None with skip_tokenizer_init: prompts must be token ids
         self.output_processor = OutputProcessor(self.tokenizer)
         # Stop strings are decided in the scheduler's update, by the output processor's detokenizers.
-        self.engine_core = EngineCore(config, stop_checker=self.output_processor.check_stop_strings)
+        self.engine_core = EngineCore(config, stop_checker=self.output_processor.check_stop_strings,
+                                      tokenizer=self.tokenizer)
         self._pending_abort_outputs: list[RequestOutput] = []
         self.eos_token_id = self._eos_token_id()
 
@@ -111,6 +112,8 @@ class LLMEngine:
         self._check_logprobs(params)
         if self.tokenizer is None and (params.stop or params.bad_words):
             raise ValueError("stop strings and bad_words need a tokenizer (the engine was started with skip_tokenizer_init)")
+        if params.structured_outputs is not None:
+            self.engine_core.prepare_structured_outputs(params.structured_outputs)
         prompt_text, prompt_ids = tokenize_prompt(prompt, self.tokenizer, tokenization_kwargs)
         params = params.clone()  # the engine fills private fields; the caller's object stays as given
         max_tokens = validate_prompt(prompt_ids, params, self.model_config.vocab_size, self.model_config.max_model_len)

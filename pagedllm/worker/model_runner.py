@@ -206,7 +206,7 @@ class ModelRunner:
             first_row[inp.req_ids[i]] = (row, n)
             row += n
         idx = [r for req_id in grammar.req_ids for r in range(first_row[req_id][0], sum(first_row[req_id]))]
-        apply_token_bitmask(logits, torch.tensor(idx, dtype=torch.int64, device=logits.device), grammar.bitmask)
+        apply_token_bitmask(logits, idx, grammar.bitmask)
 
     # -- inputs ----------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:

@@ -1,0 +1,102 @@
+"""The xgrammar backend: a constraint -> a parsed grammar (validation) -> a compiled grammar -> matchers.
+
+Three costs, paid in three places:
+- ``parse`` (about a millisecond for a JSON schema): on the caller's thread at ``add_request``, so
+  a bad schema, regex or grammar raises ``ValueError`` naming the field before the engine keeps
+  any state for the request;
+- ``compile`` (milliseconds to seconds: the token masks of every grammar state over the
+  vocabulary): on the manager's thread pool, off the engine loop;
+- ``GrammarMatcher`` (microseconds): one per request, when it is first scheduled.
+
+The vocabulary comes from the engine's HF tokenizer, padded to the model's logits width (ids past
+the tokenizer's are never allowed). ``TokenizerInfo`` costs a fraction of a second, so it is built
+on the first structured request, not at engine start.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import xgrammar as xgr
+
+from pagedllm.sampling_params import StructuredOutputsParams
+
+
+class XgrammarBackend:
+    """Parses and compiles constraints for one tokenizer.
+
+    Invariant: ``_compiler`` (built once, under ``_lock``) belongs to this tokenizer and vocabulary
+    width. xgrammar's compiler is thread-safe; its own cache is disabled because the manager
+    caches compiled grammars by constraint (one entry per (kind, spec)).
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, max_threads: int = 2) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_threads = max_threads
+        self._compiler: xgr.GrammarCompiler | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def compiler(self) -> xgr.GrammarCompiler:
+        with self._lock:
+            if self._compiler is None:
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=self.max_threads, cache_enabled=False)
+            return self._compiler
+
+    @staticmethod
+    def parse(params: StructuredOutputsParams) -> xgr.Grammar:
+        """The grammar of ``params``; ``ValueError`` starting with the field's name if it does not
+        parse (an invalid JSON schema, regex or EBNF grammar)."""
+        kind = params.kind
+        try:
+            if kind == "json":
+                return xgr.Grammar.from_json_schema(_schema_text(params.json),
+                                                    any_whitespace=not params.disable_any_whitespace)
+            if kind == "regex":
+                return xgr.Grammar.from_regex(params.regex)
+            if kind == "choice":
+                return xgr.Grammar.from_ebnf(choice_ebnf(params.choice))
+            if kind == "grammar":
+                return xgr.Grammar.from_ebnf(params.grammar)
+            # vLLM's json_object (OpenAI's {"type": "json_object"}): a JSON object, not any value.
+            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=not params.disable_any_whitespace)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise ValueError(f"{kind} is not a valid {_WHAT[kind]}: {_first_line(e)}") from e
+
+    def compile(self, grammar: xgr.Grammar) -> xgr.CompiledGrammar:
+        return self.compiler.compile_grammar(grammar)
+
+    @staticmethod
+    def new_matcher(compiled: xgr.CompiledGrammar, stop_token_ids: list[int] | None) -> xgr.GrammarMatcher:
+        """A matcher at the grammar's start. ``stop_token_ids``: the tokens that end the text (the
+        request's EOS and stop token ids), accepted only once the grammar is complete; None keeps the tokenizer's."""
+        return xgr.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids or None)
+
+
+_WHAT = {"json": "JSON schema", "regex": "regular expression", "choice": "list of choices",
+         "grammar": "EBNF grammar", "json_object": "JSON grammar"}
+
+
+def _schema_text(schema: str | dict) -> str:
+    if isinstance(schema, str):
+        try:
+            json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"not JSON ({e})") from e
+        return schema
+    return json.dumps(schema)
+
+
+def choice_ebnf(choices: list[str]) -> str:
+    """``root ::= "a" | "b"``: each choice as an EBNF string literal (JSON escapes, which
+    xgrammar's EBNF reads)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _first_line(error: Exception) -> str:
+    """xgrammar's messages start with a source location ("[12:00:00] /project/cpp/x.cc:10: ...")."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return text.split(": ", 1)[1] if text.startswith("[") and ": " in text else text

@@ -1,0 +1,182 @@
+"""StructuredOutputManager: grammars for the engine core (compile pool, cache, per-step bitmask).
+
+Flow of one constrained request:
+1. ``LLMEngine.add_request`` -> ``prepare(params)``: a cache hit, or a parse (validation, raises
+   ``ValueError`` naming the field) and a compile submitted to the thread pool. Nothing is kept
+   for the request yet, so a refused request leaves no state anywhere.
+2. ``EngineCore.add_request`` -> ``attach(request)``: the request gets its
+   ``StructuredOutputRequest``; the scheduler keeps it waiting (others run) until ``is_ready()``.
+3. Each step that samples for it: ``grammar_bitmask`` fills its bitmask row(s) on the CPU (while
+   the GPU runs the forward), the runner applies them to the logits; the scheduler's update
+   advances its matcher by the accepted tokens and stops it when the grammar terminates.
+4. The step after it finishes or is aborted (``SchedulerOutput.finished_req_ids``): ``release``.
+
+Compiled grammars are cached by ``StructuredOutputsParams.cache_key()`` (kind, spec, options), so
+one schema compiles once however many requests (or sequences of an n > 1 request) use it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+
+import numpy as np
+
+from pagedllm.core.sched_output import SchedulerOutput
+from pagedllm.request import Request, RequestStatus
+from pagedllm.sample.bitmask import GrammarOutput
+from pagedllm.sampling_params import StructuredOutputsParams
+from pagedllm.structured_output.request import StructuredOutputRequest
+
+_RUNNING = RequestStatus.RUNNING
+
+
+class StructuredOutputManager:
+    """Compiles grammars off the engine loop and fills the batched bitmask of each step.
+
+    Invariant: ``_requests`` holds exactly the attached requests not yet released (each owns one
+    matcher); ``_cache`` maps a constraint key to the future of its compiled grammar, and a key
+    enters it only after its constraint parsed; at most ``max_cached_grammars`` keys are kept
+    (least recently used dropped). Cost: ``prepare`` is a dict lookup on a hit, a parse (about a
+    millisecond) on a miss; ``grammar_bitmask`` is O(structured requests of the step) matcher
+    calls (microseconds each) into one reused int32 buffer.
+
+    Counters (the engine's metrics read them): ``num_compiled``, ``compile_time_s`` (summed;
+    ``take_compile_times`` gives each), ``num_cache_hits`` (requests whose constraint was already
+    compiled or compiling), ``bitmask_time_s`` and ``num_bitmask_steps`` (CPU time spent filling
+    bitmasks, over the steps that had structured requests: their ratio is the time per step).
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, max_compile_threads: int = 2, max_cached_grammars: int = 512) -> None:
+        self._tokenizer = tokenizer
+        self._backend = None  # built on the first constraint: importing xgrammar takes a while
+        self.vocab_size = vocab_size
+        self._pool: ThreadPoolExecutor | None = None  # started on the first constraint
+        self._max_compile_threads = max_compile_threads
+        # Least recently used first; requests hold their own future, so evicting one is safe.
+        self._cache: OrderedDict[tuple, Future] = OrderedDict()
+        self._max_cached_grammars = max_cached_grammars
+        self._counter_lock = threading.Lock()  # the compile threads update the counters
+        self._requests: dict[str, StructuredOutputRequest] = {}
+        self._bitmask = np.zeros((0, (vocab_size + 31) // 32), dtype=np.int32)
+        self.num_compiled = 0
+        self.compile_time_s = 0.0
+        self._new_compile_times_s: list[float] = []  # since the last take_compile_times()
+        self.num_cache_hits = 0
+        self.bitmask_time_s = 0.0
+        self.num_bitmask_steps = 0
+
+    @property
+    def backend(self):
+        """The xgrammar backend (``backend.XgrammarBackend``), built on first use."""
+        if self._backend is None:
+            from pagedllm.structured_output.backend import XgrammarBackend
+
+            self._backend = XgrammarBackend(self._tokenizer, self.vocab_size, self._max_compile_threads)
+        return self._backend
+
+    # -- requests in and out -------------------------------------------------------------------
+    def prepare(self, params: StructuredOutputsParams) -> None:
+        """Validate ``params`` (``ValueError`` naming the field) and start compiling it unless a
+        request before it did."""
+        key = params.cache_key()
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            self.num_cache_hits += 1
+            return
+        grammar = self.backend.parse(params)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._max_compile_threads, thread_name_prefix="pagedllm-grammar")
+        self._cache[key] = self._pool.submit(self._compile, grammar)
+        if len(self._cache) > self._max_cached_grammars:
+            self._cache.popitem(last=False)
+
+    def _compile(self, grammar):
+        t0 = time.perf_counter()
+        compiled = self.backend.compile(grammar)
+        elapsed = time.perf_counter() - t0
+        with self._counter_lock:
+            self.num_compiled += 1
+            self.compile_time_s += elapsed
+            self._new_compile_times_s.append(elapsed)
+        return compiled
+
+    def take_compile_times(self) -> list[float]:
+        """The compile times (seconds) of the grammars compiled since the previous call (the
+        samples of a histogram)."""
+        with self._counter_lock:
+            times, self._new_compile_times_s = self._new_compile_times_s, []
+        return times
+
+    def attach(self, request: Request) -> None:
+        """Give ``request`` (whose constraint went through ``prepare``) its grammar state."""
+        params = request.sampling_params.structured_outputs
+        key = params.cache_key()
+        if key not in self._cache:  # skipped prepare(), or evicted since: validate and compile here
+            self.prepare(params)
+        # The grammar's end admits the request's stop tokens (EOS unless ignore_eos, and its
+        # stop_token_ids); with none, the tokenizer's EOS.
+        stop = sorted(request.stop_token_candidates) or None
+        state = StructuredOutputRequest(self._cache[key], stop, self.backend.new_matcher)
+        request.structured_output_request = state
+        self._requests[request.request_id] = state
+
+    def release(self, req_ids: set[str]) -> None:
+        """Drop the grammar state of finished or aborted requests (their matchers)."""
+        for req_id in req_ids:
+            self._requests.pop(req_id, None)
+
+    @property
+    def num_requests(self) -> int:
+        """Attached requests not yet released (each holds a matcher once scheduled)."""
+        return len(self._requests)
+
+    def wait_for_compile(self, timeout_s: float) -> None:
+        """Block until one attached request's grammar is compiled, or ``timeout_s`` passes
+        (returns at once when none is compiling). O(attached requests)."""
+        compiling = [state.compiled for state in self._requests.values() if not state.is_ready()]
+        if compiling:
+            wait(compiling, timeout=timeout_s, return_when=FIRST_COMPLETED)
+
+    # -- one step ------------------------------------------------------------------------------
+    def has_requests_in(self, scheduler_output: SchedulerOutput) -> bool:
+        live = self._requests
+        return bool(live) and any(req_id in live for req_id in scheduler_output.num_scheduled_tokens)
+
+    def grammar_bitmask(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]) -> GrammarOutput | None:
+        """The bitmask rows of the step's structured requests that sample in it (their matchers
+        have accepted every token before the step), or None if there are none.
+
+        A request samples in the step iff it still has placeholders once the previous step's
+        tokens are applied (1 + its drafts); a partial prefill has none."""
+        t0 = time.perf_counter()
+        chosen: list[tuple[str, StructuredOutputRequest, list[int]]] = []
+        num_rows = 0
+        drafts_of = scheduler_output.scheduled_spec_decode_tokens
+        for req_id in scheduler_output.num_scheduled_tokens:
+            state = self._requests.get(req_id)
+            request = requests.get(req_id) if state is not None else None
+            if request is None or request.status != _RUNNING or not request.num_output_placeholders:
+                continue
+            drafts = drafts_of.get(req_id, []) if drafts_of else []
+            chosen.append((req_id, state, drafts))
+            num_rows += len(drafts) + 1
+        if not chosen:
+            return None
+        if self._bitmask.shape[0] < num_rows:
+            self._bitmask = np.zeros((max(num_rows, 2 * self._bitmask.shape[0]), self._bitmask.shape[1]), np.int32)
+        row = 0
+        for _, state, drafts in chosen:
+            state.fill_bitmask(self._bitmask, row, drafts)
+            row += len(drafts) + 1
+        # The runner copies the rows before sample_tokens returns, so the buffer is reused next step.
+        output = GrammarOutput([req_id for req_id, _, _ in chosen], self._bitmask[:num_rows])
+        self.bitmask_time_s += time.perf_counter() - t0
+        self.num_bitmask_steps += 1
+        return output
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,84 @@
+"""StructuredOutputRequest: one request's grammar state, as the scheduler sees it (pure calls).
+
+The scheduler never imports this module (core/ stays free of xgrammar); it calls ``is_ready()``,
+``failed``, ``accept_tokens`` and ``is_terminated()`` on ``Request.structured_output_request``.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future
+
+import numpy as np
+
+logger = logging.getLogger("pagedllm")
+
+
+class StructuredOutputRequest:
+    """The compiled grammar (a future from the manager's pool) and the request's matcher.
+
+    Invariant: once the future is done and succeeded, ``matcher`` (created on first use) has
+    accepted exactly the request's output tokens so far; draft tokens it is walked over to fill
+    their bitmask rows are rolled back before ``fill_bitmask`` returns. Cost: each call is one
+    xgrammar call (microseconds) per token.
+    """
+
+    def __init__(self, compiled: Future, stop_token_ids: list[int] | None, new_matcher) -> None:
+        self._compiled = compiled
+        self._stop_token_ids = stop_token_ids
+        self._new_matcher = new_matcher
+        self._matcher = None
+
+    @property
+    def compiled(self) -> Future:
+        """The future of the compiled grammar (shared by the requests with the same constraint)."""
+        return self._compiled
+
+    def is_ready(self) -> bool:
+        """The grammar is compiled, or failed to compile (``failed`` says which)."""
+        return self._compiled.done()
+
+    @property
+    def failed(self) -> bool:
+        return self._compiled.done() and self._compiled.exception() is not None
+
+    @property
+    def matcher(self):
+        if self._matcher is None:
+            self._matcher = self._new_matcher(self._compiled.result(), self._stop_token_ids)
+        return self._matcher
+
+    def accept_tokens(self, token_ids: list[int]) -> bool:
+        """Advance by the request's new tokens; False (the matcher unchanged from the first
+        refused one on) if the grammar refuses one."""
+        matcher = self.matcher
+        for token_id in token_ids:
+            if not matcher.accept_token(token_id):
+                logger.error("structured output: token %d refused by the grammar", token_id)
+                return False
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (rejected drafts)."""
+        if num_tokens:
+            self.matcher.rollback(num_tokens)
+
+    def is_terminated(self) -> bool:
+        """The grammar is complete and its stop token was accepted."""
+        return self._matcher is not None and self._matcher.is_terminated()
+
+    def fill_bitmask(self, bitmask: np.ndarray, first_row: int, draft_token_ids: list[int]) -> None:
+        """Fill ``bitmask[first_row + j]`` for the step's ``len(draft_token_ids) + 1`` positions:
+        the next token, then the token after each draft (walked over, then rolled back). Rows after
+        a draft the grammar refuses allow everything (verification rejects that draft anyway)."""
+        matcher = self.matcher
+        num_accepted = 0
+        for j in range(len(draft_token_ids) + 1):
+            row = first_row + j
+            if j > num_accepted or matcher.is_terminated():
+                bitmask[row] = -1
+            else:
+                matcher.fill_next_token_bitmask(bitmask, row)
+            if j < len(draft_token_ids) and j == num_accepted and matcher.accept_token(draft_token_ids[j]):
+                num_accepted += 1
+        self.rollback(num_accepted)

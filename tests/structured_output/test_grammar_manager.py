@@ -1,0 +1,116 @@
+"""StructuredOutputManager and StructuredOutputRequest on the SmolLM2 tokenizer (no model): the
+compile cache, validation by field, the bitmask rows (drafts walked and rolled back), release."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import pytest
+
+from pagedllm import SamplingParams, StructuredOutputsParams
+from pagedllm.core.sched_output import SchedulerOutput
+from pagedllm.request import Request, RequestStatus
+from pagedllm.structured_output import StructuredOutputManager
+from tests.helpers import default_tokenizer
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return default_tokenizer()
+
+
+@pytest.fixture
+def manager(tokenizer):
+    m = StructuredOutputManager(tokenizer, len(tokenizer))
+    yield m
+    m.shutdown()
+
+
+def allowed(row: np.ndarray, tokenizer) -> set[str]:
+    bits = np.unpackbits(row.view(np.uint8), bitorder="little")[: len(tokenizer)]
+    return {tokenizer.decode([t]) for t in np.flatnonzero(bits)}
+
+
+def running_request(manager, req_id: str, params: StructuredOutputsParams, eos: int = 2) -> Request:
+    request = Request(req_id, [1, 2, 3], SamplingParams(structured_outputs=params), eos)
+    manager.prepare(params)
+    manager.attach(request)
+    request.status, request.num_output_placeholders = RequestStatus.RUNNING, 1
+    return request
+
+
+def test_same_schema_compiles_once_and_counts_hits(manager):
+    for schema in (SCHEMA, json.dumps(SCHEMA), SCHEMA):
+        manager.prepare(StructuredOutputsParams(json=schema))
+    manager.prepare(StructuredOutputsParams(regex="[0-9]+"))
+    for future in manager._cache.values():
+        future.result()
+    assert manager.num_compiled == 2 and manager.num_cache_hits == 2
+    assert len(manager.take_compile_times()) == 2 and manager.take_compile_times() == []
+    assert manager.compile_time_s > 0
+
+
+@pytest.mark.parametrize("params, field", [
+    (StructuredOutputsParams(json={"type": 5}), "json"),
+    (StructuredOutputsParams(json="{not json"), "json"),
+    (StructuredOutputsParams(regex="a(b"), "regex"),
+    (StructuredOutputsParams(grammar="root ::= undefined_rule"), "grammar"),
+])
+def test_invalid_constraints_raise_value_error_naming_the_field(manager, params, field):
+    with pytest.raises(ValueError) as e:
+        manager.prepare(params)
+    assert str(e.value).startswith(field)
+    assert manager._cache == {}  # nothing kept: the next request with it is validated again
+
+
+def test_bitmask_rows_follow_the_grammar_and_drafts_are_rolled_back(manager, tokenizer):
+    request = running_request(manager, "r", StructuredOutputsParams(choice=["yes", "no"]))
+    request.structured_output_request.compiled.result()
+    assert manager.has_requests_in(SchedulerOutput(num_scheduled_tokens={"r": 1}))
+    out = manager.grammar_bitmask(SchedulerOutput(num_scheduled_tokens={"r": 1}), {"r": request})
+    assert out.req_ids == ["r"] and out.bitmask.shape == (1, (len(tokenizer) + 31) // 32)
+    first = allowed(out.bitmask[0], tokenizer)
+    assert "yes" in first and "no" in first and " yes" not in first and "maybe" not in first
+    yes = tokenizer.encode("yes", add_special_tokens=False)
+    assert len(yes) == 1
+    # One draft ("yes"): row 0 as before, row 1 after "yes" allows only EOS; then rolled back.
+    so = SchedulerOutput(num_scheduled_tokens={"r": 2}, scheduled_spec_decode_tokens={"r": yes})
+    out = manager.grammar_bitmask(so, {"r": request})
+    assert allowed(out.bitmask[0], tokenizer) == first
+    assert allowed(out.bitmask[1], tokenizer) == {tokenizer.decode([2])}
+    state = request.structured_output_request
+    assert state.accept_tokens(yes) and not state.is_terminated()  # the draft was rolled back
+    assert state.accept_tokens([2]) and state.is_terminated()
+    assert not state.accept_tokens([5])  # nothing after the end
+
+
+def test_requests_that_do_not_sample_get_no_row_and_release_frees_them(manager):
+    params = StructuredOutputsParams(regex="[0-9]+")
+    a, b = running_request(manager, "a", params), running_request(manager, "b", params)
+    b.num_output_placeholders = 0  # a partial prefill: no token this step
+    so = SchedulerOutput(num_scheduled_tokens={"a": 1, "b": 7, "free": 1})
+    out = manager.grammar_bitmask(so, {"a": a, "b": b})
+    assert out.req_ids == ["a"] and manager.num_bitmask_steps == 1 and manager.bitmask_time_s > 0
+    assert manager.num_requests == 2
+    manager.release({"a", "b", "unknown"})
+    assert manager.num_requests == 0 and not manager.has_requests_in(so)
+
+
+def test_a_compile_that_fails_later_marks_the_request_failed(manager):
+    gate = threading.Event()
+
+    def broken(grammar):
+        gate.wait()
+        raise RuntimeError("out of memory")
+
+    manager.backend.compile = broken
+    request = running_request(manager, "r", StructuredOutputsParams(regex="x+"))
+    state = request.structured_output_request
+    assert not state.is_ready() and not state.failed
+    gate.set()
+    state.compiled.exception()
+    assert state.is_ready() and state.failed
