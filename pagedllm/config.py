@@ -87,6 +87,8 @@ class ModelConfig:
     seed: int = 0
     load_format: str = "auto"  # "auto": the checkpoint's weights; "dummy": random weights (benchmarks)
     skip_tokenizer_init: bool = False
+    # The quantization scheme served (a ``pagedllm.quantization.QuantizationConfig``), or None.
+    quant_config: Any = None
 
     @property
     def vocab_size(self) -> int:
@@ -145,6 +147,11 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # "uni" | "mp" | "ray"; None: "uni" for one rank
+    quantization: str | None = field(default=None, metadata={"help": (
+        "Quantize the weights: 'fp8' (float8 weights with per-output-channel scales, quantized at load; "
+        "per-token dynamic FP8 activations). A checkpoint with a quantization_config in config.json "
+        "('fp8', 'compressed-tensors' FP8) is served in its own scheme, which this must then name or "
+        "leave unset.")})
 
     def __post_init__(self) -> None:
         self.validate()
@@ -192,6 +199,8 @@ class EngineArgs:
         if self.distributed_executor_backend in ("mp", "ray"):
             raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r} is not "
                              "supported yet: this build runs one rank in one process ('uni')")
+        if self.quantization is not None and not isinstance(self.quantization, str):
+            raise ValueError(f"quantization must be a string or None, got {self.quantization!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if (

@@ -1,0 +1,82 @@
+"""FP8 (float8_e4m3fn) quantization and the FP8 GEMM, on the GPU and on the CPU.
+
+Numbers: a weight row ``n`` is ``W[n, :] ~= Wq[n, :] * w_scale[n]`` (per output channel, float32
+scales) and an activation row ``m`` is ``x[m, :] ~= xq[m, :] * x_scale[m]`` (per token, computed per
+call; or one scale for the whole tensor). Then ``y[m, n] = (xq[m] . Wq[n]) * x_scale[m] * w_scale[n]``
+with the dot product accumulated in float32: exactly what ``torch._scaled_mm`` computes on Hopper
+(cuBLASLt, row-wise scales) and what ``fp8_linear_tiled`` computes on any device, a tile of weight
+rows at a time (the float32 copy of one tile is the only extra memory).
+
+Constraints of ``torch._scaled_mm`` (checked by ``scaled_mm_fits``): CUDA with compute capability
+>= 8.9, K and N multiples of 16, row-wise scales (torch >= 2.5), output in bfloat16 or float16.
+Elsewhere the tiled path runs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+# A scale never goes below this (an all-zero row would give 0 and then 0/0): vLLM's lower bound.
+MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+# Weight elements per float32 tile of the tiled GEMM (8 MiB).
+TILE_ELEMENTS = 1 << 21
+
+
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(Wq [N, K] float8_e4m3fn, scale [N] float32)`` with ``W ~= Wq * scale[:, None]``: each row
+    scaled so that its largest magnitude maps to 448 (round to nearest)."""
+    w = w.float()
+    scale = (w.abs().amax(dim=-1) / FP8_MAX).clamp_min(MIN_SCALE)
+    return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def quantize_activations(x: torch.Tensor, static_scale: torch.Tensor | None,
+                         per_token: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(xq [M, K] float8, scale [M, 1] float32)`` for ``x [M, K]``: the checkpoint's static scale
+    where given, else dynamic: per token (row) or one for the whole tensor."""
+    xf = x.float()
+    if static_scale is not None:
+        scale = static_scale.float().reshape(1, 1).expand(x.shape[0], 1)
+    elif per_token:
+        scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(MIN_SCALE)
+    else:
+        scale = (xf.abs().amax() / FP8_MAX).clamp_min(MIN_SCALE).reshape(1, 1).expand(x.shape[0], 1)
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale.contiguous()
+
+
+def dequantize_rows(wq: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``Wq * scale[:, None]`` in ``dtype`` (the float matrix a quantized layer stands for)."""
+    return (wq.float() * scale.float()[:, None]).to(dtype)
+
+
+def scaled_mm_fits(x: torch.Tensor, wq: torch.Tensor) -> bool:
+    """Whether ``torch._scaled_mm`` takes this product (module doc)."""
+    if not (x.is_cuda and hasattr(torch, "_scaled_mm") and x.dtype in (torch.bfloat16, torch.float16)):
+        return False
+    n, k = wq.shape
+    return k % 16 == 0 and n % 16 == 0 and torch.cuda.get_device_capability(x.device) >= (8, 9)
+
+
+def fp8_linear_scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+                         out_dtype: torch.dtype) -> torch.Tensor:
+    """``[M, N]`` through cuBLASLt: ``xq [M, K]`` row-major, ``wq [N, K]`` (passed transposed: the
+    column-major ``[K, N]`` operand it wants), scales ``[M, 1]`` and ``[1, N]``."""
+    return torch._scaled_mm(xq, wq.t(), scale_a=x_scale, scale_b=w_scale.reshape(1, -1), out_dtype=out_dtype)
+
+
+def fp8_linear_tiled(x: torch.Tensor, x_scale: torch.Tensor | None, wq: torch.Tensor,
+                     w_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``[M, N]``: ``x`` (float8 with ``x_scale [M, 1]``, or a float ``x`` with ``x_scale`` None:
+    weight-only) times the dequantized weight, one float32 tile of weight rows at a time."""
+    xf = x.float()
+    n, k = wq.shape
+    rows = max(1, TILE_ELEMENTS // max(k, 1))
+    out = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
+    for start in range(0, n, rows):
+        stop = min(n, start + rows)
+        out[:, start:stop] = (xf @ wq[start:stop].float().t()) * w_scale[start:stop].float()
+    if x_scale is not None:
+        out *= x_scale
+    return out.to(out_dtype)
