@@ -8,8 +8,8 @@ with the dot product accumulated in float32: exactly what ``torch._scaled_mm`` c
 rows at a time (the float32 copy of one tile is the only extra memory).
 
 Constraints of ``torch._scaled_mm`` (checked by ``scaled_mm_fits``): CUDA with compute capability
->= 8.9, K and N multiples of 16, row-wise scales (torch >= 2.5), output in bfloat16 or float16.
-Elsewhere the tiled path runs.
+>= 8.9, K and N multiples of 16, row-wise scales (torch >= 2.5), which take a bfloat16 output only.
+Elsewhere (the CPU, float16 or float32 models, odd shapes) the tiled path runs.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def dequantize_rows(wq: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = 
 
 def scaled_mm_fits(x: torch.Tensor, wq: torch.Tensor) -> bool:
     """Whether ``torch._scaled_mm`` takes this product (module doc)."""
-    if not (x.is_cuda and hasattr(torch, "_scaled_mm") and x.dtype in (torch.bfloat16, torch.float16)):
+    if not (x.is_cuda and hasattr(torch, "_scaled_mm") and x.dtype == torch.bfloat16):
         return False
     n, k = wq.shape
     return k % 16 == 0 and n % 16 == 0 and torch.cuda.get_device_capability(x.device) >= (8, 9)
