@@ -10,9 +10,14 @@ Two sources, one serving form (``Fp8LinearMethod``):
   re-quantization. A merged layer (qkv, gate_up) whose shards came with per-tensor scales keeps one
   scale per row, each row its shard's: exact, where vLLM re-quantizes to the largest. A static
   ``input_scale`` (one per shard) becomes the largest of them (as vLLM).
+- block-wise (an "fp8" config with ``weight_block_size: [bn, bk]``, as DeepSeek-V3 and Qwen3-FP8):
+  ``weight_scale_inv [ceil(N / bn), ceil(K / bk)]`` multiplies each ``bn x bk`` block of the
+  float8 weight; activations are quantized per token and group of ``bk`` columns. The product
+  dequantizes both (``fp8_ops.fp8_linear_blockwise``, on every device: correct, not fast).
 
 Serving form of a layer: ``weight [N, K]`` float8_e4m3fn (1 byte an element), ``weight_scale [N]``
-float32, ``input_scale`` a float32 ``[1]`` (static activations) or absent. ``apply`` quantizes the
+float32 (or ``weight_scale_inv`` for block-wise), ``input_scale`` a float32 ``[1]`` (static
+activations) or absent. ``apply`` quantizes the
 activations (per token unless the scheme says per tensor or static; none for weight-only schemes)
 and multiplies through ``fp8_ops`` (cuBLASLt on Hopper, else the tiled float32 product).
 """
@@ -37,10 +42,12 @@ ACTIVATION_SCHEMES = ("token", "tensor", "static", None)
 class Fp8Scheme:
     """``serialized``: the checkpoint's weights are float8 already (else quantized at load).
     ``activations``: "token" (dynamic, one scale per row), "tensor" (dynamic, one scale per call),
-    "static" (the checkpoint's ``input_scale``), or None (weight-only: float activations)."""
+    "static" (the checkpoint's ``input_scale``), or None (weight-only: float activations).
+    ``block``: ``(bn, bk)`` for block-wise weight scales (then activations per token and group)."""
 
     serialized: bool
     activations: str | None = "token"
+    block: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.activations not in ACTIVATION_SCHEMES:
@@ -81,6 +88,27 @@ def _max_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = No
         param.copy_(torch.maximum(param, loaded.reshape(1).to(param)))
 
 
+def _block_scale_loader(layer: Linear, bn: int):
+    """Loads a checkpoint ``weight_scale_inv`` (one row per ``bn`` weight rows) into the rows of its
+    shard's blocks (``create_weights`` checked that every shard starts on a block)."""
+
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        if shard_id is None or not isinstance(layer, MergedLinear):
+            default_weight_loader(param, loaded)
+            return
+        start, size = _shard_rows(layer, shard_id)
+        default_weight_loader(param.narrow(0, start // bn, -(-size // bn)), loaded)
+
+    return load
+
+
+def _check_block_alignment(layer: Linear, bn: int) -> None:
+    starts = layer.offsets[1:] if isinstance(layer, MergedLinear) else []
+    if any(start % bn for start in starts):
+        raise ValueError(f"quantization: quantization_config.weight_block_size [{bn}, ...] does not divide the "
+                         f"merged projections of {layer.output_sizes} rows of a {type(layer).__name__}")
+
+
 def _new_param(layer: Linear, name: str, tensor: torch.Tensor, loader: Any) -> None:
     """Register ``tensor`` as ``layer.<name>`` with its loader and the weight's shard ids (so the
     model reports a missing shard's scale as it reports a missing weight)."""
@@ -105,6 +133,12 @@ class Fp8LinearMethod(QuantizeMethodBase):
         n, k = layer.weight.shape
         device = layer.weight.device
         _new_param(layer, "weight", torch.empty(n, k, dtype=fp8_ops.FP8_DTYPE, device=device), layer.weight_loader)
+        if self.scheme.block is not None:
+            bn, bk = self.scheme.block
+            _check_block_alignment(layer, bn)
+            _new_param(layer, "weight_scale_inv", torch.empty(-(-n // bn), -(-k // bk), dtype=torch.float32,
+                                                              device=device), _block_scale_loader(layer, bn))
+            return
         _new_param(layer, "weight_scale", torch.empty(n, dtype=torch.float32, device=device),
                    _weight_scale_loader(layer))
         if self.scheme.activations == "static":
@@ -119,7 +153,11 @@ class Fp8LinearMethod(QuantizeMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        wq, w_scale = layer.weight, layer.weight_scale
+        wq = layer.weight
+        if self.scheme.block is not None:
+            y = fp8_ops.fp8_linear_blockwise(x2, wq, layer.weight_scale_inv, self.scheme.block, x.dtype)
+            return (y if bias is None else y + bias).reshape(*x.shape[:-1], wq.shape[0])
+        w_scale = layer.weight_scale
         if self.scheme.activations is None:
             y = fp8_ops.fp8_linear_tiled(x2, None, wq, w_scale, x.dtype)
         else:
@@ -137,7 +175,7 @@ class Fp8LinearMethod(QuantizeMethodBase):
 class Fp8Config(QuantizationConfig):
     """``quantization="fp8"``: online (float checkpoint) or a checkpoint's ``quant_method: "fp8"``
     config (``activation_scheme`` "dynamic" | "static"; ``ignored_layers`` / ``modules_to_not_convert``
-    kept in float). Block-wise checkpoints (``weight_block_size``) are refused."""
+    kept in float; ``weight_block_size`` ``[bn, bk]``: block-wise, dynamic activations only)."""
 
     name = "fp8"
 
@@ -152,14 +190,21 @@ class Fp8Config(QuantizationConfig):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> Fp8Config:
-        if config.get("weight_block_size") is not None:
-            raise ValueError(f"quantization: quantization_config.weight_block_size={config['weight_block_size']!r} "
-                             "(block-wise FP8) is not supported yet; per-tensor and per-channel FP8 are")
         act = config.get("activation_scheme", "dynamic")
         if act not in ("dynamic", "static"):
             raise ValueError(f"quantization: quantization_config.activation_scheme must be 'dynamic' or 'static', "
                              f"got {act!r}")
         ignored = config.get("ignored_layers") or config.get("modules_to_not_convert") or []
+        block = config.get("weight_block_size")
+        if block is not None:
+            if not (isinstance(block, (list, tuple)) and len(block) == 2
+                    and all(type(b) is int and b > 0 for b in block)):
+                raise ValueError(f"quantization: quantization_config.weight_block_size must be two positive "
+                                 f"integers [block_n, block_k], got {block!r}")
+            if act != "dynamic":
+                raise ValueError("quantization: quantization_config.activation_scheme must be 'dynamic' with "
+                                 "weight_block_size (block-wise FP8)")
+            return cls(Fp8Scheme(serialized=True, activations="token", block=(block[0], block[1])), ignored)
         return cls(Fp8Scheme(serialized=True, activations="token" if act == "dynamic" else "static"), ignored)
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
@@ -169,4 +214,7 @@ class Fp8Config(QuantizationConfig):
 
     def describe(self) -> str:
         source = "checkpoint" if self.scheme.serialized else "quantized at load, per output channel"
-        return f"fp8 weights ({source}), activations: {self.scheme.activations or 'float (weight-only)'}"
+        if self.scheme.block is not None:
+            source = f"checkpoint, {self.scheme.block[0]}x{self.scheme.block[1]} blocks"
+        acts = "per token and group" if self.scheme.block else self.scheme.activations or "float (weight-only)"
+        return f"fp8 weights ({source}), activations: {acts}"

@@ -46,6 +46,41 @@ def quantize_activations(x: torch.Tensor, static_scale: torch.Tensor | None,
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale.contiguous()
 
 
+def quantize_activation_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(xq [M, K] float8, scale [M, ceil(K / group)] float32)``: one dynamic scale per token and
+    group of ``group`` consecutive columns (the activations of block-wise FP8 checkpoints)."""
+    xf = x.float()
+    m, k = xf.shape
+    groups = -(-k // group)
+    padded = torch.nn.functional.pad(xf, (0, groups * group - k)).view(m, groups, group)
+    scale = (padded.abs().amax(dim=-1) / FP8_MAX).clamp_min(MIN_SCALE)
+    xq = (xf / expand_blocks(scale, 1, group, m, k)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return xq, scale
+
+
+def expand_blocks(scale: torch.Tensor, block_rows: int, block_cols: int, rows: int, cols: int) -> torch.Tensor:
+    """A ``[rows, cols]`` matrix of per-block ``scale`` values (``scale[i // block_rows, j // block_cols]``)."""
+    return scale.repeat_interleave(block_rows, 0)[:rows].repeat_interleave(block_cols, 1)[:, :cols]
+
+
+def fp8_linear_blockwise(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+                         block: tuple[int, int], out_dtype: torch.dtype) -> torch.Tensor:
+    """``[M, N]`` for block-wise FP8 (``W ~= Wq * w_scale[n // bn, k // bk]``) with per-token-group
+    activations (groups of ``bk`` columns): both dequantized, a tile of whole weight blocks at a time."""
+    bn, bk = block
+    xq, x_scale = quantize_activation_groups(x, bk)
+    m, k = xq.shape
+    xf = xq.float() * expand_blocks(x_scale, 1, bk, m, k)
+    n = wq.shape[0]
+    rows = max(1, TILE_ELEMENTS // max(k, 1) // bn) * bn
+    out = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    for start in range(0, n, rows):
+        stop = min(n, start + rows)
+        tile_scale = expand_blocks(w_scale[start // bn: -(-stop // bn)], bn, bk, stop - start, k)
+        out[:, start:stop] = xf @ (wq[start:stop].float() * tile_scale).t()
+    return out.to(out_dtype)
+
+
 def dequantize_rows(wq: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``Wq * scale[:, None]`` in ``dtype`` (the float matrix a quantized layer stands for)."""
     return (wq.float() * scale.float()[:, None]).to(dtype)

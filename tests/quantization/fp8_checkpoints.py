@@ -43,16 +43,33 @@ def _is_projection(name: str, skip: tuple[str, ...]) -> bool:
     return name.endswith(".weight") and any(f".{p}." in name for p in PROJECTIONS) and not any(s in name for s in skip)
 
 
+def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(Wq, scale_inv [ceil(N / bn), ceil(K / bk)])``: one scale per block, its largest magnitude at 448."""
+    bn, bk = block
+    n, k = w.shape
+    padded = torch.nn.functional.pad(w.float(), (0, -k % bk, 0, -n % bn))
+    blocks = padded.view(padded.shape[0] // bn, bn, padded.shape[1] // bk, bk)
+    scale = (blocks.abs().amax(dim=(1, 3)) / fp8_ops.FP8_MAX).clamp_min(fp8_ops.MIN_SCALE)
+    wq = (w / fp8_ops.expand_blocks(scale, bn, bk, n, k)).clamp(-448, 448).to(fp8_ops.FP8_DTYPE)
+    return wq, scale
+
+
 def write_fp8_checkpoint(src: str, dst: Path, quantization_config: dict, per_channel: bool,
                          static_input: bool = False, skip: tuple[str, ...] = ()) -> str:
     """Copy ``src`` to ``dst`` with its projections (but those whose name contains one of ``skip``)
-    stored in FP8, and ``quantization_config`` in config.json."""
+    stored in FP8, and ``quantization_config`` in config.json (block-wise where it has
+    ``weight_block_size``)."""
+    block = quantization_config.get("weight_block_size")
     shutil.copytree(src, dst)
     tensors = load_file(str(dst / "model.safetensors"))
     out = {}
     for name, t in tensors.items():
         if not _is_projection(name, skip):
             out[name] = t
+            continue
+        if block:
+            wq, scale_inv = quantize_blocks(t, tuple(block))
+            out[name], out[name.replace(".weight", ".weight_scale_inv")] = wq, scale_inv
             continue
         if per_channel:
             wq, scale = fp8_ops.quantize_rows(t)
@@ -70,24 +87,36 @@ def write_fp8_checkpoint(src: str, dst: Path, quantization_config: dict, per_cha
     return str(dst)
 
 
-def dequantized_weights(folder: str) -> list[tuple[str, torch.Tensor]]:
+def dequantized_weights(folder: str, block: tuple[int, int] | None = None) -> list[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors with every FP8 weight dequantized (scales dropped)."""
     tensors = load_file(str(Path(folder) / "model.safetensors"))
     out = []
     for name, t in tensors.items():
-        if name.endswith(("_scale",)):
+        if name.endswith(("_scale", "_scale_inv")):
             continue
-        if t.dtype == fp8_ops.FP8_DTYPE:
+        if t.dtype == fp8_ops.FP8_DTYPE and block:
+            scale = tensors[name.replace(".weight", ".weight_scale_inv")]
+            t = t.float() * fp8_ops.expand_blocks(scale, *block, *t.shape)
+        elif t.dtype == fp8_ops.FP8_DTYPE:
             t = t.float() * tensors[name.replace(".weight", ".weight_scale")].float().reshape(-1, 1)
         out.append((name, t))
     return out
 
 
-def reference_model(hf_config, folder: str, activations: str | None, skip: tuple[str, ...] = ()) -> torch.nn.Module:
+def reference_model(hf_config, folder: str, activations: str | None, skip: tuple[str, ...] = (),
+                    block: tuple[int, int] | None = None) -> torch.nn.Module:
     """The float32 model the FP8 checkpoint stands for (module doc); layers named with one of
-    ``skip`` stay plain float layers."""
+    ``skip`` stay plain float layers; ``block``: block-wise weights, activations per token and group."""
     model = build_model(hf_config, torch.float32, "cpu")
-    model.load_weights(dequantized_weights(folder))
+    model.load_weights(dequantized_weights(folder, block))
+    if block:
+        for module in model.modules():
+            if isinstance(module, Linear):
+                def grouped(x, m=module):
+                    xq, scale = fp8_ops.quantize_activation_groups(x, block[1])
+                    return F.linear(xq.float() * fp8_ops.expand_blocks(scale, 1, block[1], *x.shape), m.weight, m.bias)
+                module.forward = grouped
+        return model
     for name, module in model.named_modules():
         if isinstance(module, Linear) and activations is not None and not any(s in name for s in skip):
             static = torch.tensor(STATIC_INPUT_SCALE) if activations == "static" else None

@@ -64,6 +64,22 @@ def test_tiled_product_equals_the_dequantized_reference(monkeypatch, rows):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_block_wise_product_equals_the_dequantized_reference(monkeypatch, rows):
+    """Blocks that do not divide the matrix (40 x 72 in 16 x 32 blocks), several tiles."""
+    monkeypatch.setattr(fp8_ops, "TILE_ELEMENTS", 72 * 16)
+    w, x = _rand(40, 72, seed=6), _rand(rows, 72, seed=7)
+    w_scale = torch.rand(3, 3, generator=torch.Generator().manual_seed(8)) / 100 + 1e-3
+    wq = (w / fp8_ops.expand_blocks(w_scale, 16, 32, 40, 72)).clamp(-448, 448).to(fp8_ops.FP8_DTYPE)
+    y = fp8_ops.fp8_linear_blockwise(x, wq, w_scale, (16, 32), torch.float32)
+    xq, x_scale = fp8_ops.quantize_activation_groups(x, 32)
+    assert x_scale.shape == (rows, 3)
+    assert torch.allclose(x_scale[:, 2], x[:, 64:].abs().amax(dim=1) / 448.0)
+    ref_x = xq.double() * x_scale.double().repeat_interleave(32, 1)[:, :72]
+    ref_w = wq.double() * w_scale.double().repeat_interleave(16, 0)[:40].repeat_interleave(32, 1)[:, :72]
+    torch.testing.assert_close(y.double(), ref_x @ ref_w.t(), rtol=1e-5, atol=1e-5)
+
+
 def test_scaled_mm_is_not_taken_on_the_cpu_or_for_odd_shapes():
     wq, _ = fp8_ops.quantize_rows(_rand(32, 32))
     assert not fp8_ops.scaled_mm_fits(_rand(2, 32).bfloat16(), wq)

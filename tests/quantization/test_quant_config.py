@@ -53,6 +53,11 @@ def test_a_scheme_that_needs_a_quantized_checkpoint_is_refused_on_a_float_one():
         get_quantization_config("compressed-tensors", FLOAT)
 
 
+def test_block_wise_fp8_is_read():
+    scheme = get_quantization_config(None, ckpt(dict(fp8_config(), weight_block_size=[128, 128]))).scheme
+    assert scheme.serialized and scheme.block == (128, 128)
+
+
 def test_a_config_object_is_read_through_to_dict():
     obj = SimpleNamespace(to_dict=lambda: fp8_config())
     assert get_quantization_config(None, ckpt(obj)).scheme.serialized
@@ -60,7 +65,8 @@ def test_a_config_object_is_read_through_to_dict():
 
 BAD_CHECKPOINTS = {
     "unsupported method": ({"quant_method": "gptq", "bits": 4}, r"quant_method 'gptq' is not supported"),
-    "block-wise fp8": (dict(fp8_config(), weight_block_size=[128, 128]), r"weight_block_size=\[128, 128\]"),
+    "block size": (dict(fp8_config(), weight_block_size=[128]), r"weight_block_size must be two positive"),
+    "static block-wise": (dict(fp8_config("static"), weight_block_size=[128, 128]), r"must be 'dynamic' with"),
     "fp8 activation scheme": (fp8_config("smooth"), r"activation_scheme must be 'dynamic' or 'static'"),
     "int8 weights": (
         {**compressed_tensors_config(), "config_groups": {"g": {"targets": ["Linear"], "weights": {
