@@ -14,6 +14,8 @@ Elsewhere (the CPU, float16 or float32 models, odd shapes) the tiled path runs.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -86,12 +88,18 @@ def dequantize_rows(wq: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = 
     return (wq.float() * scale.float()[:, None]).to(dtype)
 
 
+@functools.cache
+def _has_fp8_tensor_cores(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
+
+
 def scaled_mm_fits(x: torch.Tensor, wq: torch.Tensor) -> bool:
     """Whether ``torch._scaled_mm`` takes this product (module doc)."""
     if not (x.is_cuda and hasattr(torch, "_scaled_mm") and x.dtype == torch.bfloat16):
         return False
     n, k = wq.shape
-    return k % 16 == 0 and n % 16 == 0 and torch.cuda.get_device_capability(x.device) >= (8, 9)
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    return k % 16 == 0 and n % 16 == 0 and _has_fp8_tensor_cores(index)
 
 
 def fp8_linear_scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
