@@ -15,6 +15,7 @@ Elsewhere (the CPU, float16 or float32 models, odd shapes) the tiled path runs.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -37,15 +38,19 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_activations(x: torch.Tensor, static_scale: torch.Tensor | None,
                          per_token: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``(xq [M, K] float8, scale [M, 1] float32)`` for ``x [M, K]``: the checkpoint's static scale
-    where given, else dynamic: per token (row) or one for the whole tensor."""
-    xf = x.float()
+    where given, else dynamic: per token (row) or one for the whole tensor. A handful of small
+    launches (the max-norm reads ``x`` in its own dtype)."""
+    rows = x.shape[0]
     if static_scale is not None:
-        scale = static_scale.float().reshape(1, 1).expand(x.shape[0], 1)
-    elif per_token:
-        scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(MIN_SCALE)
+        scale = static_scale.float().reshape(1, 1).expand(rows, 1)
     else:
-        scale = (xf.abs().amax() / FP8_MAX).clamp_min(MIN_SCALE).reshape(1, 1).expand(x.shape[0], 1)
-    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale.contiguous()
+        if per_token:
+            amax = torch.linalg.vector_norm(x, ord=math.inf, dim=-1, keepdim=True, dtype=torch.float32)
+        else:
+            amax = torch.linalg.vector_norm(x, ord=math.inf, dtype=torch.float32).reshape(1, 1).expand(rows, 1)
+        scale = (amax / FP8_MAX).clamp_min(MIN_SCALE)
+    # The clamp matters for static scales (and e4m3fn has no infinity to saturate to).
+    return torch.div(x, scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale.contiguous()
 
 
 def quantize_activation_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
