@@ -103,7 +103,7 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float | None = None
             param.fill_(1.0)
         elif name.endswith(".bias"):
             param.zero_()
-        elif name.endswith("_scale"):
+        elif name.endswith(("_scale", "_scale_inv")):
             param.fill_(1.0)
         else:
             sample = torch.empty(param.shape, dtype=torch.float32, device=device)

@@ -177,6 +177,11 @@ def test_dummy_weights_work_with_online_and_checkpoint_fp8(tiny_folder, tmp_path
                                            get_quantization_config(None, hf_config)), seed=1)
     assert float(model.model.layers[0].self_attn.o_proj.input_scale) == 1.0
     assert torch.isfinite(logits_of(model)).all()
+    hf_config.quantization_config = dict(fp8_config(), weight_block_size=[16, 16])
+    model = init_dummy_weights(build_model(hf_config, torch.float32, "cpu",
+                                           get_quantization_config(None, hf_config)), seed=1)
+    assert torch.equal(model.model.layers[0].mlp.down_proj.weight_scale_inv, torch.ones(4, 8))
+    assert torch.isfinite(logits_of(model)).all()
 
 
 def test_quantize_model_without_a_config_changes_nothing():
