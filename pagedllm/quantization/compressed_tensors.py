@@ -7,7 +7,8 @@ float) and ``config_groups``: one group targeting ``Linear`` with
 false}`` and ``input_activations`` None (weight-only) or ``{type: "float", num_bits: 8, strategy:
 "token" | "tensor", dynamic: true | false}`` (static: per tensor, from ``input_scale``). Served by
 ``fp8.Fp8LinearMethod`` as they are. Anything else (int weights, block or group strategies, several
-groups, other targets) is refused with a ValueError naming the field.
+groups, other targets, sparse formats, a ``kv_cache_scheme``) is refused with a ValueError naming
+the field.
 """
 
 from __future__ import annotations
@@ -74,6 +75,11 @@ class CompressedTensorsConfig(QuantizationConfig):
             raise ValueError(f"{_FIELD}.config_groups targets {group.get('targets')!r}: only 'Linear' is supported")
         _weight_scheme(group.get("weights"))
         activations = _activation_scheme(group.get("input_activations"))
+        if config.get("kv_cache_scheme") is not None:
+            raise ValueError(f"{_FIELD}.kv_cache_scheme: an FP8 KV cache from the checkpoint is not supported yet")
+        sparsity = config.get("sparsity_config") or {}
+        if sparsity.get("format", "dense") != "dense":
+            raise ValueError(f"{_FIELD}.sparsity_config format {sparsity.get('format')!r} is not supported (dense only)")
         fmt = config.get("format", "float-quantized")
         if fmt not in ("float-quantized", "naive-quantized"):
             raise ValueError(f"{_FIELD}.format {fmt!r} is not supported (float-quantized, naive-quantized)")

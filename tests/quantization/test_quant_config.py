@@ -79,6 +79,10 @@ BAD_CHECKPOINTS = {
     "other targets": (
         {**compressed_tensors_config(), "config_groups": {"g": {"targets": ["re:.*q_proj"], "weights": {}}}},
         r"targets \['re:\.\*q_proj'\]"),
+    "kv cache scheme": (dict(compressed_tensors_config(), kv_cache_scheme={"type": "float", "num_bits": 8}),
+                        r"kv_cache_scheme: an FP8 KV cache"),
+    "sparse": (dict(compressed_tensors_config(), sparsity_config={"format": "sparse-24-bitmask"}),
+               r"sparsity_config format 'sparse-24-bitmask'"),
     "packed format": (dict(compressed_tensors_config(), format="pack-quantized"), r"format 'pack-quantized'"),
 }
 
