@@ -203,3 +203,26 @@ def test_engine_config_reads_the_checkpoint_scheme(tiny_folder, tmp_path):
     assert create_engine_config(EngineArgs(model=tiny_folder)).model_config.quant_config is None
     with pytest.raises(ValueError, match=r"^quantization must be one of \['compressed-tensors', 'fp8'\]"):
         create_engine_config(EngineArgs(model=tiny_folder, quantization="int3"))
+
+
+# ---- CUDA (the lead runs these on a GPU) -------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["fp8-tensor-static", "ct-channel-token", "ct-channel-weight-only"])
+def test_fp8_checkpoint_on_cuda_in_bfloat16_stays_near_the_cpu_float32_run(tiny_folder, tmp_path, case):
+    """The same checkpoint on CUDA in bfloat16 (``_scaled_mm`` on Hopper, the tiled product for the
+    weight-only scheme): the logits of the float32 CPU run up to bfloat16 rounding."""
+    from pagedllm.attention.triton_backend import TritonBackend
+
+    qcfg, per_channel, static, _ = CASES[case]
+    folder = write_fp8_checkpoint(tiny_folder, tmp_path / case, qcfg, per_channel, static)
+    want = logits_of(load(folder)[0])
+    source = resolve_model(folder)
+    hf_config = load_hf_config(source)
+    model = load_model(source, hf_config, torch.bfloat16, "cuda", get_quantization_config(None, hf_config))
+    assert model.model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
+    runner = PagedTestRunner(model, num_blocks=64, block_size=4, backend=TritonBackend())
+    got = torch.cat([torch.cat(runner.step(chunks)) for chunks in CHUNKS]).float().cpu()
+    assert torch.isfinite(got).all()
+    assert float((got - want).abs().mean()) < 0.05 * float(want.abs().mean())
