@@ -10,6 +10,10 @@ rows at a time (the float32 copy of one tile is the only extra memory).
 Constraints of ``torch._scaled_mm`` (checked by ``scaled_mm_fits``): CUDA with compute capability
 >= 8.9, K and N multiples of 16, row-wise scales (torch >= 2.5), which take a bfloat16 output only.
 Elsewhere (the CPU, float16 or float32 models, odd shapes) the tiled path runs.
+
+Block-wise checkpoints (``fp8_linear_blockwise``): one weight scale per ``bn x bk`` block and one
+activation scale per token and group of ``bk`` columns; both operands are dequantized a tile of
+whole blocks at a time (every device; no cuBLASLt path yet).
 """
 
 from __future__ import annotations
