@@ -87,6 +87,8 @@ class ModelConfig:
     seed: int = 0
     load_format: str = "auto"  # "auto": the checkpoint's weights; "dummy": random weights (benchmarks)
     skip_tokenizer_init: bool = False
+    # The quantization scheme served (a ``pagedllm.quantization.QuantizationConfig``), or None.
+    quant_config: Any = None
 
     @property
     def vocab_size(self) -> int:
@@ -161,6 +163,9 @@ class EngineArgs:
     data_parallel_size: int = arg(1, "engine replicas (only 1 is supported yet)")
     distributed_executor_backend: str | None = arg(None, "uni, mp or ray (only uni, one process, is "
                                                    "supported yet)")
+    quantization: str | None = arg(None, "quantize the weights: fp8 (float8 weights, per-output-channel scales, "
+                                   "quantized at load; per-token dynamic FP8 activations); a checkpoint's own "
+                                   "quantization_config (fp8, compressed-tensors FP8) is served in its scheme")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -208,6 +213,8 @@ class EngineArgs:
         if self.distributed_executor_backend in ("mp", "ray"):
             raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r} is not "
                              "supported yet: this build runs one rank in one process ('uni')")
+        if self.quantization is not None and not isinstance(self.quantization, str):
+            raise ValueError(f"quantization must be a string or None, got {self.quantization!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if (

@@ -5,6 +5,7 @@ Lives in engine/ (not config.py) because it needs the loader and torch, which co
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from pagedllm.config import (
@@ -22,6 +23,7 @@ from pagedllm.config import (
 # anything else that constructs an engine directly. Only the token budget default depends on it.
 USAGE_CONTEXTS = ("LLM_CLASS", "OPENAI_API_SERVER", "ENGINE_CONTEXT")
 _LARGE_GPU_BYTES = 70 * 2**30
+logger = logging.getLogger("pagedllm")
 
 
 def default_max_num_batched_tokens(device: str, usage_context: str) -> int:
@@ -49,9 +51,13 @@ def create_engine_config(args: EngineArgs, usage_context: str = "ENGINE_CONTEXT"
         raise ValueError(f"usage_context must be one of {USAGE_CONTEXTS}, got {usage_context!r}")
 
     from pagedllm.loader import load_hf_config, resolve_model
+    from pagedllm.quantization import get_quantization_config
 
     source = resolve_model(args.model)
     hf_config = load_hf_config(source)
+    quant_config = get_quantization_config(args.quantization, hf_config)
+    if quant_config is not None:
+        logger.info("quantization: %s", quant_config.describe())
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -85,6 +91,7 @@ def create_engine_config(args: EngineArgs, usage_context: str = "ENGINE_CONTEXT"
         seed=args.seed,
         load_format=args.load_format,
         skip_tokenizer_init=args.skip_tokenizer_init,
+        quant_config=quant_config,
     )
     return EngineConfig(
         model_config=model_config,

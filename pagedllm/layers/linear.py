@@ -50,6 +50,13 @@ class Linear(CustomOp):
     ``fuses_kernels = False`` (automatic when it overrides ``forward`` or an implementation) and the
     fused methods then run its plain ``forward``. ``gemm_tunable``: its weight goes through the
     plan's cuBLAS / cuBLASLt table (``KernelPlan.tune_gemms`` times it).
+
+    Quantized: ``set_quant_method`` (``pagedllm.quantization``) hands the layer to a scheme's
+    ``QuantizeMethodBase``, which creates, loads and processes its parameters and computes the
+    product (``apply``); the layer then runs the ``quantized`` implementation on every device, says
+    ``fuses_kernels = False`` and ``gemm_tunable = False`` (instance attributes: its weight is no
+    float matrix for the fused kernels or the cuBLAS table) and is neither prepacked nor folded.
+    ``quant_method`` None: the plain layer above, unchanged.
     """
 
     fuses_kernels = True
@@ -66,13 +73,29 @@ class Linear(CustomOp):
         # oneDNN-blocked copy of ``weight`` for the CPU (``pack_cpu_weight``); None: not packed.
         self.cpu_packed_weight: torch.Tensor | None = None
         self.gemms: GemmLibrary | None = None  # the plan's cuBLAS / cuBLASLt table (CUDA)
+        # A ``pagedllm.quantization`` ``QuantizeMethodBase`` (not imported: quantization sits above
+        # layers and imports them), or None: the plain layer.
+        self.quant_method = None
+
+    def set_quant_method(self, method) -> None:
+        """Quantize this layer with ``method`` (a ``QuantizeMethodBase``), before its weights load: its
+        parameters become the scheme's (``create_weights``) and every forward goes through
+        ``method.apply``."""
+        self.quant_method = method
+        self.fuses_kernels = False  # the fused kernels read ``weight`` as the float matrix
+        self.gemm_tunable = False
+        method.create_weights(self)
+        self.use_impl("quantized")
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         default_weight_loader(param, loaded_weight)
 
     def choose_impl(self, plan: KernelPlan) -> str:
         """``cuda`` or ``cublas`` on CUDA (with or without the Triton GEMV), ``cpu`` on the CPU (the
-        oneDNN GEMM is no C kernel of ours: ``KernelConfig.cpu_kernels`` does not turn it off)."""
+        oneDNN GEMM is no C kernel of ours: ``KernelConfig.cpu_kernels`` does not turn it off);
+        ``quantized`` on every device for a quantized layer."""
+        if self.quant_method is not None:
+            return "quantized"
         if plan.device.type == "cuda":
             self.gemms = plan.gemms
             return "cuda" if plan.fused_kernels else "cublas"
@@ -80,7 +103,9 @@ class Linear(CustomOp):
 
     def pack_cpu_weight(self) -> bool:
         """Make the prepacked CPU copy (``cpu_gemm``); call once the weights are final (a later
-        change to ``weight`` is not seen by the packed copy)."""
+        change to ``weight`` is not seen by the packed copy). A quantized layer is not packed."""
+        if self.quant_method is not None:
+            return False
         self.cpu_packed_weight = cpu_gemm.pack_weight(self.weight)
         return self.cpu_packed_weight is not None
 
@@ -94,6 +119,9 @@ class Linear(CustomOp):
 
     def forward_cublas(self, x: torch.Tensor) -> torch.Tensor:
         return self.gemms.linear(x, self.weight, self.bias)
+
+    def forward_quantized(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quant_method.apply(self, x, self.bias)
 
     def forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
         if triton_ops.skinny_gemm_fits(x, self.weight, self.tuning):

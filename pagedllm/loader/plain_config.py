@@ -8,8 +8,8 @@ twenty numbers. ``read_plain_config(folder)`` returns a ``PlainConfig`` holding 
 (``READ_ATTRIBUTES``), or None, and then ``loader.hf.load_hf_config`` uses ``AutoConfig`` as before.
 
 Covered exactly (anything else returns None):
-  - ``model_type`` llama, mistral, qwen2 or qwen3; no ``auto_map`` (remote code); no
-    ``quantization_config``;
+  - ``model_type`` llama, mistral, qwen2 or qwen3; no ``auto_map`` (remote code); a
+    ``quantization_config`` only as a JSON object (kept as that dict, as AutoConfig keeps it);
   - default RoPE: no ``rope_scaling``/``rope_parameters``, or one whose only keys are ``rope_type``,
     ``type`` and ``rope_theta`` with type "default"; no top-level ``partial_rotary_factor``;
   - values of the types transformers' strict config classes demand for every field we read
@@ -40,7 +40,8 @@ from typing import Any
 from pagedllm.loader.architectures import ARCHITECTURES
 
 # Every config attribute pagedllm reads (models/llama.py, models/registry.py, config.py,
-# engine/config_builder.py, engine/llm_engine.py, layers/rotary.py, entrypoints/bench_roofline.py).
+# engine/config_builder.py, engine/llm_engine.py, layers/rotary.py, entrypoints/bench_roofline.py,
+# quantization/registry.py).
 # ``n_positions``/``max_seq_len``/``seq_length`` are read with getattr defaults; none of the four
 # types defines them, so both readers have them only when config.json does.
 READ_ATTRIBUTES = (
@@ -48,7 +49,7 @@ READ_ATTRIBUTES = (
     "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings",
     "n_positions", "max_seq_len", "seq_length", "rms_norm_eps", "tie_word_embeddings", "attention_bias",
     "mlp_bias", "sliding_window", "use_sliding_window", "rope_parameters", "dtype", "torch_dtype",
-    "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id",
+    "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id", "quantization_config",
 )
 
 _DEFAULT_ROPE_THETA = 10000.0  # transformers' RotaryEmbeddingConfigMixin.default_theta
@@ -59,7 +60,7 @@ class PlainConfig:
     """A model config read from config.json without transformers, standing in for its ``PretrainedConfig``.
 
     Invariant: built only by ``read_plain_config``, i.e. only for the cases its module docstring
-    lists (llama/mistral/qwen2/qwen3, default RoPE, no remote code, no quantization). For those,
+    lists (llama/mistral/qwen2/qwen3, default RoPE, no remote code). For those,
     every attribute in ``READ_ATTRIBUTES`` is present exactly when ``AutoConfig``'s is and has the
     same value (``dtype`` a ``torch.dtype``, ``rope_parameters`` ``{"rope_type": "default",
     "rope_theta": ...}`` as in transformers 5). Other config.json keys are kept as they are
@@ -111,7 +112,7 @@ def read_plain_config(folder: str | os.PathLike) -> PlainConfig | None:
         return None
     model_type = raw.get("model_type")
     arch = ARCHITECTURES.get(model_type)
-    if arch is None or "auto_map" in raw or "quantization_config" in raw:
+    if arch is None or "auto_map" in raw or not isinstance(raw.get("quantization_config", {}), dict):
         return None
     if "partial_rotary_factor" in raw:
         return None

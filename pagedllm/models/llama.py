@@ -167,6 +167,10 @@ class LlamaForCausalLM(nn.Module):
     compute_logits, the attention layers and their KV caches, load_weights, config,
     max_supported_len: None or the sliding window, see the module doc)."""
 
+    # Our merged layers -> the checkpoint modules each stands for (a quantization config's ignore
+    # list names the latter; vLLM's attribute name). The same facts as ``STACKED_PARAMS``.
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
     def __init__(self, hf_config: Any) -> None:
         super().__init__()
         self.config = hf_config

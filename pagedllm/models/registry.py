@@ -22,6 +22,7 @@ from torch import nn
 from pagedllm.loader.architectures import ARCHITECTURES, Architecture, architecture_for
 from pagedllm.models.interface import check_model, check_model_class
 from pagedllm.models.llama import sliding_window_of
+from pagedllm.quantization import process_quantized_weights, quantize_model
 
 
 def supported_architectures() -> list[str]:
@@ -65,28 +66,35 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
-def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device | str,
+                quant_config: Any = None) -> nn.Module:
     """The model for ``hf_config`` on ``device`` in ``dtype`` (floating parameters), weights uninitialized.
-    RoPE tables stay float32."""
+    RoPE tables stay float32. ``quant_config`` (a ``pagedllm.quantization.QuantizationConfig``):
+    its linear layers get their quantization methods; the caller's load then ends with
+    ``process_quantized_weights`` (``load_model`` and ``init_dummy_weights`` do)."""
     cls = get_model_class(hf_config)
     with torch.device(device), _default_dtype(dtype):
         model = cls(hf_config)
+        quantize_model(model, quant_config)
     check_model(model)
     return model.eval()
 
 
-def load_model(source: Any, hf_config: Any, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+def load_model(source: Any, hf_config: Any, dtype: torch.dtype, device: torch.device | str,
+               quant_config: Any = None) -> nn.Module:
     """``build_model`` + the checkpoint's weights. ``source`` is a ``pagedllm.loader.ModelSource`` (used
     through its ``iter_weights()`` method: models and loader do not import each other)."""
-    model = build_model(hf_config, dtype, device)
+    model = build_model(hf_config, dtype, device, quant_config)
     model.load_weights(source.iter_weights())
+    process_quantized_weights(model)
     return model
 
 
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int = 0, std: float | None = None) -> nn.Module:
     """Random weights for benchmarks and tests: normal(0, std) (std defaults to the config's
-    ``initializer_range``), norm weights 1, biases 0. Deterministic for a given seed and device."""
+    ``initializer_range``), norm weights 1, biases 0, quantization scales 1 (then the quantized
+    layers take their serving form). Deterministic for a given seed and device."""
     std = std if std is not None else float(getattr(model.config, "initializer_range", 0.02))
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -95,7 +103,10 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float | None = None
             param.fill_(1.0)
         elif name.endswith(".bias"):
             param.zero_()
+        elif name.endswith(("_scale", "_scale_inv")):
+            param.fill_(1.0)
         else:
             sample = torch.empty(param.shape, dtype=torch.float32, device=device)
             param.copy_(sample.normal_(0.0, std, generator=generator))
+    process_quantized_weights(model)
     return model

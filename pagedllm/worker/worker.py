@@ -65,9 +65,10 @@ class Worker:
         self.startup_seconds: dict[str, float] = {}
         t0 = time.perf_counter()
         if mc.load_format == "dummy":
-            self.model = init_dummy_weights(build_model(mc.hf_config, self.dtype, self.device), seed=mc.seed)
+            self.model = init_dummy_weights(build_model(mc.hf_config, self.dtype, self.device, mc.quant_config),
+                                            seed=mc.seed)
         else:
-            self.model = load_model(mc.source, mc.hf_config, self.dtype, self.device)
+            self.model = load_model(mc.source, mc.hf_config, self.dtype, self.device, mc.quant_config)
         self.model.eval()
         self._prepare_model_kernels()
         logger.info("model loaded in %.1f s", time.perf_counter() - t0)

@@ -59,6 +59,8 @@ RAW_CONFIGS = {
     "llama-both-dtypes": dict(_TINY, model_type="llama", dtype="bfloat16", torch_dtype="float16"),
     "mistral-defaults": dict(_TINY, model_type="mistral", torch_dtype="bfloat16"),
     "qwen2-window-default-size": dict(_TINY, model_type="qwen2", use_sliding_window=True, max_window_layers=3),
+    "llama-fp8-quantized": dict(_TINY, model_type="llama", quantization_config={
+        "quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [16, 16]}),
     "qwen3-rope-parameters": dict(_TINY, model_type="qwen3", rope_parameters={"rope_type": "default", "rope_theta": 1e6},
                                   sliding_window=None, use_sliding_window=False, n_positions=300),
 }
@@ -155,7 +157,6 @@ FALLBACKS = {
     "partial-rotary": dict(_TINY, model_type="llama", partial_rotary_factor=0.5),
     "unknown-type": dict(_TINY, model_type="gpt2"),
     "auto-map": dict(_TINY, model_type="llama", auto_map={"AutoConfig": "configuration_x.XConfig"}),
-    "quantized": dict(_TINY, model_type="llama", quantization_config={"quant_method": "fp8"}),
 }
 
 

@@ -1,0 +1,134 @@
+"""FP8 (float8_e4m3fn) quantization and the FP8 GEMM, on the GPU and on the CPU.
+
+Numbers: a weight row ``n`` is ``W[n, :] ~= Wq[n, :] * w_scale[n]`` (per output channel, float32
+scales) and an activation row ``m`` is ``x[m, :] ~= xq[m, :] * x_scale[m]`` (per token, computed per
+call; or one scale for the whole tensor). Then ``y[m, n] = (xq[m] . Wq[n]) * x_scale[m] * w_scale[n]``
+with the dot product accumulated in float32: exactly what ``torch._scaled_mm`` computes on Hopper
+(cuBLASLt, row-wise scales) and what ``fp8_linear_tiled`` computes on any device, a tile of weight
+rows at a time (the float32 copy of one tile is the only extra memory).
+
+Constraints of ``torch._scaled_mm`` (checked by ``scaled_mm_fits``): CUDA with compute capability
+>= 8.9, K and N multiples of 16, row-wise scales (torch >= 2.5), which take a bfloat16 output only.
+Elsewhere (the CPU, float16 or float32 models, odd shapes) the tiled path runs.
+
+Block-wise checkpoints (``fp8_linear_blockwise``): one weight scale per ``bn x bk`` block and one
+activation scale per token and group of ``bk`` columns; both operands are dequantized a tile of
+whole blocks at a time (every device; no cuBLASLt path yet).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+# A scale never goes below this (an all-zero row would give 0 and then 0/0): vLLM's lower bound.
+MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+# Weight elements per float32 tile of the tiled GEMM (8 MiB).
+TILE_ELEMENTS = 1 << 21
+
+
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(Wq [N, K] float8_e4m3fn, scale [N] float32)`` with ``W ~= Wq * scale[:, None]``: each row
+    scaled so that its largest magnitude maps to 448 (round to nearest)."""
+    w = w.float()
+    scale = (w.abs().amax(dim=-1) / FP8_MAX).clamp_min(MIN_SCALE)
+    return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def quantize_activations(x: torch.Tensor, static_scale: torch.Tensor | None,
+                         per_token: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(xq [M, K] float8, scale [M, 1] float32)`` for ``x [M, K]``: the checkpoint's static scale
+    where given, else dynamic: per token (row) or one for the whole tensor. A handful of small
+    launches (the max-norm reads ``x`` in its own dtype)."""
+    rows = x.shape[0]
+    if static_scale is not None:
+        scale = static_scale.float().reshape(1, 1).expand(rows, 1)
+    else:
+        if per_token:
+            amax = torch.linalg.vector_norm(x, ord=math.inf, dim=-1, keepdim=True, dtype=torch.float32)
+        else:
+            amax = torch.linalg.vector_norm(x, ord=math.inf, dtype=torch.float32).reshape(1, 1).expand(rows, 1)
+        scale = (amax / FP8_MAX).clamp_min(MIN_SCALE)
+    # The clamp matters for static scales (and e4m3fn has no infinity to saturate to).
+    return torch.div(x, scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale.contiguous()
+
+
+def quantize_activation_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(xq [M, K] float8, scale [M, ceil(K / group)] float32)``: one dynamic scale per token and
+    group of ``group`` consecutive columns (the activations of block-wise FP8 checkpoints)."""
+    xf = x.float()
+    m, k = xf.shape
+    groups = -(-k // group)
+    padded = torch.nn.functional.pad(xf, (0, groups * group - k)).view(m, groups, group)
+    scale = (padded.abs().amax(dim=-1) / FP8_MAX).clamp_min(MIN_SCALE)
+    xq = (xf / expand_blocks(scale, 1, group, m, k)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return xq, scale
+
+
+def expand_blocks(scale: torch.Tensor, block_rows: int, block_cols: int, rows: int, cols: int) -> torch.Tensor:
+    """A ``[rows, cols]`` matrix of per-block ``scale`` values (``scale[i // block_rows, j // block_cols]``)."""
+    return scale.repeat_interleave(block_rows, 0)[:rows].repeat_interleave(block_cols, 1)[:, :cols]
+
+
+def fp8_linear_blockwise(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+                         block: tuple[int, int], out_dtype: torch.dtype) -> torch.Tensor:
+    """``[M, N]`` for block-wise FP8 (``W ~= Wq * w_scale[n // bn, k // bk]``) with per-token-group
+    activations (groups of ``bk`` columns): both dequantized, a tile of whole weight blocks at a time."""
+    bn, bk = block
+    xq, x_scale = quantize_activation_groups(x, bk)
+    m, k = xq.shape
+    xf = xq.float() * expand_blocks(x_scale, 1, bk, m, k)
+    n = wq.shape[0]
+    rows = max(1, TILE_ELEMENTS // max(k, 1) // bn) * bn
+    out = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    for start in range(0, n, rows):
+        stop = min(n, start + rows)
+        tile_scale = expand_blocks(w_scale[start // bn: -(-stop // bn)], bn, bk, stop - start, k)
+        out[:, start:stop] = xf @ (wq[start:stop].float() * tile_scale).t()
+    return out.to(out_dtype)
+
+
+def dequantize_rows(wq: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``Wq * scale[:, None]`` in ``dtype`` (the float matrix a quantized layer stands for)."""
+    return (wq.float() * scale.float()[:, None]).to(dtype)
+
+
+@functools.cache
+def _has_fp8_tensor_cores(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
+
+
+def scaled_mm_fits(x: torch.Tensor, wq: torch.Tensor) -> bool:
+    """Whether ``torch._scaled_mm`` takes this product (module doc)."""
+    if not (x.is_cuda and hasattr(torch, "_scaled_mm") and x.dtype == torch.bfloat16):
+        return False
+    n, k = wq.shape
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    return k % 16 == 0 and n % 16 == 0 and _has_fp8_tensor_cores(index)
+
+
+def fp8_linear_scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+                         out_dtype: torch.dtype) -> torch.Tensor:
+    """``[M, N]`` through cuBLASLt: ``xq [M, K]`` row-major, ``wq [N, K]`` (passed transposed: the
+    column-major ``[K, N]`` operand it wants), scales ``[M, 1]`` and ``[1, N]``."""
+    return torch._scaled_mm(xq, wq.t(), scale_a=x_scale, scale_b=w_scale.reshape(1, -1), out_dtype=out_dtype)
+
+
+def fp8_linear_tiled(x: torch.Tensor, x_scale: torch.Tensor | None, wq: torch.Tensor,
+                     w_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``[M, N]``: ``x`` (float8 with ``x_scale [M, 1]``, or a float ``x`` with ``x_scale`` None:
+    weight-only) times the dequantized weight, one float32 tile of weight rows at a time."""
+    xf = x.float()
+    n, k = wq.shape
+    rows = max(1, TILE_ELEMENTS // max(k, 1))
+    out = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
+    for start in range(0, n, rows):
+        stop = min(n, start + rows)
+        out[:, start:stop] = (xf @ wq[start:stop].float().t()) * w_scale[start:stop].float()
+    if x_scale is not None:
+        out *= x_scale
+    return out.to(out_dtype)
