@@ -5,8 +5,9 @@
     ... load the checkpoint (or dummy weights) ...
     process_quantized_weights(model)         # the layers' final (quantized) form
 
-Schemes (``QUANTIZATION_METHODS``): ``fp8`` (online on a float checkpoint, or an FP8 checkpoint)
-and ``compressed-tensors`` (FP8 checkpoints). ``base.py`` has the two interfaces.
+Schemes (``QUANTIZATION_METHODS``): ``fp8`` (online on a float checkpoint, or an FP8 checkpoint),
+``compressed-tensors`` (FP8 checkpoints) and ``gguf`` (a GGUF file's blocks kept packed; implied by a
+GGUF model file). ``base.py`` has the two interfaces.
 """
 
 from pagedllm.quantization.base import QuantizationConfig, QuantizeMethodBase
