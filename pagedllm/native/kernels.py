@@ -105,8 +105,6 @@ def load() -> ctypes.CDLL | None:
     lib.silu_and_mul.argtypes = [ptr, ptr, i64, i64, i32]
     lib.rotary_embedding.restype = None
     lib.rotary_embedding.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32]
-    lib.gguf_block_shape.restype = ctypes.c_int
-    lib.gguf_block_shape.argtypes = [i32, ptr, ptr]
     lib.gguf_dequantize_rows.restype = ctypes.c_int
     lib.gguf_dequantize_rows.argtypes = [i32, ptr, i64, i64, i64, ptr, i32]
     lib.gguf_dequantize_gather.restype = ctypes.c_int
@@ -205,18 +203,22 @@ def paged_decode_attention(
         raise MemoryError("paged_decode_attention could not allocate its scratch buffers")
 
 
+# GGML type -> (weights, bytes) of one block, for the types csrc/gguf_matmul.c knows.
+GGUF_BLOCK_SHAPES = {0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 13: (256, 176),
+                     14: (256, 210)}
+
+
 def _gguf_check(packed: torch.Tensor, qtype: int, k: int) -> int:
     """Row stride in bytes of a packed GGUF matrix ``[rows, row_bytes]`` of ``k`` weights a row
     (ValueError for an unknown type, a bad shape or a non-contiguous tensor)."""
-    lib = load()
-    if lib is None:
+    if load() is None:
         raise RuntimeError("the CPU kernels are not available (see the warning logged by native.kernels.load)")
-    elems, nbytes = ctypes.c_int64(), ctypes.c_int64()
-    if not lib.gguf_block_shape(qtype, ctypes.byref(elems), ctypes.byref(nbytes)):
+    shape = GGUF_BLOCK_SHAPES.get(qtype)
+    if shape is None:
         raise ValueError(f"GGUF type {qtype} has no CPU kernel")
     if packed.dtype != torch.uint8 or packed.device.type != "cpu" or packed.dim() != 2 or not packed.is_contiguous():
         raise ValueError("packed must be a contiguous CPU uint8 tensor [rows, row_bytes]")
-    if k % elems.value or packed.shape[1] != k // elems.value * nbytes.value:
+    if k % shape[0] or packed.shape[1] != k // shape[0] * shape[1]:
         raise ValueError(f"packed rows of {packed.shape[1]} bytes do not hold {k} weights of GGUF type {qtype}")
     return packed.shape[1]
 

@@ -46,7 +46,7 @@ F32, F16 = 0, 1
 PACKED_TYPES = {F32: "F32", F16: "F16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 # From this many rows of x on, a tile of weight rows is dequantized and multiplied by the float GEMM
 # (the decode kernel re-decodes every block for each 4 rows; the GEMM reuses a tile for all rows).
-PREFILL_MIN_ROWS = 64
+PREFILL_MIN_ROWS = 128
 TILE_WEIGHTS = 1 << 19  # weights per dequantized tile (2 MiB of float32)
 LOAD_FORMATS = ("auto", "gguf", "gguf_dequantized")
 
@@ -130,6 +130,7 @@ def pack_segments(param: nn.Parameter, parts: list[GGUFTensor], keep_packed: boo
         offset += p.data.numel()
     param.data = torch.cat(blobs).to(param.device)
     param.gguf_segments = tuple(segments)
+    param.gguf_rows = tuple(seg.rows(param.data) for seg in segments)  # views, made once
 
 
 def gguf_linear(weight: nn.Parameter, x: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
@@ -140,8 +141,9 @@ def gguf_linear(weight: nn.Parameter, x: torch.Tensor, out_features: int, bias: 
     xf = x2 if x2.dtype == torch.float32 and x2.stride(-1) == 1 else x2.float().contiguous()
     out = torch.empty((xf.shape[0], out_features), dtype=torch.float32, device=x.device)
     kernel = PACKED_KERNELS.get(x.device.type)
-    for seg in weight.gguf_segments:
-        rows, cols = seg.rows(weight), out[:, seg.row_start:seg.row_start + seg.num_rows]
+    whole = len(weight.gguf_segments) == 1
+    for seg, rows in zip(weight.gguf_segments, weight.gguf_rows):
+        cols = out if whole else out[:, seg.row_start:seg.row_start + seg.num_rows]
         if seg.qtype == F32:
             _mm_into(cols, xf, rows.view(torch.float32))
         else:
@@ -218,8 +220,8 @@ class GGUFEmbeddingMethod(QuantizeMethodBase):
     def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         """``[T] ids -> [T, hidden]`` rows of the table, dequantized, in the model dtype."""
         weight = layer.weight
-        (seg,) = weight.gguf_segments
-        rows, cols = seg.rows(weight), weight.gguf_shape[1]
+        (seg,), (rows,) = weight.gguf_segments, weight.gguf_rows
+        cols = weight.gguf_shape[1]
         if seg.qtype == F32:
             out = F.embedding(input_ids, rows.view(torch.float32))
         else:
