@@ -84,8 +84,10 @@ def run_beam_search(step: StepFn, prompts: list[list[int]], params: BeamSearchPa
 
     Per step each beam grows by each of its candidates; a candidate ending in EOS (unless
     ignore_eos) is finished, the others compete for the prompt's ``beam_width`` places by score.
-    At the end the finished and live beams compete together. Cost: ``max_tokens`` calls of
-    ``step``, each on at most ``len(prompts) * beam_width`` beams.
+    At the end the finished and live beams compete together. A beam that ended with EOS has
+    finish_reason "stop" and stop_reason the EOS id; the EOS stays in its ``tokens`` and ``text``
+    only with ``include_stop_str_in_output`` (as vLLM's beam search: the EOS is the stop "string").
+    Cost: ``max_tokens`` calls of ``step``, each on at most ``len(prompts) * beam_width`` beams.
     """
     def score(b: BeamSearchSequence) -> float:
         return get_beam_search_score(b.tokens, b.cum_logprob, eos_token_id, params.length_penalty)
@@ -105,7 +107,7 @@ def run_beam_search(step: StepFn, prompts: list[list[int]], params: BeamSearchPa
             for token_id, lp in cands.items():
                 child = BeamSearchSequence(beam.tokens + [token_id], beam.logprobs + [cands], beam.cum_logprob + lp.logprob)
                 if token_id == eos_token_id and not params.ignore_eos:
-                    child.finish_reason = "stop"
+                    child.finish_reason, child.stop_reason = "stop", eos_token_id
                     inst.completed.append(child)
                 else:
                     grown[id(inst)].append(child)
@@ -116,6 +118,8 @@ def run_beam_search(step: StepFn, prompts: list[list[int]], params: BeamSearchPa
         best = sorted(inst.completed + inst.beams, key=score, reverse=True)[: params.beam_width]
         for beam in best:
             beam.finish_reason = beam.finish_reason or "length"
+            if beam.finish_reason == "stop" and not params.include_stop_str_in_output:
+                beam.tokens = beam.tokens[:-1]  # the EOS that ended it (its logprob stays counted)
             beam.text = decode(beam.tokens) if decode is not None else None
         outputs.append(BeamSearchOutput(best))
     return outputs

@@ -22,6 +22,9 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "priority"  # "priority" (larger value sooner, then arrival) | "fcfs"
     preemption_mode: str = "recompute"
+    # A request not scheduled within this many seconds of its arrival is finished as aborted
+    # (``QUEUE_TIMEOUT_REASON``); None: requests wait as long as it takes.
+    timeout_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,8 @@ class KernelConfig:
 @dataclass(frozen=True)
 class ObservabilityConfig:
     log_stats: bool = False  # the periodic stats line (vLLM's ``disable_log_stats=False``)
+    # Where finished requests' OpenTelemetry spans are exported (OTLP); None: no tracing at all.
+    otlp_traces_endpoint: str | None = None
 
 
 @dataclass(frozen=True)
@@ -135,7 +140,7 @@ class EngineArgs:
     device: str = "auto"
     attention_backend: str = "auto"
     max_logprobs: int = 20
-    disable_log_stats: bool = True
+    disable_log_stats: bool = False  # as vLLM: the engine logs stats; LLM(...) turns them off unless given
     num_gpu_blocks_override: int | None = None
     load_format: str = "auto"
     skip_tokenizer_init: bool = False
@@ -145,6 +150,15 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # "uni" | "mp" | "ray"; None: "uni" for one rank
+    swap_space: float | None = field(default=None, metadata={
+        "help": "CPU swap space for preempted KV blocks, GiB (vLLM's); only 0 / unset is accepted: "
+                "preemption recomputes, the KV cache has no CPU tier yet"})
+    timeout_s: float | None = field(default=None, metadata={
+        "help": "finish a request as aborted when it waits longer than this many seconds in the "
+                "queue before it is first scheduled (the server answers 503); default: no limit"})
+    otlp_traces_endpoint: str | None = field(default=None, metadata={
+        "help": "export one OpenTelemetry span per request (OTLP) to this endpoint; "
+                "needs the 'tracing' extra"})
 
     def __post_init__(self) -> None:
         self.validate()
@@ -174,6 +188,18 @@ class EngineArgs:
             raise ValueError(f"scheduling_policy must be 'priority' or 'fcfs', got {self.scheduling_policy!r}")
         if self.preemption_mode != "recompute":
             raise ValueError(f"preemption_mode must be 'recompute' (swap is not supported yet), got {self.preemption_mode!r}")
+        if self.swap_space not in (None, 0):
+            raise ValueError(f"swap_space is not supported yet (got {self.swap_space!r}): preemption recomputes the "
+                             "KV cache, which has no CPU tier; leave swap_space unset or 0")
+        if self.timeout_s is not None and (
+            isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float))
+            or not 0 < self.timeout_s < float("inf")
+        ):
+            raise ValueError(f"timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
+        if self.otlp_traces_endpoint is not None and (
+            not isinstance(self.otlp_traces_endpoint, str) or not self.otlp_traces_endpoint.strip()
+        ):
+            raise ValueError(f"otlp_traces_endpoint must be a URL, got {self.otlp_traces_endpoint!r}")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.attention_backend not in ("auto", "cpu", "torch_ref", "triton"):

@@ -29,7 +29,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default)
         elif isinstance(default, bool):
             parser.add_argument(flag, dest=f.name, action="store_true", default=default)
-        elif f.name == "gpu_memory_utilization":
+        elif f.name == "gpu_memory_utilization" or f.type in ("float | None", "float"):
             parser.add_argument(flag, dest=f.name, type=float, default=default)
         elif f.type in ("int | None", "int") or isinstance(default, int):
             parser.add_argument(flag, dest=f.name, type=int, default=default)

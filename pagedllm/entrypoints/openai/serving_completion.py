@@ -65,7 +65,7 @@ class OpenAIServingCompletion:
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
 
-    async def create(self, req: CompletionRequest) -> Response:
+    async def create(self, req: CompletionRequest, trace_headers: dict[str, str] | None = None) -> Response:
         ctx = self.ctx
         model = ctx.check_model(req.model)
         try:
@@ -77,7 +77,7 @@ class OpenAIServingCompletion:
             ctx.check_length(len(p.token_ids), req.max_tokens, "max_tokens" in req.model_fields_set, "prompt")
         ctx.check_capacity(len(prompts))
         request_id = req.request_id or random_id("cmpl")
-        streams = await self._submit(request_id, prompts, params, req.priority)
+        streams = await self._submit(request_id, prompts, params, req.priority, trace_headers)
         created = int(time.time())
         if req.stream:
             return EventStreamResponse(self._stream(req, request_id, created, model, prompts, streams))
@@ -111,7 +111,8 @@ class OpenAIServingCompletion:
             out.append(prompt)
         return out
 
-    async def _submit(self, request_id: str, prompts: list[_Prompt], params, priority: int) -> list[RequestStream]:
+    async def _submit(self, request_id: str, prompts: list[_Prompt], params, priority: int,
+                      trace_headers: dict[str, str] | None = None) -> list[RequestStream]:
         """Queue every prompt at once, then wait for all to be accepted (or abort all on a refusal)."""
         engine = self.ctx.engine
         streams: list[RequestStream] = []
@@ -120,7 +121,8 @@ class OpenAIServingCompletion:
             prompt = {"prompt_token_ids": p.token_ids}
             if p.text is not None:
                 prompt["prompt"] = p.text
-            streams.append(engine.submit(rid, prompt, params if i == 0 else params.clone(), priority=priority))
+            streams.append(engine.submit(rid, prompt, params if i == 0 else params.clone(), priority=priority,
+                                         trace_headers=trace_headers))
         try:
             for s in streams:
                 await engine.wait_accepted(s)
@@ -150,6 +152,7 @@ class OpenAIServingCompletion:
         prompt_tokens = completion_tokens = cached = 0
         for i, out in enumerate(finals):
             assert out is not None
+            self.ctx.check_timed_out(out)
             prompt_tokens += len(out.prompt_token_ids)
             cached += out.num_cached_tokens
             for c in out.outputs:
@@ -197,6 +200,7 @@ class OpenAIServingCompletion:
 
     def _chunks(self, req: CompletionRequest, head: dict, state: _StreamState, prompt_index: int,
                 out: RequestOutput, prompt: _Prompt):
+        self.ctx.check_timed_out(out)
         if prompt_index not in state.counted_prompts:
             state.counted_prompts.add(prompt_index)
             state.prompt_tokens += len(out.prompt_token_ids)
