@@ -24,7 +24,7 @@ SampleLogprobs = list[dict[int, Logprob]]
 PromptLogprobs = list[dict[int, Logprob] | None]
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestMetrics:
     """When a request went through the engine (vLLM's fields; seconds on the ``time.time()`` clock).
 

@@ -126,10 +126,8 @@ class EngineMetrics:
     def on_step(self, report: StepReport) -> None:
         """Record one step: the tokens each request generated in it (whatever its output kind), at
         the step's time stamp; its finished requests; and the scheduler's state."""
-        for rid, (new, prompt_len) in report.step_tokens.items():
-            times = self._requests.get(rid)
-            if times is not None and new:
-                self._record_tokens(times, new, prompt_len, report.step_time)
+        if report.step_tokens:
+            self._record_tokens(report.step_tokens, report.step_time)
         for out in report.outputs:
             if out.finished:
                 self._record_finish(out)
@@ -161,21 +159,30 @@ class EngineMetrics:
             self.decode_time.observe(m.last_token_time - m.first_token_time)
             self.inference_time.observe(m.last_token_time - m.first_scheduled_time)
 
-    def _record_tokens(self, times: _RequestTimes, new: int, prompt_len: int, now: float) -> None:
-        """``new`` tokens of one request arrived at ``now``: TTFT (and the prompt tokens) on the first,
-        else an inter-token latency sample."""
-        if times.first_token_time is None:
-            times.first_token_time = now
-            times.num_prompt_tokens = prompt_len
-            self.ttft.observe(now - times.arrival_time)
-            self.prompt_tokens.inc(prompt_len)
-            self._interval.prompt_tokens += prompt_len
-        elif times.last_token_time is not None:
-            self.itl.observe(now - times.last_token_time)
-        times.last_token_time = now
-        times.num_generation_tokens += new
-        self.generation_tokens.inc(new)
-        self._interval.generation_tokens += new
+    def _record_tokens(self, step_tokens: dict[str, tuple[int, int]], now: float) -> None:
+        """Each request's new tokens arrived at ``now``: TTFT (and its prompt tokens) on its first,
+        else an inter-token latency sample. The counters get one increment per step (a lock each)."""
+        prompt = generated = 0
+        for rid, (new, prompt_len) in step_tokens.items():
+            times = self._requests.get(rid)
+            if times is None or not new:
+                continue
+            if times.first_token_time is None:
+                times.first_token_time = now
+                times.num_prompt_tokens = prompt_len
+                self.ttft.observe(now - times.arrival_time)
+                prompt += prompt_len
+            elif times.last_token_time is not None:
+                self.itl.observe(now - times.last_token_time)
+            times.last_token_time = now
+            times.num_generation_tokens += new
+            generated += new
+        if prompt:
+            self.prompt_tokens.inc(prompt)
+            self._interval.prompt_tokens += prompt
+        if generated:
+            self.generation_tokens.inc(generated)
+            self._interval.generation_tokens += generated
 
     def _record_scheduler(self, stats: SchedulerStats) -> None:
         self._last_stats = stats

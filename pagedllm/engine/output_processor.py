@@ -304,19 +304,26 @@ class OutputProcessor:
 
 def _request_metrics(states: list[RequestState], finished: bool) -> RequestMetrics:
     """A user request's timings from its sequences' (n > 1: the earliest first schedule and first
-    token, the latest token; it finished when its last sequence did)."""
-    def earliest(times):
-        known = [t for t in times if t is not None]
-        return min(known) if known else None
-
+    token, the latest token; it finished when its last sequence did). Built for every output, so
+    the one-sequence case (nearly every output) takes the short path."""
     arrival = states[0].arrival_time
-    first_scheduled = earliest(s.first_scheduled_time() for s in states)
-    last_tokens = [s.last_token_time for s in states if s.last_token_time is not None]
+    if len(states) == 1:
+        s = states[0]
+        first_scheduled = s.first_scheduled_time()
+        first_token, last_token, finished_time = s.first_token_time, s.last_token_time, s.finished_time
+    else:
+        first_scheduled = _earliest(s.first_scheduled_time() for s in states)
+        first_token = _earliest(s.first_token_time for s in states)
+        last_tokens = [s.last_token_time for s in states if s.last_token_time is not None]
+        last_token = max(last_tokens) if last_tokens else None
+        finished_time = max(s.finished_time for s in states) if finished else None
     return RequestMetrics(
-        arrival_time=arrival,
-        last_token_time=max(last_tokens) if last_tokens else None,
-        first_scheduled_time=first_scheduled,
-        first_token_time=earliest(s.first_token_time for s in states),
-        time_in_queue=None if first_scheduled is None else first_scheduled - arrival,
-        finished_time=max(s.finished_time for s in states) if finished else None,
+        arrival_time=arrival, last_token_time=last_token, first_scheduled_time=first_scheduled,
+        first_token_time=first_token, time_in_queue=None if first_scheduled is None else first_scheduled - arrival,
+        finished_time=finished_time,
     )
+
+
+def _earliest(times) -> float | None:
+    known = [t for t in times if t is not None]
+    return min(known) if known else None
