@@ -190,11 +190,12 @@ class Scheduler:
         # Finished inside schedule() (could never fit): reported by the next update_from_output.
         self._pending_outputs: list[EngineCoreOutput] = []
         self.num_preemptions_total = 0
-        # With timeout_s: (arrival_time, insertion number, request) of every request added, a
+        # With timeout_s: (arrival_time, insertion number, request id) of every request added, a
         # min-heap, so the front is the first that can time out. An entry whose request was
-        # scheduled or finished meanwhile is dropped when it reaches the front. Cost: O(log n) per
-        # request added; O(1) per step while nobody times out.
-        self._arrivals: list[tuple[float, int, Request]] = []
+        # scheduled or finished meanwhile is dropped when it reaches the front (ids, not requests:
+        # a finished request is not kept alive by its entry). Cost: O(log n) per request added;
+        # O(1) per step while nobody times out.
+        self._arrivals: list[tuple[float, int, str]] = []
 
     @property
     def block_pool(self) -> BlockPool:
@@ -226,7 +227,7 @@ class Scheduler:
             self._num_with_stop_strings += r.has_stop_strings
             self._insertion_number[r.request_id] = self._num_added
             if self.scheduler_config.timeout_s is not None:
-                heapq.heappush(self._arrivals, (r.arrival_time, self._num_added, r))
+                heapq.heappush(self._arrivals, (r.arrival_time, self._num_added, r.request_id))
             self._num_added += 1
             r.status = RequestStatus.WAITING
         self.waiting.add(request)
@@ -476,8 +477,11 @@ class Scheduler:
         deadline = now - self.scheduler_config.timeout_s
         arrivals = self._arrivals
         while arrivals and arrivals[0][0] < deadline:
-            request = heapq.heappop(arrivals)[2]
-            if request.first_scheduled_time is not None or self.requests.get(request.request_id) is not request:
+            _, number, req_id = heapq.heappop(arrivals)
+            if self._insertion_number.get(req_id) != number:
+                continue  # finished (the id may be in use by a later request)
+            request = self.requests[req_id]
+            if request.first_scheduled_time is not None:
                 continue
             try:
                 self.waiting.remove(request)
