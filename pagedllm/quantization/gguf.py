@@ -86,15 +86,19 @@ def _cpu_linear(x: torch.Tensor, packed: torch.Tensor, qtype: int, out: torch.Te
         _mm_into(out[:, start:start + rows.shape[0]], x, native.gguf_dequantize_rows(rows, qtype, x.shape[1]))
 
 
-# Device type -> ``kernel(x float32 [M, K], packed [N, row_bytes], qtype, out float32 [M, N] view)``.
+# The kernels per device type (the hook for other devices: add an entry to both tables).
+# ``PACKED_KERNELS[d](x float32 [M, K], packed [N, row_bytes], qtype, out float32 [M, N] view)``;
+# ``PACKED_GATHERS[d](packed, qtype, K, ids) -> float32 [len(ids), K]`` (the embedding lookup).
 PACKED_KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], None]] = {"cpu": _cpu_linear}
+PACKED_GATHERS: dict[str, Callable[[torch.Tensor, int, int, torch.Tensor], torch.Tensor]] = {
+    "cpu": native.gguf_dequantize_gather}
 
 
 def has_packed_kernel(device: torch.device) -> bool:
     """Whether ``device`` multiplies GGUF blocks packed (the CPU needs the C library built)."""
     if device.type == "cpu":
         return native.load() is not None
-    return device.type in PACKED_KERNELS
+    return device.type in PACKED_KERNELS and device.type in PACKED_GATHERS
 
 
 def as_gguf_tensor(loaded: GGUFTensor | torch.Tensor) -> GGUFTensor:
@@ -225,7 +229,7 @@ class GGUFEmbeddingMethod(QuantizeMethodBase):
         if seg.qtype == F32:
             out = F.embedding(input_ids, rows.view(torch.float32))
         else:
-            out = native.gguf_dequantize_gather(rows, seg.qtype, cols, input_ids)
+            out = PACKED_GATHERS[input_ids.device.type](rows, seg.qtype, cols, input_ids)
         return out.to(weight.gguf_dtype)
 
 

@@ -91,3 +91,54 @@ def test_packed_logits_equal_the_dequantized_models(smollm2_pair):
     rel = float((ours - ref).abs().max() / ref.abs().max())
     assert rel < 1e-3, rel
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def _random_gguf(name: str, rows: int, cols: int, seed: int):
+    from gguf import GGMLQuantizationType
+
+    from pagedllm.loader.gguf_file import GGUFTensor
+    from tests.native.test_gguf_kernels import random_blocks
+
+    raw = torch.from_numpy(random_blocks(name, rows, cols, seed))
+    return GGUFTensor(int(GGMLQuantizationType[name]), (rows, cols), raw)
+
+
+@pytest.mark.parametrize("packed_kernel", [True, False])  # False: no C compiler, dequantized at load
+def test_merged_layer_with_shards_of_several_formats(monkeypatch, packed_kernel):
+    """q in Q4_K, k in Q6_K, v in Q5_0 (no kernel: dequantized at load): three segments, one product."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from pagedllm.layers.linear import QKVLinear
+    from pagedllm.loader.gguf_file import GGUFTensor
+    from pagedllm.quantization import gguf as gguf_module
+
+    monkeypatch.setattr(gguf_module, "has_packed_kernel", lambda device: packed_kernel)
+    layer = QKVLinear(256, 32, 4, 2, bias=True)
+    layer.set_quant_method(gguf_module.GGUFLinearMethod())
+    shards = {"q": _random_gguf("Q4_K", 128, 256, 1), "k": _random_gguf("Q6_K", 64, 256, 2)}
+    v_float = torch.randn(64, 256, generator=torch.Generator().manual_seed(4)).numpy()
+    shards["v"] = GGUFTensor(int(GGMLQuantizationType.Q5_0), (64, 256),
+                             torch.from_numpy(quantize(v_float, GGMLQuantizationType.Q5_0)))
+    for shard_id, t in shards.items():
+        layer.weight.weight_loader(layer.weight, t, shard_id)
+    layer.bias.data.copy_(torch.randn(256))
+    layer.quant_method.process_weights_after_loading(layer)
+    # Q4_K (12) and Q6_K (14) stay packed; Q5_0 has no kernel: F32 rows. Without kernels: all F32.
+    assert [s.qtype for s in layer.weight.gguf_segments] == ([12, 14, 0] if packed_kernel else [0])
+    w = torch.cat([t.dequantize() for t in shards.values()])
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(5))
+    ref = torch.nn.functional.linear(x, w, layer.bias)
+    torch.testing.assert_close(layer(x), ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
+    big = torch.randn(200, 256, generator=torch.Generator().manual_seed(6))  # the tiled path
+    torch.testing.assert_close(layer(big), torch.nn.functional.linear(big, w, layer.bias), rtol=1e-4, atol=1e-3)
+
+
+def test_a_shard_of_the_wrong_shape_is_refused():
+    from pagedllm.layers.linear import MergedLinear
+    from pagedllm.quantization.gguf import GGUFLinearMethod
+
+    layer = MergedLinear(256, [64, 64])
+    layer.set_quant_method(GGUFLinearMethod())
+    with pytest.raises(ValueError, match="does not match"):
+        layer.weight.weight_loader(layer.weight, _random_gguf("Q8_0", 32, 256, 0), 0)
