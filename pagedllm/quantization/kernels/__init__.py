@@ -1,0 +1,6 @@
+"""Triton kernels of the quantized linear layers (these modules import triton: imported only on
+CUDA, or under Triton's interpreter in tests).
+
+- ``int4_gemm``: int4 GPTQ / AWQ weights (``quantization/int4.py``'s serving form) dequantized in
+  the GEMV / tiled GEMM.
+"""
