@@ -165,7 +165,8 @@ class EngineArgs:
                                                    "supported yet)")
     quantization: str | None = arg(None, "quantize the weights: fp8 (float8 weights, per-output-channel scales, "
                                    "quantized at load; per-token dynamic FP8 activations); a checkpoint's own "
-                                   "quantization_config (fp8, compressed-tensors FP8) is served in its scheme")
+                                   "quantization_config (fp8, compressed-tensors FP8, gptq and awq int4) is "
+                                   "served in its scheme")
 
     def __post_init__(self) -> None:
         self.validate()

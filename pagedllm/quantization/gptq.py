@@ -61,9 +61,10 @@ class GPTQLinearMethod(int4.Int4LinearMethod):
     """One GPTQ linear layer (module doc): created and loaded in the checkpoint's layout, then served
     in the int4 form (rows sorted by group where ``g_idx`` orders them otherwise)."""
 
-    def __init__(self, group_size: int, zero_offset: int) -> None:
+    def __init__(self, group_size: int, zero_offset: int, desc_act: bool = False) -> None:
         super().__init__(group_size)
         self.zero_offset = zero_offset
+        self.desc_act = desc_act  # only dummy weights read it: g_idx says the order of a checkpoint
 
     def create_weights(self, layer: nn.Module) -> None:
         self.check_layer(layer, "gptq")
@@ -100,8 +101,11 @@ class GPTQLinearMethod(int4.Int4LinearMethod):
         layer.qweight.data.copy_(int4.random_words(tuple(layer.qweight.shape), generator, device))
         layer.qzeros.data.copy_(int4.packed_constant(8 - self.zero_offset, tuple(layer.qzeros.shape), device))
         layer.scales.data.fill_(std / int4.DUMMY_SPREAD)
-        rows = torch.arange(layer.in_features, device=device) // self.layer_group_size(layer)
-        layer.g_idx.data.copy_(rows.expand_as(layer.g_idx))
+        groups = torch.arange(layer.in_features, device=device) // self.layer_group_size(layer)
+        if self.desc_act:  # columns assigned to groups in a random order, one order for all shards
+            order = torch.randperm(layer.in_features, generator=generator, device=device)
+            groups = torch.empty_like(groups).scatter_(0, order, groups)
+        layer.g_idx.data.copy_(groups.expand_as(layer.g_idx))
 
 
 def _g_idx_loader(layer: Linear):
@@ -154,7 +158,7 @@ class GPTQConfig(QuantizationConfig):
         if self.quantized_modules is not None and is_layer_skipped(
                 prefix, [_not_ending_with(self.quantized_modules)], self.packed_modules_mapping):
             return None
-        return GPTQLinearMethod(self.group_size, self.zero_offset)
+        return GPTQLinearMethod(self.group_size, self.zero_offset, self.desc_act)
 
     def describe(self) -> str:
         order = ", act-order" if self.desc_act else ""
