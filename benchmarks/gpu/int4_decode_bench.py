@@ -30,8 +30,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "benchmarks/configs/llama-3.1-8b/config.json"
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-GEMV_SWEEP = [None, (8, 256, 4), (16, 128, 4), (16, 512, 4), (32, 256, 4), (32, 256, 8), (64, 128, 4),
-              (8, 512, 8), (16, 1024, 8)]
+# (block_n, block_k, num_warps, word_tiles) of the GEMV at one row; None: the default.
+GEMV_SWEEP = [None, (16, 256, 4, False), (8, 256, 4, True), (16, 128, 4, True), (16, 512, 4, True),
+              (32, 256, 4, True), (32, 256, 8, True), (64, 128, 4, True), (8, 512, 8, True), (16, 1024, 8, True),
+              (32, 128, 4, False), (64, 64, 4, False)]
 VARIANTS = {
     "bf16": None,
     "gptq-g128": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True},
@@ -144,9 +146,9 @@ def run_child(args: list[str]) -> dict:
 
 def print_tables(result: dict) -> None:
     print("\nkernels (us per call, CUDA graph; int4 GPTQ g128 vs bf16 F.linear)")
-    print(f"{'layer':8} {'m':>3} {'config':>14} {'int4 us':>9} {'bf16 us':>9} {'ratio':>6} {'int4 GB/s':>10}")
+    print(f"{'layer':8} {'m':>3} {'config':>20} {'int4 us':>9} {'bf16 us':>9} {'ratio':>6} {'int4 GB/s':>10}")
     for r in result.get("kernels", {}).get("kernels", []):
-        print(f"{r['layer']:8} {r['m']:>3} {str(r['config']):>14} {r['int4_us']:>9.1f} {r['bf16_us']:>9.1f} "
+        print(f"{r['layer']:8} {r['m']:>3} {str(r['config']):>20} {r['int4_us']:>9.1f} {r['bf16_us']:>9.1f} "
               f"{r['ratio']:>6.2f} {r['int4_gb_per_s']:>10.0f}")
     base = {r["batch_size"]: r["decode_step_ms"] for r in result["engine"].get("bf16", {}).get("runs", [])}
     print("\ndecode step, Llama-3.1-8B architecture, 1024-token prompts")

@@ -17,10 +17,13 @@ from pagedllm.quantization import int4
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_cuda = pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs Triton and CUDA")
 
-# (rows M, outputs N, inputs K, group size, act-order perm, bias, dtype): GEMV (M <= 4) and tiled GEMM,
-# groups of 8 (per-column gather in the GEMM), 32, 128 and one group (-1), ragged N and K tails.
+# (rows M, outputs N, inputs K, group size, act-order perm, bias, dtype[, launch config]): GEMV (M <= 4;
+# word tiles at one row) and tiled GEMM, groups of 8 (per-column gather in the GEMM), 32, 128 and one
+# group (-1), ragged N and K tails.
 INTERPRETER_CASES = [
     (1, 48, 64, 32, False, True, torch.float32),
+    (1, 40, 136, 8, True, False, torch.float16),
+    (1, 48, 64, 32, True, True, torch.float32, (16, 32, 4, False)),  # the strided GEMV at one row
     (2, 40, 128, -1, True, False, torch.float16),
     (3, 24, 72, 8, False, True, torch.float32),
     (5, 72, 96, 32, True, True, torch.float32),
@@ -46,7 +49,7 @@ def check_case(case, device: str, seed: int = 0) -> float:
     """Relative max error of the kernel against the reference for one case."""
     from pagedllm.quantization.kernels import int4_gemm
 
-    m, n, k, group_size, act_order, with_bias, dtype = case
+    m, n, k, group_size, act_order, with_bias, dtype, *config = case
     qweight, scales, zeros, perm = make_weight(n, k, group_size, act_order, device, seed)
     gs = group_size if group_size > 0 else k
     gen = torch.Generator().manual_seed(seed + 1)
@@ -56,7 +59,7 @@ def check_case(case, device: str, seed: int = 0) -> float:
     want = int4.int4_linear_reference(x, qweight, scales, zeros, perm, gs)
     if bias is not None:
         want += bias.float()
-    got = int4_gemm.int4_linear(x, qweight, scales, zeros, perm, gs, bias)
+    got = int4_gemm.int4_linear(x, qweight, scales, zeros, perm, gs, bias, config=config[0] if config else None)
     assert got.dtype == dtype and got.shape == (m, n)
     return float((got.float() - want).abs().max() / want.abs().max())
 
@@ -64,7 +67,7 @@ def check_case(case, device: str, seed: int = 0) -> float:
 def _interpreter_main() -> None:
     for case in INTERPRETER_CASES:
         err = check_case(case, "cpu")
-        tol = 1e-5 if case[-1] == torch.float32 else 2e-3
+        tol = 1e-5 if case[6] == torch.float32 else 2e-3
         assert err < tol, (case, err)
         print("ok", case, err)
 
