@@ -3,7 +3,7 @@
 config.json's ``quantization_config``: ``quant_method: "awq"``, ``bits`` (or ``w_bit``; 4),
 ``group_size`` (or ``q_group_size``; positive, or -1: one group), ``zero_point`` (must be true: the
 zero points are stored), ``version`` ("gemm"; the "gemv" layouts are not supported),
-``modules_to_not_convert`` (module names kept in float).
+``modules_to_not_convert`` (modules kept in float: those whose name contains an entry, as vLLM reads it).
 
 Per quantized linear of ``K`` inputs, ``N`` outputs and ``G = ceil(K / group_size)`` groups:
 ``qweight`` int32 ``[K, N / 8]`` and ``qzeros`` int32 ``[G, N / 8]``, both packed along the output
@@ -15,6 +15,7 @@ After the load the codes are repacked along the input dim (the serving form).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -65,6 +66,8 @@ class AWQConfig(QuantizationConfig):
     def __init__(self, group_size: int, modules_to_not_convert: list[str] | None = None) -> None:
         self.group_size = group_size
         self.modules_to_not_convert = list(modules_to_not_convert or [])
+        # As ignore-list patterns: a module is kept in float when its name contains an entry.
+        self.ignored = [f"re:.*{re.escape(name)}" for name in self.modules_to_not_convert]
         self.packed_modules_mapping: dict[str, list[str]] = {}
 
     @classmethod
@@ -79,8 +82,7 @@ class AWQConfig(QuantizationConfig):
         return cls(group_size, config.get("modules_to_not_convert"))
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
-        if not isinstance(layer, Linear) or is_layer_skipped(prefix, self.modules_to_not_convert,
-                                                            self.packed_modules_mapping):
+        if not isinstance(layer, Linear) or is_layer_skipped(prefix, self.ignored, self.packed_modules_mapping):
             return None
         return AWQLinearMethod(self.group_size)
 

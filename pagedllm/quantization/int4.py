@@ -23,6 +23,7 @@ not take, ``int4_linear_reference`` dequantizes a tile of rows at a time in floa
 from __future__ import annotations
 
 import importlib.util
+from abc import abstractmethod
 
 import torch
 from torch import nn
@@ -164,16 +165,16 @@ class Int4LinearMethod(QuantizeMethodBase):
         del layer.weight
         return shard_ids, device
 
+    @abstractmethod
     def init_dummy_weights(self, layer: nn.Module, generator: torch.Generator, std: float) -> None:
         """Random checkpoint-form values (before ``process_weights_after_loading``) whose dequantized
         weights have about ``std`` (benchmarks)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def to_serving_form(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                          torch.Tensor | None]:
         """``(q [N, K] codes, scales [N, G], zeros [N, G], perm or None)`` from the loaded parameters
         (``q`` in serving order: sorted by group where ``perm`` is given)."""
-        raise NotImplementedError
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         q, scales, zeros, perm = self.to_serving_form(layer)

@@ -66,7 +66,7 @@ def test_int4_checkpoint_gives_the_logits_of_its_dequantized_model(tiny_folder, 
 
 
 def test_layers_kept_in_float_stay_float(tiny_folder, tmp_path):
-    qcfg = dict(awq_config(32), modules_to_not_convert=["down_proj"])
+    qcfg = dict(awq_config(32), modules_to_not_convert=["mlp.down"])  # a substring, as vLLM reads it
     quant_dir, float_dir = write_int4_checkpoint(tiny_folder, tmp_path / "awq", qcfg, skip=("down_proj",))
     model = load(quant_dir)
     mlp = model.model.layers[1].mlp
