@@ -5,7 +5,8 @@ Two parts, each variant in its own process (a clean GPU for each engine):
 1. kernels: the int4 dequantize-in-the-GEMM kernels (``quantization/kernels/int4_gemm.py``) against
    the bf16 GEMM the float layer runs (``F.linear``: cuBLAS), on the 8B projections (qkv, o,
    gate_up, down) at 1, 2, 16 and 64 rows, each timed as 20 calls replayed from a CUDA graph; at
-   one row also a sweep of GEMV launch sizes (the default first), so the tuning can be read off.
+   one row also a sweep of GEMV launch sizes (the default first), so the tuning can be read off;
+   and the GGUF block kernels (``kernels/gguf_gemm.py``, Q4_0 .. Q6_K) on the o and gate_up shapes.
 2. engine: the decode step (``bench latency``'s measure: (time for N tokens - time for 1) / (N - 1),
    best of 2) at batch 1 and 64 with 1024-token prompts, for bf16 weights, GPTQ int4 group 128,
    and GPTQ int4 group 128 with act-order; each against its floor (weight bytes as stored, without
@@ -93,8 +94,30 @@ def time_shape(name: str, n: int, k: int) -> list[dict]:
     return rows
 
 
+def time_gguf(name: str, n: int, k: int) -> list[dict]:
+    """The GGUF block kernels (``kernels/gguf_gemm.py``) for one ``[n, k]`` weight at 1 and 64 rows,
+    random blocks (timing does not depend on the values), against bf16 ``F.linear``."""
+    import torch
+    import torch.nn.functional as F
+
+    from pagedllm.quantization.kernels import gguf_gemm
+
+    weight = torch.randn(n, k, dtype=torch.bfloat16, device="cuda")
+    rows = []
+    for qtype, (_, qk, nbytes) in gguf_gemm.GGUF_BLOCKS.items():
+        w = torch.randint(0, 256, (n, k // qk * nbytes), dtype=torch.uint8, device="cuda")
+        for m in (1, 64):
+            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+            bf16_us = graph_time_us(lambda x=x: F.linear(x, weight))
+            us = graph_time_us(lambda x=x, w=w, q=qtype: gguf_gemm.gguf_linear(x, w, q))
+            rows.append({"layer": name, "qtype": qtype, "m": m, "us": us, "bf16_us": bf16_us, "ratio": us / bf16_us,
+                         "gb_per_s": w.numel() / us / 1e3})
+    return rows
+
+
 def kernels_part() -> dict:
-    return {"kernels": [row for name, (n, k) in SHAPES.items() for row in time_shape(name, n, k)]}
+    return {"kernels": [row for name, (n, k) in SHAPES.items() for row in time_shape(name, n, k)],
+            "gguf": [row for name in ("o", "gate_up") for row in time_gguf(name, *SHAPES[name])]}
 
 
 def engine_part(variant: str, batch_sizes: list[int], input_len: int, output_len: int) -> dict:
@@ -150,6 +173,11 @@ def print_tables(result: dict) -> None:
     for r in result.get("kernels", {}).get("kernels", []):
         print(f"{r['layer']:8} {r['m']:>3} {str(r['config']):>20} {r['int4_us']:>9.1f} {r['bf16_us']:>9.1f} "
               f"{r['ratio']:>6.2f} {r['int4_gb_per_s']:>10.0f}")
+    print("\nGGUF block kernels (us per call, CUDA graph; random blocks) vs bf16 F.linear")
+    print(f"{'layer':8} {'qtype':6} {'m':>3} {'us':>9} {'bf16 us':>9} {'ratio':>6} {'GB/s':>7}")
+    for r in result.get("kernels", {}).get("gguf", []):
+        print(f"{r['layer']:8} {r['qtype']:6} {r['m']:>3} {r['us']:>9.1f} {r['bf16_us']:>9.1f} {r['ratio']:>6.2f} "
+              f"{r['gb_per_s']:>7.0f}")
     base = {r["batch_size"]: r["decode_step_ms"] for r in result["engine"].get("bf16", {}).get("runs", [])}
     print("\ndecode step, Llama-3.1-8B architecture, 1024-token prompts")
     print(f"{'variant':22} {'batch':>5} {'step ms':>8} {'floor ms':>9} {'/floor':>7} {'vs bf16':>8}")
