@@ -31,10 +31,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "benchmarks/configs/llama-3.1-8b/config.json"
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-# (block_n, block_k, num_warps, word_tiles) of the GEMV at one row; None: the default.
-GEMV_SWEEP = [None, (16, 256, 4, False), (8, 256, 4, True), (16, 128, 4, True), (16, 512, 4, True),
-              (32, 256, 4, True), (32, 256, 8, True), (64, 128, 4, True), (8, 512, 8, True), (16, 1024, 8, True),
-              (32, 128, 4, False), (64, 64, 4, False)]
+# (block_n, block_k, num_warps, word_tiles) of the GEMV at one row; None: the default (gemv_config).
+GEMV_SWEEP = [None, (8, 1024, 4, False), (16, 1024, 8, True), (8, 2048, 8, True), (4, 2048, 4, True),
+              (4, 1024, 4, True), (8, 512, 4, True), (16, 512, 4, True), (16, 256, 4, True), (32, 256, 4, True),
+              (16, 512, 4, False), (8, 2048, 8, False), (32, 128, 4, False)]
 VARIANTS = {
     "bf16": None,
     "gptq-g128": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True},
@@ -198,6 +198,7 @@ def main() -> int:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--skip-kernels", action="store_true")
+    p.add_argument("--skip-engine", action="store_true", help="only the kernel timings (about a minute)")
     p.add_argument("--child", choices=["kernels", *VARIANTS], help=argparse.SUPPRESS)
     p.add_argument("--child-json", help=argparse.SUPPRESS)
     ns = p.parse_args()
@@ -209,7 +210,7 @@ def main() -> int:
     sizes = ["--batch-sizes", *map(str, ns.batch_sizes), "--input-len", str(ns.input_len),
              "--output-len", str(ns.output_len)]
     result = {"kernels": {} if ns.skip_kernels else run_child(["--child", "kernels"]),
-              "engine": {v: run_child(["--child", v, *sizes]) for v in ns.variants}}
+              "engine": {} if ns.skip_engine else {v: run_child(["--child", v, *sizes]) for v in ns.variants}}
     print_tables(result)
     os.makedirs(os.path.dirname(ns.out) or ".", exist_ok=True)
     Path(ns.out).write_text(json.dumps(result, indent=2))

@@ -138,9 +138,13 @@ def fits(x: torch.Tensor, qweight: torch.Tensor, group_size: int) -> bool:
 
 def gemv_config(m: int, n: int, k: int) -> tuple[int, int, int, bool]:
     """``(block_n, block_k, num_warps, word_tiles)`` of the GEMV for ``m`` rows and an ``[n, k]``
-    weight: 256-column chunks (128 contiguous bytes of codes per weight row) of 16 rows, 4 warps;
-    narrower chunks for short rows; at one row the inputs as word tiles (``_int4_gemv_kernel``)."""
-    return 16, min(256, triton.next_power_of_2(k)), 4, m == 1
+    weight. Its loop does not overlap one chunk's loads with the next, so a chunk must be large
+    (a few KiB of codes per program) while the grid keeps several programs per SM: at one row,
+    word tiles of 8 weight rows x 1024 columns (4 KiB); at 2-4 rows, where the strided form holds
+    an accumulator per row, 16 x 512. Narrower chunks for short rows."""
+    if m == 1:
+        return 8, min(1024, triton.next_power_of_2(k)), 4, True
+    return 16, min(512, triton.next_power_of_2(k)), 4, False
 
 
 def gemm_config(m: int, group_size: int) -> tuple[int, int, int, int]:
