@@ -166,3 +166,26 @@ def test_shapes_the_packed_layout_cannot_hold_are_refused():
     hf_config.quantization_config = awq_config(32)
     with pytest.raises(ValueError, match=r"^quantization='awq': a MergedLinear of 64 inputs"):
         build_model(hf_config, torch.float32, "cpu", get_quantization_config(None, hf_config))
+
+
+def greedy_tokens(folder: str, **kwargs) -> list[list[int]]:
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(folder, max_model_len=256, **kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(3, 30))}, {"prompt_token_ids": [7, 8, 9]}]
+    return [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_the_engine_serves_a_gptq_checkpoint_like_its_dequantized_model(tiny_folder, tmp_path):
+    quant_dir, float_dir = write_int4_checkpoint(tiny_folder, tmp_path / "gptq", gptq_config(32, desc_act=True))
+    assert greedy_tokens(quant_dir, quantization="gptq") == greedy_tokens(float_dir)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("qcfg", [gptq_config(32, desc_act=True), awq_config(32)], ids=["gptq", "awq"])
+def test_cuda_graphs_give_the_eager_tokens(tiny_folder, tmp_path, qcfg):
+    """bf16 on CUDA: the decode CUDA graphs (int4 kernels captured) give the eager engine's tokens."""
+    quant_dir, _ = write_int4_checkpoint(tiny_folder, tmp_path / "ckpt", qcfg)
+    assert greedy_tokens(quant_dir, dtype="bfloat16") == greedy_tokens(quant_dir, dtype="bfloat16", enforce_eager=True)
