@@ -24,7 +24,6 @@ from torch import nn
 from pagedllm.layers.linear import Linear
 from pagedllm.quantization import int4
 from pagedllm.quantization.base import QuantizationConfig, QuantizeMethodBase
-from pagedllm.quantization.gptq import read_bits, read_group_size
 from pagedllm.quantization.ignored import is_layer_skipped
 
 _FIELD = "quantization: quantization_config"
@@ -72,8 +71,8 @@ class AWQConfig(QuantizationConfig):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> AWQConfig:
-        read_bits(config, "bits", "w_bit")
-        group_size = read_group_size(config, "group_size", "q_group_size")
+        int4.read_bits(config, "bits", "w_bit")
+        group_size = int4.read_group_size(config, "group_size", "q_group_size")
         if config.get("zero_point", True) is not True:
             raise ValueError(f"{_FIELD}.zero_point must be true (AWQ without zero points is not supported)")
         version = str(config.get("version", "gemm")).lower()

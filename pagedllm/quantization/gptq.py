@@ -33,21 +33,6 @@ _FIELD = "quantization: quantization_config"
 CHECKPOINT_FORMATS = {"gptq": 1, "gptq_v2": 0}  # format -> what the stored zero point lacks
 
 
-def read_group_size(config: dict[str, Any], *keys: str) -> int:
-    """The first of ``keys`` present in ``config`` (default 128): -1 or a positive integer."""
-    key = next((k for k in keys if k in config), keys[0])
-    value = config.get(key, 128)
-    if type(value) is not int or (value <= 0 and value != -1):
-        raise ValueError(f"{_FIELD}.{key} must be -1 or a positive integer, got {value!r}")
-    return value
-
-
-def read_bits(config: dict[str, Any], *keys: str) -> None:
-    key = next((k for k in keys if k in config), keys[0])
-    if config.get(key, 4) != 4:
-        raise ValueError(f"{_FIELD}.{key}={config.get(key)!r} is not supported: only 4-bit weights are")
-
-
 def _quantized_modules(config: dict[str, Any]) -> list[str] | None:
     blocks = config.get("modules_in_block_to_quantize")
     if blocks is None:
@@ -138,8 +123,8 @@ class GPTQConfig(QuantizationConfig):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> GPTQConfig:
-        read_bits(config, "bits")
-        group_size = read_group_size(config, "group_size")
+        int4.read_bits(config, "bits")
+        group_size = int4.read_group_size(config, "group_size")
         fmt = config.get("checkpoint_format", "gptq")
         if fmt not in CHECKPOINT_FORMATS:
             raise ValueError(f"{_FIELD}.checkpoint_format {fmt!r} is not supported ({sorted(CHECKPOINT_FORMATS)})")

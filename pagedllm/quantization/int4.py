@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib.util
 from abc import abstractmethod
+from typing import Any
 
 import torch
 from torch import nn
@@ -58,13 +59,6 @@ def unpack_cols(packed: torch.Tensor, order: tuple[int, ...] = SEQUENTIAL_ORDER)
     shifts = _shifts(order, packed.device)
     values = (packed[:, :, None] >> shifts[None, None, :]) & 0xF
     return values.reshape(packed.shape[0], -1)
-
-
-def pack_rows(values: torch.Tensor) -> torch.Tensor:
-    """Inverse of ``unpack_rows``: ``[8R, C]`` integers in 0..15 -> ``[R, C]`` int32."""
-    v = values.to(torch.int64).reshape(-1, PACK, values.shape[1])
-    shifts = _shifts(SEQUENTIAL_ORDER, values.device).to(torch.int64)
-    return _to_int32((v << shifts[None, :, None]).sum(dim=1))
 
 
 def pack_cols(values: torch.Tensor, order: tuple[int, ...] = SEQUENTIAL_ORDER) -> torch.Tensor:
@@ -133,6 +127,22 @@ def group_order(g_idx: torch.Tensor, group_size: int, num_groups: int) -> torch.
     if not torch.equal(g_idx[perm], expected):
         raise ValueError(f"g_idx does not give every group {group_size} rows (quantization_config.group_size)")
     return perm
+
+
+def read_group_size(config: dict[str, Any], *keys: str) -> int:
+    """The first of ``keys`` present in ``config`` (default 128): -1 or a positive integer."""
+    key = next((k for k in keys if k in config), keys[0])
+    value = config.get(key, 128)
+    if type(value) is not int or (value <= 0 and value != -1):
+        raise ValueError(f"quantization: quantization_config.{key} must be -1 or a positive integer, got {value!r}")
+    return value
+
+
+def read_bits(config: dict[str, Any], *keys: str) -> None:
+    """ValueError naming the first of ``keys`` present in ``config`` unless it is 4 (the default)."""
+    key = next((k for k in keys if k in config), keys[0])
+    if config.get(key, 4) != 4:
+        raise ValueError(f"quantization: quantization_config.{key}={config.get(key)!r} is not supported: only 4-bit weights are")
 
 
 class Int4LinearMethod(QuantizeMethodBase):
