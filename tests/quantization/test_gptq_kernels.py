@@ -4,6 +4,7 @@ reference that dequantizes: under Triton's interpreter in CI (small shapes, a su
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import subprocess
@@ -32,6 +33,7 @@ INTERPRETER_CASES = [
 ]
 
 
+@functools.lru_cache(maxsize=1)  # a GPU case reuses its 8B-sized weight for every row count
 def make_weight(n: int, k: int, group_size: int, act_order: bool, device, seed: int = 0):
     """Random serving-form tensors: ``(qweight [N, K/8], scales [N, G], zeros [N, G], perm or None)``."""
     gen = torch.Generator().manual_seed(seed)
@@ -98,13 +100,13 @@ GPU_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 16, 64, 300])
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("act_order", [False, True])
-def test_kernels_match_the_reference_on_cuda(m, shape, act_order):
+def test_kernels_match_the_reference_on_cuda(shape, act_order):
     n, k = shape
-    err = check_case((m, n, k, 128, act_order, m == 3, torch.bfloat16), "cuda")
-    assert err < 1e-2, err
+    for m in (1, 2, 3, 4, 16, 64, 300):
+        err = check_case((m, n, k, 128, act_order, m == 3, torch.bfloat16), "cuda")
+        assert err < 1e-2, (m, err)
 
 
 @pytest.mark.gpu
