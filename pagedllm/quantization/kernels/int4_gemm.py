@@ -149,7 +149,8 @@ def gemv_config(m: int, n: int, k: int) -> tuple[int, int, int, bool]:
 
 def gemm_config(m: int, group_size: int) -> tuple[int, int, int, int]:
     """``(block_m, block_n, block_k, num_warps)`` of the tiled GEMM: 64-wide K steps (32 where the
-    group size is 32 or 96...), 64x64 tiles below 128 rows, else 128x128 with 8 warps."""
+    group size is not a multiple of 64, so that a step stays in one group when it can), 64x64 tiles
+    up to 128 rows, else 128x128 with 8 warps."""
     block_k = 64 if group_size % 64 == 0 else 32
     if m <= 128:
         return 64, 64, block_k, 4
