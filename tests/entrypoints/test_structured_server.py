@@ -350,3 +350,13 @@ def test_a_tool_message_needs_its_call_id(http):
     resp = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages"
     assert "tool_call_id" in resp.json()["error"]["message"]
+
+
+def test_beam_search_keeps_the_tools_in_the_prompt_with_tool_choice_none(http):
+    body = {"messages": QUESTION, "use_beam_search": True, "n": 2, "max_tokens": 2}
+    plain = http.post("/v1/chat/completions", json=body)
+    with_tools = http.post("/v1/chat/completions", json={**body, "tools": TOOLS, "tool_choice": "none"})
+    assert plain.status_code == with_tools.status_code == 200, with_tools.text
+    assert with_tools.json()["usage"]["prompt_tokens"] > plain.json()["usage"]["prompt_tokens"]
+    refused = http.post("/v1/chat/completions", json={**body, "tools": TOOLS})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools"

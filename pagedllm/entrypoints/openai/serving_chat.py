@@ -78,11 +78,10 @@ class OpenAIServingChat:
         max_num_seqs = ctx.engine.get_engine_config().scheduler_config.max_num_seqs
         try:
             ignored = req.check_fields()
-            if req.use_beam_search:
+            if req.use_beam_search:  # refuses tools unless tool_choice is none: they still reach the template
                 beam_params = req.to_beam_search_params(ctx.max_logprobs, max_num_seqs, req.requested_max_tokens or 1)
-                plan = ToolPlan()
-            else:
-                plan = plan_tools(req, self.tool_config, self._template_source(req))
+            plan = plan_tools(req, self.tool_config, self._template_source(req))
+            if not req.use_beam_search:
                 params = req.to_sampling_params(ctx.max_logprobs, max_num_seqs, plan.schema)
         except (ValueError, TypeError) as e:
             raise bad_request(e, _FIELDS) from e
