@@ -26,7 +26,7 @@ from pagedllm.entrypoints.chat_utils import apply_chat_template
 from pagedllm.entrypoints.openai.api_server import build_app
 from tests.helpers import has_default_model
 
-pytestmark = [pytest.mark.timeout(600),
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow,
               pytest.mark.skipif(not has_default_model(), reason="embedded SmolLM2 not installed")]
 
 PERSON = {
