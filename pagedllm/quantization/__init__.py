@@ -6,14 +6,16 @@
     process_quantized_weights(model)         # the layers' final (quantized) form
 
 Schemes (``QUANTIZATION_METHODS``): ``fp8`` (online on a float checkpoint, or an FP8 checkpoint),
-``compressed-tensors`` (FP8 checkpoints) and ``gguf`` (a GGUF file's blocks kept packed; implied by a
-GGUF model file). ``base.py`` has the two interfaces.
+``compressed-tensors`` (FP8 checkpoints), ``gptq`` and ``awq`` (int4 checkpoints, served in the
+form of ``int4.py``) and ``gguf`` (a GGUF file's blocks kept packed; implied by a GGUF model file).
+``base.py`` has the two interfaces.
 """
 
 from pagedllm.quantization.base import QuantizationConfig, QuantizeMethodBase
 from pagedllm.quantization.registry import (
     QUANTIZATION_METHODS,
     get_quantization_config,
+    init_dummy_quantized_weights,
     process_quantized_weights,
     quantize_model,
 )
@@ -23,6 +25,7 @@ __all__ = [
     "QuantizationConfig",
     "QuantizeMethodBase",
     "get_quantization_config",
+    "init_dummy_quantized_weights",
     "process_quantized_weights",
     "quantize_model",
 ]
