@@ -1,4 +1,5 @@
-"""This process's place in the tensor-parallel group, and the two collectives the layers need.
+"""This process's place in the tensor-parallel group, and the two collectives the layers need;
+``init_distributed`` joins a multi-process world and makes this rank's group.
 
 A process is one rank, so its tensor-parallel group is process state, set once by the worker
 before it builds the model (``set_tp_group``) and read by the parallel layers when they are
@@ -67,3 +68,32 @@ def shard_range(total: int, rank: int, size: int, name: str) -> tuple[int, int]:
         raise ValueError(f"{name} ({total}) must be divisible by the tensor-parallel size ({size})")
     length = total // size
     return rank * length, length
+
+
+def init_distributed(rank: int, world_size: int, tensor_parallel_size: int, init_method: str,
+                     backend: str) -> TensorParallelGroup:
+    """Join the ``torch.distributed`` world of ``world_size`` ranks (``backend``: "gloo" on the CPU,
+    "nccl" on CUDA) and make this process's tensor-parallel group: the ``tensor_parallel_size``
+    consecutive ranks ``rank`` belongs to (one group per pipeline stage; every rank creates every
+    group, as ``torch.distributed.new_group`` requires). Returns the group it set."""
+    import datetime
+
+    torch.distributed.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                                         timeout=datetime.timedelta(minutes=10))
+    tp = tensor_parallel_size
+    group = None
+    for first in range(0, world_size, tp):
+        ranks = list(range(first, first + tp))
+        made = torch.distributed.new_group(ranks) if tp > 1 else None
+        if rank in ranks:
+            group = made
+    tp_group = TensorParallelGroup(rank % tp, tp, group)
+    set_tp_group(tp_group)
+    return tp_group
+
+
+def destroy_distributed() -> None:
+    """Leave the world joined by ``init_distributed`` (no-op if none) and go back to one rank."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    set_tp_group(TensorParallelGroup())

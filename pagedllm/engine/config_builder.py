@@ -58,6 +58,14 @@ def create_engine_config(args: EngineArgs, usage_context: str = "ENGINE_CONTEXT"
     quant_config = get_quantization_config(args.quantization, hf_config)
     if quant_config is not None:
         logger.info("quantization: %s", quant_config.describe())
+    parallel_config = ParallelConfig(
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        data_parallel_size=args.data_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend or (
+            "mp" if args.tensor_parallel_size * args.pipeline_parallel_size > 1 else "uni"),
+    )
+    parallel_config.verify_model(hf_config)
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -115,12 +123,7 @@ def create_engine_config(args: EngineArgs, usage_context: str = "ENGINE_CONTEXT"
         enforce_eager=args.enforce_eager or not on_gpu,
         attention_backend=args.attention_backend,
         max_logprobs=args.max_logprobs,
-        parallel_config=ParallelConfig(
-            tensor_parallel_size=args.tensor_parallel_size,
-            pipeline_parallel_size=args.pipeline_parallel_size,
-            data_parallel_size=args.data_parallel_size,
-            distributed_executor_backend=args.distributed_executor_backend or "uni",
-        ),
+        parallel_config=parallel_config,
         kernel_config=KernelConfig.from_env(),
         observability_config=ObservabilityConfig(log_stats=not args.disable_log_stats),
         async_scheduling=on_gpu if args.async_scheduling is None else args.async_scheduling,

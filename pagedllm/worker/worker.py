@@ -73,7 +73,9 @@ class Worker:
         self._prepare_model_kernels()
         logger.info("model loaded in %.1f s", time.perf_counter() - t0)
         self.backend = get_attention_backend(config.attention_backend, self.device)
-        self.kv_cache_spec = self.backend.kv_cache_spec(mc.num_kv_heads, mc.head_dim, self.dtype, self.block_size)
+        # This rank's KV heads (all of them at one tensor-parallel rank).
+        num_kv_heads = self.model.attention_layers[0].num_kv_heads
+        self.kv_cache_spec = self.backend.kv_cache_spec(num_kv_heads, mc.head_dim, self.dtype, self.block_size)
         self.model_runner = ModelRunner(config, self.model, self.backend, self.device, self.dtype)
         self._graphs: CUDAGraphRunner | None = None
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.supports_decode_graphs:
