@@ -15,6 +15,7 @@ interpreter exit) asks the workers to stop, then terminates and kills what is le
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import multiprocessing
 import os
@@ -23,6 +24,7 @@ import shutil
 import signal
 import tempfile
 import weakref
+from collections.abc import Iterator
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -77,14 +79,15 @@ class MultiprocExecutor(Executor):
         self._launched = itertools.count()
         self._received = 0
         self._outputs: dict[int, ModelRunnerOutput] = {}
-        for rank in range(self.world_size):
-            parent_end, child_end = ctx.Pipe()
-            proc = ctx.Process(target=worker_main, args=(config, rank, init_method, child_end, os.getpid()),
-                               name=f"pagedllm-worker-{rank}", daemon=True)
-            proc.start()
-            child_end.close()
-            self.procs.append(proc)
-            self.conns.append(parent_end)
+        with _children_allowed():
+            for rank in range(self.world_size):
+                parent_end, child_end = ctx.Pipe()
+                proc = ctx.Process(target=worker_main, args=(config, rank, init_method, child_end, os.getpid()),
+                                   name=f"pagedllm-worker-{rank}", daemon=True)
+                proc.start()
+                child_end.close()
+                self.procs.append(proc)
+                self.conns.append(parent_end)
         self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self.conns, self._store_dir)
         self._replies(range(self.world_size))  # every rank built its model (or the failure is raised)
 
@@ -181,6 +184,20 @@ class MultiprocExecutor(Executor):
 
     def shutdown(self) -> None:
         self._finalizer()
+
+
+@contextlib.contextmanager
+def _children_allowed() -> Iterator[None]:
+    """Let a daemon process (the server's engine process) start the workers: multiprocessing
+    forbids daemons children because it could not stop them, but this executor stops its own
+    (its finalizer at exit, and each worker's watch on its parent)."""
+    config = multiprocessing.current_process()._config
+    daemon = config.get("daemon", False)
+    config["daemon"] = False
+    try:
+        yield
+    finally:
+        config["daemon"] = daemon
 
 
 def _stop_workers(procs: list, conns: list[Connection], store_dir: str) -> None:
