@@ -1,7 +1,8 @@
 """The body of one worker process of the multiprocess executor: join the world, build a ``Worker``,
 then serve the driver's calls from a pipe until told to stop, the pipe closes or the driver dies.
 
-Messages from the driver are pickled ``(method, args)`` tuples. Replies are ``("ok", value)`` or
+Messages from the driver are pickled ``(method, args)`` tuples (``execute_model``'s argument in
+the wire form of ``step_codec.py``). Replies are ``("ok", value)`` or
 ``("error", rank, traceback)``; after an error the process exits (its peers may be stuck in a
 collective it will never join, so the driver tears the whole world down). Which calls reply:
 
@@ -25,6 +26,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from pagedllm.config import EngineConfig
+from pagedllm.executor.step_codec import decode_scheduler_output
 
 # Start-up and per-step calls a worker serves (the executor's interface, by name).
 WORKER_CALLS = ("determine_num_blocks", "bytes_per_block", "initialize_kv_cache", "warm_up", "execute_model",
@@ -80,9 +82,10 @@ def _serve(worker: Any, rank: int, is_output_rank: bool, conn: Connection) -> No
             return
         if method not in WORKER_CALLS:
             raise ValueError(f"unknown worker call {method!r}")
-        result = getattr(worker, method)(*args)
         if method == "execute_model":
+            worker.execute_model(decode_scheduler_output(*args))
             continue
+        result = getattr(worker, method)(*args)
         if method == "sample_tokens":
             result = result.result()
             if not is_output_rank:

@@ -1,7 +1,8 @@
 """MultiprocExecutor: one spawned worker process per rank; the scheduler stays in this process.
 
 Each call is pickled once and written to every worker's pipe (the broadcast of the step's
-``SchedulerOutput``: one pickle plus one pipe write per rank, see ``benchmarks/mp_broadcast.py``);
+``SchedulerOutput``, in the compact wire form of ``step_codec.py``: one pickle plus one pipe write
+per rank; ``benchmarks/mp_broadcast.py`` times it);
 the ranks join one ``torch.distributed`` world (gloo on the CPU, NCCL on CUDA) for the layers'
 collectives, and only the output rank (``ParallelConfig.output_rank``) sends a step's
 ``ModelRunnerOutput`` back (``mp_worker.py`` says which calls reply).
@@ -32,6 +33,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.executor.abstract import Executor
 from pagedllm.executor.mp_worker import worker_main
+from pagedllm.executor.step_codec import encode_scheduler_output
 from pagedllm.sample.bitmask import GrammarOutput
 
 _STOP_GRACE_S = 5.0
@@ -176,7 +178,7 @@ class MultiprocExecutor(Executor):
         self._call_all("warm_up")
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
-        self._broadcast("execute_model", scheduler_output)
+        self._broadcast("execute_model", encode_scheduler_output(scheduler_output))
 
     def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> _MultiprocStepFuture:
         self._broadcast("sample_tokens", grammar_output)
