@@ -190,7 +190,7 @@ class EngineArgs:
     async_scheduling: bool | None = arg(None, "schedule the next step while the GPU runs this one "
                                         "(default: on for CUDA)")
     tensor_parallel_size: int = arg(1, "ranks (GPUs, or CPU processes) each layer is split over")
-    pipeline_parallel_size: int = arg(1, "pipeline stages the layers are split over (only 1 is supported yet)")
+    pipeline_parallel_size: int = arg(1, "pipeline stages the decoder layers are split over (one process each)")
     data_parallel_size: int = arg(1, "engine replicas (only 1 is supported yet)")
     distributed_executor_backend: str | None = arg(None, "uni (one process), mp (one process per rank) or "
                                                    "ray (not supported yet); default: uni at one rank, "
@@ -254,9 +254,8 @@ class EngineArgs:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        for name in ("pipeline_parallel_size", "data_parallel_size"):
-            if getattr(self, name) != 1:
-                raise ValueError(f"{name}={getattr(self, name)} is not supported yet (size 1 only)")
+        if self.data_parallel_size != 1:
+            raise ValueError(f"data_parallel_size={self.data_parallel_size} is not supported yet (size 1 only)")
         backend = self.distributed_executor_backend
         if backend not in (None, "uni", "mp", "ray"):
             raise ValueError(f"distributed_executor_backend must be 'uni', 'mp' or 'ray', got {backend!r}")
