@@ -1,7 +1,7 @@
 """pipeline_parallel_size=2 (two CPU worker processes, gloo) on a tiny random Qwen3 (2 decoder
 layers: one per stage; q/k norm, tied head) against the single-process engine: greedy ids equal
-under preemption and prefix caching, with the block pool intact after every step; each stage
-holds only its own layers."""
+under preemption, prefix caching and async scheduling, with the block pool intact after every step;
+each stage holds only its own layers."""
 
 from __future__ import annotations
 
@@ -48,7 +48,8 @@ def test_pp2_greedy_equals_the_single_process_engine(tmp_path):
         expected = run(reference, PROMPTS, params)
     finally:
         reference.shutdown()
-    engine = LLMEngine.from_engine_args(EngineArgs(folder, pipeline_parallel_size=2, **ENGINE))
+    # Async scheduling too: step N+1 is scheduled before N's ids come back from the last stage.
+    engine = LLMEngine.from_engine_args(EngineArgs(folder, pipeline_parallel_size=2, async_scheduling=True, **ENGINE))
     try:
         ours = run(engine, PROMPTS, params)
         assert engine.engine_core.scheduler.num_preemptions_total > 0
