@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import threading
 import time
 import traceback
@@ -94,14 +95,18 @@ def _serve(worker: Any, rank: int, is_output_rank: bool, conn: Connection) -> No
 
 
 def worker_main(config: EngineConfig, rank: int, init_method: str, conn: Connection, parent_pid: int) -> None:
-    """Entry point of worker process ``rank`` (spawned by ``MultiprocExecutor``)."""
+    """Entry point of worker process ``rank`` (spawned by ``MultiprocExecutor``). Ends the process
+    itself once its resources are released: the interpreter's own teardown of torch and the model
+    takes seconds and frees nothing the exit does not."""
     _exit_with_parent(parent_pid)
     worker = None
+    exit_code = 0
     try:
         worker = _build_worker(config, rank, init_method)
         conn.send(("ok", None))
         _serve(worker, rank, rank == config.parallel_config.output_rank, conn)
     except BaseException:  # noqa: BLE001 - every failure goes to the driver, with its traceback
+        exit_code = 1
         try:
             conn.send(("error", rank, traceback.format_exc()))
         except (OSError, EOFError):
@@ -113,3 +118,6 @@ def worker_main(config: EngineConfig, rank: int, init_method: str, conn: Connect
             worker.shutdown()
         destroy_distributed()
         conn.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code)
