@@ -1,5 +1,6 @@
-"""pipeline_parallel_size=2 (two CPU worker processes, gloo) on a tiny random Qwen3 (2 decoder
-layers: one per stage; q/k norm, tied head) against the single-process engine: greedy ids equal
+"""pipeline_parallel_size=2 (two CPU worker processes, gloo), and 2 x 2 with tensor parallel, on a
+tiny random Qwen3 (2 decoder layers: one per stage; q/k norm, tied head) against the
+single-process engine: greedy ids equal
 under preemption, prefix caching and async scheduling, with the block pool intact after every step;
 each stage holds only its own layers."""
 
@@ -38,16 +39,22 @@ def test_each_stage_builds_only_its_layers():
     assert {n.split(".")[2] for n, _ in model.named_parameters() if n.startswith("model.layers.")} == {"2", "3"}
 
 
-def test_pp2_greedy_equals_the_single_process_engine(tmp_path):
-    from test_multiproc import assert_equal_up_to_near_ties
-
-    folder = make_tiny_model("qwen3", tmp_path / "qwen3")
-    params = SamplingParams(temperature=0, max_tokens=24)
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    """The tiny Qwen3 folder and the single-process engine's greedy outputs for PROMPTS."""
+    folder = make_tiny_model("qwen3", tmp_path_factory.mktemp("qwen3_pp"))
     reference = LLMEngine.from_engine_args(EngineArgs(folder, **ENGINE))
     try:
-        expected = run(reference, PROMPTS, params)
+        return folder, run(reference, PROMPTS, SamplingParams(temperature=0, max_tokens=24))
     finally:
         reference.shutdown()
+
+
+def test_pp2_greedy_equals_the_single_process_engine(qwen3):
+    from test_multiproc import assert_equal_up_to_near_ties
+
+    folder, expected = qwen3
+    params = SamplingParams(temperature=0, max_tokens=24)
     # Async scheduling too: step N+1 is scheduled before N's ids come back from the last stage.
     engine = LLMEngine.from_engine_args(EngineArgs(folder, pipeline_parallel_size=2, async_scheduling=True, **ENGINE))
     try:
@@ -58,3 +65,16 @@ def test_pp2_greedy_equals_the_single_process_engine(tmp_path):
         engine.shutdown()
     assert_equal_up_to_near_ties(folder, ours, expected)
     assert_equal_up_to_near_ties(folder, again, {k: expected[k] for k in again})
+
+
+def test_tp2_x_pp2_greedy_equals_the_single_process_engine(qwen3):
+    from test_multiproc import assert_equal_up_to_near_ties
+
+    folder, expected = qwen3
+    engine = LLMEngine.from_engine_args(EngineArgs(folder, tensor_parallel_size=2, pipeline_parallel_size=2, **ENGINE))
+    try:
+        assert engine.engine_core.executor.output_rank == 2  # the last stage's first rank
+        ours = run(engine, PROMPTS[:3], SamplingParams(temperature=0, max_tokens=24))
+    finally:
+        engine.shutdown()
+    assert_equal_up_to_near_ties(folder, ours, {k: expected[k] for k in ours})
