@@ -42,13 +42,44 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How the model is split across devices and processes. Sizes above 1 are refused until the
-    parallel executors exist; the layers are already written for a group of this size."""
+    """How the model is split across devices and processes.
+
+    World layout: ``world_size = tensor_parallel_size * pipeline_parallel_size`` ranks; rank
+    ``pp_rank * tensor_parallel_size + tp_rank`` holds tensor-parallel slice ``tp_rank`` of pipeline
+    stage ``pp_rank``. The engine core reads its step's output from ``output_rank`` (the last
+    stage's first tensor-parallel rank). One engine core per data-parallel replica.
+    """
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
-    distributed_executor_backend: str = "uni"  # "uni" (one process) | "mp" | "ray"
+    distributed_executor_backend: str = "uni"  # "uni" (one process) | "mp" (one process per rank) | "ray"
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def output_rank(self) -> int:
+        return (self.pipeline_parallel_size - 1) * self.tensor_parallel_size
+
+    def verify_model(self, hf_config: Any) -> None:
+        """Refuse sizes that do not divide the model, with a ``ValueError`` naming the size and what
+        it must divide (the layers would refuse too, but only inside a worker process)."""
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        heads = int(hf_config.num_attention_heads)
+        kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+        checks = [("num_attention_heads", heads), ("vocab_size", int(hf_config.vocab_size)),
+                  ("intermediate_size", int(getattr(hf_config, "intermediate_size", tp)))]
+        for name, total in checks:
+            if total % tp:
+                raise ValueError(f"tensor_parallel_size ({tp}) must divide the model's {name} ({total})")
+        if kv_heads % tp and tp % kv_heads:
+            raise ValueError(f"tensor_parallel_size ({tp}) must divide the model's num_key_value_heads "
+                             f"({kv_heads}) or be a multiple of it")
+        layers = int(hf_config.num_hidden_layers)
+        if layers % pp:
+            raise ValueError(f"pipeline_parallel_size ({pp}) must divide the model's num_hidden_layers ({layers})")
 
 
 @dataclass(frozen=True)
@@ -164,11 +195,12 @@ class EngineArgs:
     # Overlap the CPU side of a step with the GPU's previous step (default: on for CUDA).
     async_scheduling: bool | None = arg(None, "schedule the next step while the GPU runs this one "
                                         "(default: on for CUDA)")
-    tensor_parallel_size: int = arg(1, "GPUs a layer is split over (only 1 is supported yet)")
-    pipeline_parallel_size: int = arg(1, "pipeline stages (only 1 is supported yet)")
+    tensor_parallel_size: int = arg(1, "ranks (GPUs, or CPU processes) each layer is split over")
+    pipeline_parallel_size: int = arg(1, "pipeline stages the decoder layers are split over (one process each)")
     data_parallel_size: int = arg(1, "engine replicas (only 1 is supported yet)")
-    distributed_executor_backend: str | None = arg(None, "uni, mp or ray (only uni, one process, is "
-                                                   "supported yet)")
+    distributed_executor_backend: str | None = arg(None, "uni (one process), mp (one process per rank) or "
+                                                   "ray (not supported yet); default: uni at one rank, "
+                                                   "mp above")
     quantization: str | None = arg(None, "quantize the weights: fp8 (float8 weights, per-output-channel scales, "
                                    "quantized at load; per-token dynamic FP8 activations); a checkpoint's own "
                                    "quantization_config (fp8, compressed-tensors FP8, gptq and awq int4) is "
@@ -227,18 +259,7 @@ class EngineArgs:
             raise ValueError(f"attention_backend must be 'auto', 'cpu', 'torch_ref' or 'triton', got {self.attention_backend!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
-            if v != 1:
-                raise ValueError(f"{name}={v} is not supported yet: this build runs one rank (size 1)")
-        if self.distributed_executor_backend not in (None, "uni", "mp", "ray"):
-            raise ValueError("distributed_executor_backend must be 'uni', 'mp' or 'ray', "
-                             f"got {self.distributed_executor_backend!r}")
-        if self.distributed_executor_backend in ("mp", "ray"):
-            raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r} is not "
-                             "supported yet: this build runs one rank in one process ('uni')")
+        self._validate_parallel()
         if self.quantization is not None and not isinstance(self.quantization, str):
             raise ValueError(f"quantization must be a string or None, got {self.quantization!r}")
         if not isinstance(self.seed, int):
@@ -253,6 +274,24 @@ class EngineArgs:
                 "max_num_batched_tokens must be >= max_model_len when enable_chunked_prefill is False "
                 f"(got {self.max_num_batched_tokens} < {self.max_model_len}): a prompt could never be scheduled"
             )
+
+    def _validate_parallel(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.data_parallel_size != 1:
+            raise ValueError(f"data_parallel_size={self.data_parallel_size} is not supported yet (size 1 only)")
+        backend = self.distributed_executor_backend
+        if backend not in (None, "uni", "mp", "ray"):
+            raise ValueError(f"distributed_executor_backend must be 'uni', 'mp' or 'ray', got {backend!r}")
+        if backend == "ray":
+            raise ValueError("distributed_executor_backend='ray' is not supported yet: use 'mp' (one process "
+                             "per rank on this host)")
+        world_size = self.tensor_parallel_size * self.pipeline_parallel_size
+        if backend == "uni" and world_size > 1:
+            raise ValueError(f"distributed_executor_backend='uni' runs one rank, but tensor_parallel_size x "
+                             f"pipeline_parallel_size is {world_size}: use 'mp'")
 
     def replace(self, **changes: Any) -> EngineArgs:
         return dataclasses.replace(self, **changes)

@@ -58,11 +58,22 @@ def create_engine_config(args: EngineArgs, usage_context: str = "ENGINE_CONTEXT"
     quant_config = get_quantization_config(args.quantization, hf_config)
     if quant_config is not None:
         logger.info("quantization: %s", quant_config.describe())
+    parallel_config = ParallelConfig(
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        data_parallel_size=args.data_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend or (
+            "mp" if args.tensor_parallel_size * args.pipeline_parallel_size > 1 else "uni"),
+    )
+    parallel_config.verify_model(hf_config)
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("device='cuda' was requested but CUDA is not available")
+    if device.startswith("cuda") and parallel_config.world_size > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size x pipeline_parallel_size ({parallel_config.world_size}) must not "
+                         f"exceed the GPUs of this host ({torch.cuda.device_count()})")
     dtype = _resolve_dtype(args.dtype, hf_config, device)
     max_model_len = _resolve_max_model_len(args.max_model_len, hf_config)
     on_gpu = device.startswith("cuda")
@@ -116,12 +127,7 @@ def create_engine_config(args: EngineArgs, usage_context: str = "ENGINE_CONTEXT"
         enforce_eager=args.enforce_eager or not on_gpu,
         attention_backend=args.attention_backend,
         max_logprobs=args.max_logprobs,
-        parallel_config=ParallelConfig(
-            tensor_parallel_size=args.tensor_parallel_size,
-            pipeline_parallel_size=args.pipeline_parallel_size,
-            data_parallel_size=args.data_parallel_size,
-            distributed_executor_backend=args.distributed_executor_backend or "uni",
-        ),
+        parallel_config=parallel_config,
         kernel_config=KernelConfig.from_env(),
         observability_config=_observability_config(args),
         async_scheduling=on_gpu if args.async_scheduling is None else args.async_scheduling,

@@ -81,7 +81,11 @@ class EngineCore:
     @property
     def runner(self):
         """The model runner of an in-process executor (benchmarks and tests inspect it)."""
-        return self.executor.worker.model_runner
+        worker = getattr(self.executor, "worker", None)
+        if worker is None:
+            raise ValueError("distributed_executor_backend: the model runner is in this process only with 'uni' "
+                             "(one rank); with worker processes it cannot be inspected from here")
+        return worker.model_runner
 
     def prepare_structured_outputs(self, params: StructuredOutputsParams) -> None:
         """Validate a request's constraint (``ValueError`` naming the field) and start compiling it;

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.core.scheduler import SchedulerStats
+from pagedllm.executor import WorkerFailedError
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -174,6 +175,8 @@ class EngineLoop:
         except Exception as e:
             logger.exception("engine step failed; failing the requests in flight")
             self._fail_live(e)
+            if isinstance(e, WorkerFailedError):
+                raise  # the workers are gone: end the loop, the engine is dead
             return
         for out in outputs:
             if out.finished:

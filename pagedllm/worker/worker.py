@@ -73,10 +73,14 @@ class Worker:
         self._prepare_model_kernels()
         logger.info("model loaded in %.1f s", time.perf_counter() - t0)
         self.backend = get_attention_backend(config.attention_backend, self.device)
-        self.kv_cache_spec = self.backend.kv_cache_spec(mc.num_kv_heads, mc.head_dim, self.dtype, self.block_size)
+        # This rank's KV heads (all of them at one tensor-parallel rank).
+        num_kv_heads = self.model.attention_layers[0].num_kv_heads
+        self.kv_cache_spec = self.backend.kv_cache_spec(num_kv_heads, mc.head_dim, self.dtype, self.block_size)
         self.model_runner = ModelRunner(config, self.model, self.backend, self.device, self.dtype)
         self._graphs: CUDAGraphRunner | None = None
-        if self.device.type == "cuda" and not config.enforce_eager and self.backend.supports_decode_graphs:
+        # No graphs across pipeline stages: a captured forward cannot hold the stage's send / receive.
+        if (self.device.type == "cuda" and not config.enforce_eager and self.backend.supports_decode_graphs
+                and config.parallel_config.pipeline_parallel_size == 1):
             self._graphs = CUDAGraphRunner(self.model, self.backend, self.model_runner.prep.inputs,
                                            config.scheduler_config.max_num_seqs, self.device,
                                            allow_pdl=config.kernel_config.pdl)
@@ -141,9 +145,10 @@ class Worker:
         with self._stage("profile"):
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-            hidden = self._dummy_forward(lens, num_cached=0)
-            logits = self.model.compute_logits(hidden[: sc.max_num_seqs])
-            torch.softmax(logits, dim=-1).sort(dim=-1)
+            hidden = logits = self._dummy_forward(lens, num_cached=0)
+            if hidden is not None:  # None: a pipeline stage before the last
+                logits = self.model.compute_logits(hidden[: sc.max_num_seqs])
+                torch.softmax(logits, dim=-1).sort(dim=-1)
             torch.cuda.synchronize(self.device)
             peak = torch.cuda.max_memory_allocated(self.device)
             del hidden, logits
@@ -192,7 +197,7 @@ class Worker:
         hidden = None
         for query_lens in self.backend.warmup_query_lens(self.max_model_len - 2):
             hidden = self._dummy_forward(query_lens, num_cached=2)
-        if hidden is None:
+        if hidden is None:  # no warm-up shapes, or a pipeline stage before the last
             return
         logits = self.model.compute_logits(hidden[[0, hidden.shape[0] - 1]], upcast=False)
         for temperature in (0.0, 1.0):
