@@ -17,6 +17,7 @@ from pagedllm.config import (
     ObservabilityConfig,
     ParallelConfig,
     SchedulerConfig,
+    StructuredOutputsConfig,
 )
 
 # Who builds the engine (vLLM's UsageContext): the offline ``LLM`` class, the OpenAI server, or
@@ -123,6 +124,7 @@ def create_engine_config(args: EngineArgs, usage_context: str = "ENGINE_CONTEXT"
         ),
         kernel_config=KernelConfig.from_env(),
         observability_config=ObservabilityConfig(log_stats=not args.disable_log_stats),
+        structured_outputs_config=StructuredOutputsConfig(jump_forward=args.structured_outputs_jump_forward),
         async_scheduling=on_gpu if args.async_scheduling is None else args.async_scheduling,
     )
 

@@ -56,7 +56,9 @@ class EngineCore:
         self.cache_config = cache_config
         self.scheduler = Scheduler(config.scheduler_config, cache_config, stop_checker)
         self.structured_output = (
-            StructuredOutputManager(tokenizer, config.model_config.vocab_size) if tokenizer is not None else None
+            StructuredOutputManager(tokenizer, config.model_config.vocab_size,
+                                    jump_forward=config.structured_outputs_config.jump_forward)
+            if tokenizer is not None else None
         )
         self.executor.warm_up()
         # Everything built so far (modules, imports, tables) lives as long as the engine: move it out
