@@ -118,7 +118,7 @@ class EngineCore:
             grammars.release(sched_out.finished_req_ids)
             if grammars.has_requests_in(sched_out):
                 return self._step_with_grammar(sched_out, t0, t1)
-            if sched_out.is_empty and self._in_flight is None:
+            if sched_out.is_empty and (self._in_flight is None or self._in_flight[0].is_empty):
                 # Nothing to run but grammars to compile: wait for one rather than spin the loop
                 # (a spinning loop takes the CPU, and the GIL, from the compile threads).
                 grammars.wait_for_compile(timeout_s=0.01)

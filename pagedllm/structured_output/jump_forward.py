@@ -63,8 +63,9 @@ class JumpForward:
     @classmethod
     def from_tokenizer(cls, tokenizer, tokenizer_info) -> JumpForward:
         """For an HF tokenizer and its xgrammar ``TokenizerInfo`` (the bytes of each token)."""
+        special = {*tokenizer_info.special_token_ids, *getattr(tokenizer, "all_special_ids", ())}
         return cls(lambda text: tokenizer.encode(text, add_special_tokens=False),
-                   tokenizer_info.decoded_vocab, tokenizer_info.special_token_ids)
+                   tokenizer_info.decoded_vocab, sorted(special))
 
     def tokenize(self, text: str) -> list[int]:
         """Token ids whose bytes are exactly ``text``'s (module doc); may be empty when some byte
