@@ -22,6 +22,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -33,6 +34,20 @@ from pagedllm.structured_output.jump_forward import JumpForward
 from pagedllm.structured_output.request import StructuredOutputRequest
 
 _RUNNING = RequestStatus.RUNNING
+
+
+@dataclass
+class StructuredOutputStats:
+    """The manager's counters at one moment (cumulative since the engine started), plus the compile
+    times of the grammars compiled since the previous ``StructuredOutputManager.stats()`` call.
+    Plain data: it crosses from the engine process to the front end inside each ``StepReport``."""
+
+    num_compiled: int
+    num_cache_hits: int
+    new_compile_times_s: list[float]
+    bitmask_time_s: float
+    num_bitmask_steps: int
+    num_jumped_tokens: int
 
 
 class StructuredOutputManager:
@@ -118,6 +133,13 @@ class StructuredOutputManager:
         with self._counter_lock:
             times, self._new_compile_times_s = self._new_compile_times_s, []
         return times
+
+    def stats(self) -> StructuredOutputStats:
+        """The counters now, and the compile times since the previous call (the engine's metrics
+        take one per step: a histogram sample per compile)."""
+        times = self.take_compile_times()
+        return StructuredOutputStats(self.num_compiled, self.num_cache_hits, times, self.bitmask_time_s,
+                                     self.num_bitmask_steps, self.num_jumped_tokens)
 
     def attach(self, request: Request) -> None:
         """Give ``request`` (whose constraint went through ``prepare``) its grammar state."""
