@@ -96,7 +96,8 @@ def main() -> int:
     ns = ap.parse_args()
 
     engines = {jump: LLM(ns.model, tokenizer=ns.tokenizer, load_format=ns.load_format, max_model_len=1024,
-                         structured_outputs_jump_forward=jump) for jump in (False, True)}
+                         max_num_seqs=min(256, ns.num_requests), structured_outputs_jump_forward=jump)
+               for jump in (False, True)}
     for llm in engines.values():
         count_steps.install(llm)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(ns.num_requests)]

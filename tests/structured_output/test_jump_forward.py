@@ -302,3 +302,21 @@ def test_an_idle_async_engine_waits_for_a_compile_instead_of_spinning(engines, m
         num_steps += 1
     assert num_steps < 100  # about one 10 ms wait per step while compiling, not thousands of spins
     check_nothing_leaked(llm)
+
+
+@pytest.mark.gpu
+def test_jump_forward_on_cuda_with_async_steps_and_graphs(folder, hf_model):
+    """The GPU runner path: async scheduling (the sample in flight is superseded, the device-side
+    token forwarding must not feed it back), CUDA graphs for the pure-decode steps between jumps."""
+    llm = LLM(folder, dtype="float32", max_model_len=512, max_num_seqs=8, device="cuda",
+              structured_outputs_jump_forward=True)
+    try:
+        assert llm.llm_engine.config.async_scheduling
+        prompts = [PROMPT, "Another customer:", "A third one:"]
+        outs = llm.generate(prompts, greedy(), use_tqdm=False)
+        for out in outs:
+            jsonschema.validate(json.loads(out.outputs[0].text), SCHEMA)
+            assert replay(llm, hf_model, out.prompt_token_ids, list(out.outputs[0].token_ids)) >= 15
+        check_nothing_leaked(llm)
+    finally:
+        llm.llm_engine.shutdown()
