@@ -164,6 +164,8 @@ class EngineArgs:
     device: str = arg("auto", "auto (CUDA when available), cpu, cuda or cuda:N")
     attention_backend: str = arg("auto", "auto, cpu, torch_ref or triton")
     max_logprobs: int = arg(20, "most logprobs a request may ask for per token")
+    # Off by default: outputs then match token-by-token sampling (vLLM has no jump-forward), and the
+    # per-token jump check adds serial CPU work to the update of every constrained request.
     structured_outputs_jump_forward: bool = arg(False, "structured output: append the tokens a grammar "
                                                 "forces (jump-forward) instead of sampling them one by one; "
                                                 "requests with logprobs always sample every token")
