@@ -103,6 +103,14 @@ class KernelConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """Structured output (xgrammar is the one backend). ``jump_forward``: append the tokens a
+    grammar forces without sampling them one by one (structured_output/jump_forward.py)."""
+
+    jump_forward: bool = False
+
+
+@dataclass(frozen=True)
 class ObservabilityConfig:
     log_stats: bool = False  # the periodic stats line (vLLM's ``disable_log_stats=False``)
     # Where finished requests' OpenTelemetry spans are exported (OTLP); None: no tracing at all.
@@ -187,6 +195,11 @@ class EngineArgs:
     device: str = arg("auto", "auto (CUDA when available), cpu, cuda or cuda:N")
     attention_backend: str = arg("auto", "auto, cpu, torch_ref or triton")
     max_logprobs: int = arg(20, "most logprobs a request may ask for per token")
+    # Off by default: outputs then match token-by-token sampling (vLLM has no jump-forward), and the
+    # per-token jump check adds serial CPU work to the update of every constrained request.
+    structured_outputs_jump_forward: bool = arg(False, "structured output: append the tokens a grammar "
+                                                "forces (jump-forward) instead of sampling them one by one; "
+                                                "requests with logprobs always sample every token")
     disable_log_stats: bool = arg(False, "no periodic stats log line (LLM(...) turns it on unless given, "
                                    "as vLLM)")
     num_gpu_blocks_override: int | None = arg(None, "a fixed number of KV-cache blocks (tests, benchmarks)")
@@ -262,6 +275,9 @@ class EngineArgs:
         self._validate_parallel()
         if self.quantization is not None and not isinstance(self.quantization, str):
             raise ValueError(f"quantization must be a string or None, got {self.quantization!r}")
+        if not isinstance(self.structured_outputs_jump_forward, bool):
+            raise ValueError("structured_outputs_jump_forward must be a boolean, "
+                             f"got {self.structured_outputs_jump_forward!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if (
@@ -311,6 +327,7 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     kernel_config: KernelConfig = field(default_factory=KernelConfig)
     observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     async_scheduling: bool = False  # one step in flight while the next is scheduled (CUDA default)
 
     @property

@@ -17,6 +17,7 @@ from pagedllm.config import (
     ObservabilityConfig,
     ParallelConfig,
     SchedulerConfig,
+    StructuredOutputsConfig,
 )
 
 # Who builds the engine (vLLM's UsageContext): the offline ``LLM`` class, the OpenAI server, or
@@ -130,6 +131,7 @@ def create_engine_config(args: EngineArgs, usage_context: str = "ENGINE_CONTEXT"
         parallel_config=parallel_config,
         kernel_config=KernelConfig.from_env(),
         observability_config=_observability_config(args),
+        structured_outputs_config=StructuredOutputsConfig(jump_forward=args.structured_outputs_jump_forward),
         async_scheduling=on_gpu if args.async_scheduling is None else args.async_scheduling,
     )
 

@@ -243,3 +243,5 @@ class ModelRunner:
             self.prep.inputs.queue_block_update(row, int(batch.num_blocks[row]), cached.new_block_ids)
             batch.append_blocks(row, cached.new_block_ids)
             batch.num_computed_tokens[row] = cached.num_computed_tokens
+        for req_id, (start, token_ids) in so.jump_forward_tokens.items():
+            batch.replace_tokens(batch.req_id_to_row[req_id], start, token_ids)
