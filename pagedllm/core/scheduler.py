@@ -113,6 +113,10 @@ class SpecDecodingStats:
         for j in range(num_accepted):
             per_pos[j] += 1
 
+    def copy(self) -> SpecDecodingStats:
+        return SpecDecodingStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                                 list(self.num_accepted_tokens_per_pos))
+
     @property
     def mean_acceptance_length(self) -> float:
         """Tokens a verifying step gives a request on average: the accepted drafts plus the one
@@ -735,7 +739,7 @@ class Scheduler:
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions_total=self.num_preemptions_total,
-            spec_decoding=self.spec_decoding_stats if self._drafts_seen else None,
+            spec_decoding=self.spec_decoding_stats.copy() if self._drafts_seen else None,
         )
 
     def check_integrity(self) -> None:
