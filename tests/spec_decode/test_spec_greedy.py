@@ -15,6 +15,8 @@ from pagedllm.engine.llm_engine import LLMEngine
 from tests.engine.test_greedy_vs_transformers import make_prompts, run_engine
 from tests.helpers import make_tiny_model
 
+pytestmark = pytest.mark.slow
+
 NUM_REQUESTS = 12
 BASE = dict(max_model_len=256, max_num_seqs=16)
 CONFIGS = {
