@@ -234,7 +234,8 @@ class EngineArgs:
                                                    "supported yet)")
     quantization: str | None = arg(None, "quantize the weights: fp8 (float8 weights, per-output-channel scales, "
                                    "quantized at load; per-token dynamic FP8 activations); a checkpoint's own "
-                                   "quantization_config (fp8, compressed-tensors FP8) is served in its scheme")
+                                   "quantization_config (fp8, compressed-tensors FP8, gptq and awq int4) is "
+                                   "served in its scheme")
     swap_space: float | None = arg(None, "CPU swap space for preempted KV blocks, GiB (vLLM's); only 0 / unset is "
                                    "accepted: preemption recomputes, the KV cache has no CPU tier yet")
     timeout_s: float | None = arg(None, "finish a request as aborted when it waits longer than this many seconds "

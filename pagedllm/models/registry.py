@@ -22,7 +22,7 @@ from torch import nn
 from pagedllm.loader.architectures import ARCHITECTURES, Architecture, architecture_for
 from pagedllm.models.interface import check_model, check_model_class
 from pagedllm.models.llama import sliding_window_of
-from pagedllm.quantization import process_quantized_weights, quantize_model
+from pagedllm.quantization import init_dummy_quantized_weights, process_quantized_weights, quantize_model
 
 
 def supported_architectures() -> list[str]:
@@ -93,7 +93,8 @@ def load_model(source: Any, hf_config: Any, dtype: torch.dtype, device: torch.de
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int = 0, std: float | None = None) -> nn.Module:
     """Random weights for benchmarks and tests: normal(0, std) (std defaults to the config's
-    ``initializer_range``), norm weights 1, biases 0, quantization scales 1 (then the quantized
+    ``initializer_range``), norm weights 1, biases 0, quantization scales 1 (packed int4: their
+    scheme's random codes; then the quantized
     layers take their serving form). Deterministic for a given seed and device."""
     std = std if std is not None else float(getattr(model.config, "initializer_range", 0.02))
     device = next(model.parameters()).device
@@ -108,5 +109,6 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float | None = None
         else:
             sample = torch.empty(param.shape, dtype=torch.float32, device=device)
             param.copy_(sample.normal_(0.0, std, generator=generator))
+    init_dummy_quantized_weights(model, generator, std)  # packed int4: random codes, not copied floats
     process_quantized_weights(model)
     return model

@@ -5,14 +5,16 @@
     ... load the checkpoint (or dummy weights) ...
     process_quantized_weights(model)         # the layers' final (quantized) form
 
-Schemes (``QUANTIZATION_METHODS``): ``fp8`` (online on a float checkpoint, or an FP8 checkpoint)
-and ``compressed-tensors`` (FP8 checkpoints). ``base.py`` has the two interfaces.
+Schemes (``QUANTIZATION_METHODS``): ``fp8`` (online on a float checkpoint, or an FP8 checkpoint),
+``compressed-tensors`` (FP8 checkpoints), ``gptq`` and ``awq`` (int4 checkpoints, served in the
+form of ``int4.py``). ``base.py`` has the two interfaces.
 """
 
 from pagedllm.quantization.base import QuantizationConfig, QuantizeMethodBase
 from pagedllm.quantization.registry import (
     QUANTIZATION_METHODS,
     get_quantization_config,
+    init_dummy_quantized_weights,
     process_quantized_weights,
     quantize_model,
 )
@@ -22,6 +24,7 @@ __all__ = [
     "QuantizationConfig",
     "QuantizeMethodBase",
     "get_quantization_config",
+    "init_dummy_quantized_weights",
     "process_quantized_weights",
     "quantize_model",
 ]

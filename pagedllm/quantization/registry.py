@@ -4,15 +4,19 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from pagedllm.layers.linear import Linear
+from pagedllm.quantization.awq import AWQConfig
 from pagedllm.quantization.base import QuantizationConfig
 from pagedllm.quantization.compressed_tensors import CompressedTensorsConfig
 from pagedllm.quantization.fp8 import Fp8Config
+from pagedllm.quantization.gptq import GPTQConfig
+from pagedllm.quantization.int4 import Int4LinearMethod
 
 QUANTIZATION_METHODS: dict[str, type[QuantizationConfig]] = {
-    cls.name: cls for cls in (Fp8Config, CompressedTensorsConfig)
+    cls.name: cls for cls in (Fp8Config, CompressedTensorsConfig, GPTQConfig, AWQConfig)
 }
 
 
@@ -66,3 +70,12 @@ def process_quantized_weights(model: nn.Module) -> None:
         method = getattr(module, "quant_method", None)
         if isinstance(module, Linear) and method is not None:
             method.process_weights_after_loading(module)
+
+
+def init_dummy_quantized_weights(model: nn.Module, generator: torch.Generator, std: float) -> None:
+    """Dummy weights: the quantized layers whose scheme says how (packed int4) get random values of
+    their checkpoint form (before ``process_quantized_weights``) that dequantize to about ``std``."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(module, Linear) and isinstance(method, Int4LinearMethod):
+            method.init_dummy_weights(module, generator, std)

@@ -40,6 +40,7 @@ BASE = {COMPLETIONS: ("/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "te
         CHAT: ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 3, "temperature": 0})}
 # Fields whose example needs a companion field to be meaningful (OpenAI's / vLLM's rules).
 COMPANIONS = {"stream_options": {"stream": True}, "top_logprobs": {"logprobs": True},
+              "tool_choice": {"tools": [{"type": "function", "function": {"name": "f"}}]},
               "length_penalty": {"use_beam_search": True}, "early_stopping": {"use_beam_search": True},
               "best_of": {"n": 1}, "continue_final_message": {"add_generation_prompt": False}}
 
@@ -95,16 +96,18 @@ def test_the_table_and_the_request_models_agree(endpoint, model):
 
 
 def test_refused_fields_pass_with_their_inert_values(client):
-    inert = {"tool_choice": "none", "response_format": {"type": "text"}, "guided_json": None,
-             "include_reasoning": True}
+    inert = {"function_call": "none", "guided_whitespace_pattern": None, "include_reasoning": True}
     resp = _post(client, CHAT, **inert)
     assert resp.status_code == 200, resp.text
     assert "x-ignored-fields" not in resp.headers
 
 
-def test_tools_without_tool_choice_are_refused_not_dropped(client):
+def test_tools_without_tool_choice_reach_the_template_not_dropped(client):
+    """tool_choice defaults to auto with tools (OpenAI's rule): the tools are in the prompt."""
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
-    assert _error(_post(client, CHAT, tools=tools))["param"] == "tools"
+    plain = _post(client, CHAT).json()["usage"]["prompt_tokens"]
+    with_tools = _post(client, CHAT, tools=tools)
+    assert with_tools.status_code == 200 and with_tools.json()["usage"]["prompt_tokens"] > plain
 
 
 def test_unknown_fields_are_logged_once_and_echoed_in_the_header_json_and_sse(client, caplog):
@@ -130,15 +133,17 @@ def test_odd_field_names_cannot_break_the_header(client):
 
 
 def test_table_check_refuses_by_name():
-    with pytest.raises(ValueError, match="^guided_regex: structured output"):
-        check_extra_fields(COMPLETIONS, {"guided_regex": "[0-9]"})
-    assert check_extra_fields(COMPLETIONS, {"guided_regex": None}) == []
+    with pytest.raises(ValueError, match="^guided_whitespace_pattern: xgrammar"):
+        check_extra_fields(COMPLETIONS, {"guided_whitespace_pattern": " "})
+    assert check_extra_fields(COMPLETIONS, {"guided_whitespace_pattern": None}) == []
 
 
 # -- response_format on completions ------------------------------------------------------------------
-def test_completions_refuse_non_text_response_format(client):
-    for fmt in ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}):
-        assert _error(_post(client, COMPLETIONS, response_format=fmt))["param"] == "response_format"
+def test_completions_honour_response_format(client):
+    text = _post(client, COMPLETIONS, max_tokens=8, response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"enum": ["yes", "no"]}}}).json()["choices"][0]["text"]
+    assert json.loads(text) in ("yes", "no")
+    assert _error(_post(client, COMPLETIONS, response_format={"type": "xml"}))["param"] == "response_format"
     assert _post(client, COMPLETIONS, response_format={"type": "text"}).status_code == 200
 
 

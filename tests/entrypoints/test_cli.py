@@ -85,3 +85,13 @@ def test_a_busy_port_fails_before_the_model_loads():
     assert f"cannot listen on 127.0.0.1:{port}" in done.stderr and "Traceback" not in done.stderr
     assert "model loaded" not in done.stderr + done.stdout, "the model was loaded before the port was checked"
     assert time.monotonic() - t0 < 60
+
+
+def test_serve_takes_vllms_tool_calling_flags():
+    serve = _subparsers(cli.build_parser())["serve"]
+    ns = serve.parse_args(["--tool-call-parser", "llama3_json", "--enable-auto-tool-choice"])
+    assert ns.tool_call_parser == "llama3_json" and ns.enable_auto_tool_choice
+    assert serve.parse_args([]).tool_call_parser is None
+    assert not serve.parse_args(["--no-enable-auto-tool-choice"]).enable_auto_tool_choice
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--tool-call-parser", "nope"])

@@ -21,15 +21,16 @@ def ckpt(qcfg) -> SimpleNamespace:
 
 
 def test_names_and_no_quantization():
-    assert sorted(QUANTIZATION_METHODS) == ["compressed-tensors", "fp8"]
+    assert sorted(QUANTIZATION_METHODS) == ["awq", "compressed-tensors", "fp8", "gptq"]
     assert get_quantization_config(None, FLOAT) is None
     online = get_quantization_config("fp8", FLOAT)
     assert isinstance(online, Fp8Config) and not online.scheme.serialized and online.scheme.activations == "token"
 
 
-@pytest.mark.parametrize("name", ["int3", "FP8", "", "gptq"])
+@pytest.mark.parametrize("name", ["int3", "FP8", "", "GPTQ"])
 def test_unknown_names_are_refused_with_the_supported_list(name):
-    with pytest.raises(ValueError, match=r"^quantization must be one of \['compressed-tensors', 'fp8'\] or None"):
+    with pytest.raises(ValueError, match=r"^quantization must be one of \['awq', 'compressed-tensors', 'fp8', "
+                                         r"'gptq'\] or None"):
         get_quantization_config(name, FLOAT)
 
 
@@ -64,7 +65,7 @@ def test_a_config_object_is_read_through_to_dict():
 
 
 BAD_CHECKPOINTS = {
-    "unsupported method": ({"quant_method": "gptq", "bits": 4}, r"quant_method 'gptq' is not supported"),
+    "unsupported method": ({"quant_method": "bitsandbytes"}, r"quant_method 'bitsandbytes' is not supported"),
     "block size": (dict(fp8_config(), weight_block_size=[128]), r"weight_block_size must be two positive"),
     "static block-wise": (dict(fp8_config("static"), weight_block_size=[128, 128]), r"must be 'dynamic' with"),
     "fp8 activation scheme": (fp8_config("smooth"), r"activation_scheme must be 'dynamic' or 'static'"),

@@ -51,6 +51,8 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat, render_chat
 from pagedllm.entrypoints.openai.serving_common import ServingContext, cancel_on_disconnect, parse_body
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_tools import ToolConfig
+from pagedllm.entrypoints.openai.tool_parsers import ToolParserManager, validate_tools
 from pagedllm.version import __version__
 
 logger = logging.getLogger("pagedllm.server")
@@ -81,6 +83,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    "(streams: an error event and [DONE])")
     g.add_argument("--stats-log-interval", type=float, default=10.0,
                    help="seconds between throughput log lines (0 turns them off)")
+    g.add_argument("--tool-call-parser", default=None, choices=sorted(ToolParserManager.tool_parsers),
+                   help="how tool_choice 'auto' reads tool calls out of the model's text (default: picked from "
+                   "the chat template's tool-call markers, hermes when it has none)")
+    g.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=True,
+                   help="serve tool_choice 'auto' (vLLM needs this flag; here it is on unless "
+                   "--no-enable-auto-tool-choice, which makes 'auto' a 400)")
     g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
                    help="run the engine (scheduling, model, detokenization) in a child process, so that it "
                    "shares no GIL with HTTP and SSE; if it dies, the server stops")
@@ -122,11 +130,12 @@ class APIKeyMiddleware:
 
 def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = None, chat_template: str | None = None,
               api_key: str | None = None, max_waiting_requests: int | None = 1024,
-              shutdown_engine: bool = True, max_request_body_bytes: int | None = None) -> FastAPI:
+              shutdown_engine: bool = True, max_request_body_bytes: int | None = None,
+              tool_config: ToolConfig | None = None) -> FastAPI:
     """The FastAPI app around a running AsyncLLMEngine."""
     ctx = ServingContext(engine, served_model_names, chat_template, max_waiting_requests, max_request_body_bytes)
     completions = OpenAIServingCompletion(ctx)
-    chat = OpenAIServingChat(ctx)
+    chat = OpenAIServingChat(ctx, tool_config)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -173,8 +182,13 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
         body = await parse_body(request, TokenizeRequest, ctx.max_request_body_bytes)
         ctx.check_model(body.model)
         if body.messages is not None:
+            try:
+                tools = validate_tools(body.tools)
+            except ValueError as e:
+                raise OpenAIError(400, str(e), param="tools") from e
             ids = await ctx.off_loop(render_chat, ctx, body.messages, body.chat_template,
-                                     body.add_generation_prompt, body.continue_final_message)
+                                     body.add_generation_prompt, body.continue_final_message, tools,
+                                     body.chat_template_kwargs)
         elif body.prompt is not None:
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
             ids = await ctx.encode(body.prompt, add_special, "prompt", truncating=True)  # counts any length
@@ -239,6 +253,7 @@ def run_server(ns: argparse.Namespace) -> int:
     from pagedllm.entrypoints.cli_args import engine_args_from
 
     chat_template = load_chat_template(ns.chat_template)
+    tool_config = ToolConfig(ns.tool_call_parser, ns.enable_auto_tool_choice)
     for flag in ("max_request_body_bytes", "max_waiting_requests"):
         value = getattr(ns, flag)
         if value is not None and value < 0:
@@ -251,7 +266,8 @@ def run_server(ns: argparse.Namespace) -> int:
                                              log_stats=interval is not None and not ns.disable_log_stats,
                                              log_interval_s=interval or 10.0)
     app = build_app(engine, chat_template=chat_template, api_key=ns.api_key,
-                    max_waiting_requests=ns.max_waiting_requests, max_request_body_bytes=ns.max_request_body_bytes)
+                    max_waiting_requests=ns.max_waiting_requests, max_request_body_bytes=ns.max_request_body_bytes,
+                    tool_config=tool_config)
     logger.info("model %s loaded in %.1f s (%d CPU threads); serving on http://%s:%d",
                 engine.get_model_config().served_model_name, time.perf_counter() - t0, threads, ns.host, ns.port)
     shutdown_timeout = max(0.1, ns.shutdown_timeout)

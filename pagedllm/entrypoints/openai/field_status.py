@@ -8,8 +8,8 @@ server does with each (OpenAI's fields and vLLM's extensions).
   accepted, logged once per name at warning level and echoed in the ``x-ignored-fields`` header.
   A field in no row is treated the same way.
 
-Turning a feature on is one line here: e.g. when structured output lands, ``_STRUCTURED`` rows
-become ``works`` (and the request model passes the field on). The docs table
+Turning a feature on is one line here (and the request model declaring the field and passing it
+on; a test checks that the two agree). The docs table
 (``docs/api-fields.md``) is rendered from ``FIELDS`` by ``scripts/render_performance.py``.
 Cost: a dict lookup per top-level field of a request.
 """
@@ -54,8 +54,8 @@ class FieldStatus:
 
 
 W, R, IGN = Status.WORKS, Status.REFUSED, Status.IGNORED  # short names keep the rows on one line
-_STRUCTURED = "structured output is not implemented yet"
-_TOOLS = "tool calling is not implemented yet"
+_STRUCTURED_TAGS = "structural tags are not implemented"
+_TOOLS = "not implemented"
 
 
 def _row(name: str, status: Status, why: str, example: Any, endpoints: tuple[str, ...] = BOTH,
@@ -97,14 +97,19 @@ FIELDS: tuple[FieldStatus, ...] = (
     _row("logprobs", W, "true returns each token's logprob", True, (CHAT,)),
     _row("top_logprobs", W, "0..--max-logprobs, with logprobs=true", 0, (CHAT,)),
     _row("max_completion_tokens", W, "like max_tokens; wins over it", 3, (CHAT,)),
-    _row("response_format", R, _STRUCTURED + " (only {\"type\": \"text\"} passes)", {"type": "json_object"},
-         inert=(None, {"type": "text"})),
-    _row("tools", R, _TOOLS, [{"type": "function", "function": {"name": "f"}}], (CHAT,)),
-    _row("tool_choice", R, _TOOLS + " (only \"none\" passes)", "auto", (CHAT,), inert=(None, "none")),
-    _row("parallel_tool_calls", R, _TOOLS, False, (CHAT,)),
-    _row("functions", R, _TOOLS + " (functions is the deprecated form of tools)",
+    _row("response_format", W, "json_object, or json_schema {name, schema, strict}: the output follows it "
+         "(an xgrammar grammar; strict or not); text = free. One output constraint per request",
+         {"type": "json_object"}),
+    _row("tools", W, "function tools, passed to the chat template (a template that does not render them gets "
+         "them in the system prompt, hermes style; see docs/structured-outputs.md)",
+         [{"type": "function", "function": {"name": "f"}}], (CHAT,)),
+    _row("tool_choice", W, "none, auto (the default with tools: calls parsed from the text), required or a named "
+         "function (enforced by a grammar from the tools' parameters); needs tools", "auto", (CHAT,)),
+    _row("parallel_tool_calls", W, "false: at most one tool call per choice", False, (CHAT,)),
+    _row("functions", R, _TOOLS + " (functions is the deprecated form of tools: send tools)",
          [{"name": "f"}], (CHAT,)),
-    _row("function_call", R, _TOOLS + " (only \"none\" passes)", "auto", (CHAT,), inert=(None, "none")),
+    _row("function_call", R, _TOOLS + " (the deprecated form of tool_choice; only \"none\" passes)", "auto",
+         (CHAT,), inert=(None, "none")),
     _row("modalities", R, "text output only", ["text", "audio"], (CHAT,), inert=(None, ["text"])),
     _row("audio", R, "audio output is not implemented", {"voice": "alloy", "format": "wav"}, (CHAT,)),
     _row("prediction", R, "predicted outputs are not implemented", {"type": "content", "content": "x"}, (CHAT,)),
@@ -139,14 +144,20 @@ FIELDS: tuple[FieldStatus, ...] = (
     _row("early_stopping", W, "beam search: true stops at n finished beams, false (the default, vLLM's) "
          "when no live beam can win (heuristic), \"never\" searches to max_tokens; with use_beam_search only",
          True, origin="vLLM"),
-    _row("guided_json", R, _STRUCTURED, {"type": "object"}, origin="vLLM"),
-    _row("guided_regex", R, _STRUCTURED, "[0-9]+", origin="vLLM"),
-    _row("guided_choice", R, _STRUCTURED, ["yes", "no"], origin="vLLM"),
-    _row("guided_grammar", R, _STRUCTURED, "root ::= \"a\"", origin="vLLM"),
-    _row("guided_decoding_backend", R, _STRUCTURED, "xgrammar", origin="vLLM"),
-    _row("guided_whitespace_pattern", R, _STRUCTURED, " ", origin="vLLM"),
-    _row("structural_tag", R, _STRUCTURED, "{}", origin="vLLM"),
-    _row("structured_outputs", R, _STRUCTURED, {"regex": "[0-9]+"}, origin="vLLM"),
+    _row("guided_json", W, "the output follows this JSON schema (vLLM's older spelling)", {"type": "object"},
+         origin="vLLM"),
+    _row("guided_regex", W, "the output matches this regular expression", "[0-9]+", origin="vLLM"),
+    _row("guided_choice", W, "the output is one of these strings", ["yes", "no"], origin="vLLM"),
+    _row("guided_grammar", W, "the output follows this EBNF grammar (xgrammar's dialect)", "root ::= \"a\"",
+         origin="vLLM"),
+    _row("guided_decoding_backend", W, "xgrammar or auto (the one backend); any other is refused", "xgrammar",
+         origin="vLLM"),
+    _row("guided_whitespace_pattern", R, "xgrammar takes no whitespace pattern (structured_outputs."
+         "disable_any_whitespace gives compact JSON)", " ", origin="vLLM"),
+    _row("structural_tag", R, _STRUCTURED_TAGS, "{}", origin="vLLM"),
+    _row("structured_outputs", W, "vLLM's dict: one of json, regex, choice, grammar, json_object; plus "
+         "disable_any_whitespace, disable_fallback (there is nothing to fall back to)", {"regex": "[0-9]+"},
+         origin="vLLM"),
     _row("logits_processors", R, "custom logits processors are not supported", ["my.Processor"], origin="vLLM"),
     _row("return_tokens_as_token_ids", R, "not implemented", True, origin="vLLM", inert=(None, False)),
     _row("return_token_ids", R, "not implemented", True, origin="vLLM", inert=(None, False)),
@@ -179,8 +190,8 @@ FIELDS: tuple[FieldStatus, ...] = (
          False, (CHAT,), origin="vLLM"),
     _row("chat_template", W, "a Jinja template for this request", "{{ messages[0]['content'] }}", (CHAT,),
          origin="vLLM"),
-    _row("chat_template_kwargs", R, "not passed to the template yet", {"enable_thinking": False}, (CHAT,),
-         origin="vLLM"),
+    _row("chat_template_kwargs", W, "extra variables for the chat template (not the ones set by other fields)",
+         {"enable_thinking": False}, (CHAT,), origin="vLLM"),
     _row("documents", R, "not passed to the template yet", [{"title": "t", "text": "x"}], (CHAT,),
          origin="vLLM"),
     _row("media_io_kwargs", R, "multimodal input is not supported", {}, (CHAT,), origin="vLLM"),

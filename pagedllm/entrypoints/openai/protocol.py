@@ -19,6 +19,7 @@ from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, Strict
 from pagedllm.beam_search import BeamSearchParams
 from pagedllm.entrypoints.chat_utils import Role
 from pagedllm.entrypoints.openai.field_status import CHAT, COMPLETIONS, check_extra_fields, check_refused
+from pagedllm.entrypoints.openai.structured_outputs import CONSTRAINT_FIELDS, Constraint, request_constraint
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 Int = Annotated[int, Strict()]
@@ -55,6 +56,12 @@ class _SamplingFields(OpenAIBaseModel):
     top_p: Float | None = None
     response_format: dict[str, Any] | None = None
     # vLLM's extra body fields
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Str | dict[str, Any] | None = None
+    guided_regex: Str | None = None
+    guided_choice: list[Str] | None = None
+    guided_grammar: Str | None = None
+    guided_decoding_backend: Str | None = None
     top_k: Int | None = None
     min_p: Float | None = None
     repetition_penalty: Float | None = None
@@ -79,9 +86,13 @@ class _SamplingFields(OpenAIBaseModel):
         """The undeclared fields this server ignores; ValueError naming a refused one."""
         return check_extra_fields(self.ENDPOINT, self.model_extra or {})
 
+    def constraint(self, tool_schema: dict | None = None) -> Constraint | None:
+        """The output constraint this request asks for (see ``structured_outputs.py``)."""
+        return request_constraint({name: getattr(self, name) for name in (*CONSTRAINT_FIELDS,
+                                                                          "guided_decoding_backend")}, tool_schema)
+
     def _check_common(self, max_logprobs: int, max_num_seqs: int) -> None:
         """vLLM's and OpenAI's cross-field rules; each ValueError starts with the field's name."""
-        check_refused(self.ENDPOINT, "response_format", self.response_format)
         if self.n > max_num_seqs:
             raise ValueError(f"n must be at most {max_num_seqs} (the engine's max_num_seqs), got {self.n}")
         if self.stream_options is not None and not self.stream:
@@ -100,6 +111,9 @@ class _SamplingFields(OpenAIBaseModel):
     def _beam_search_params(self, max_logprobs: int, max_num_seqs: int, max_tokens: int) -> BeamSearchParams:
         """Beam search of width ``n``; the sampling fields it cannot honour are refused by name."""
         self._check_common(max_logprobs, max_num_seqs)
+        constraint = self.constraint()
+        if constraint is not None:
+            raise ValueError(f"{constraint.field}: not supported with use_beam_search")
         fields = type(self).model_fields
         for name in _NOT_WITH_BEAM_SEARCH:
             if name in fields and name in self.model_fields_set and getattr(self, name) != fields[name].default:
@@ -112,8 +126,8 @@ class _SamplingFields(OpenAIBaseModel):
                                 include_stop_str_in_output=self.include_stop_str_in_output,
                                 early_stopping=self.early_stopping)
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                         prompt_logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
+                         constraint: Constraint | None) -> SamplingParams:
         """Build validated SamplingParams (ValueError naming the field on a bad value)."""
         stream = bool(self.stream)
         return SamplingParams(
@@ -141,6 +155,7 @@ class _SamplingFields(OpenAIBaseModel):
             allowed_token_ids=self.allowed_token_ids,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+            structured_outputs=constraint.params if constraint is not None else None,
         )
 
     @property
@@ -182,7 +197,7 @@ class CompletionRequest(_SamplingFields):
         prompt_logprobs = self.prompt_logprobs
         if self.echo and self.logprobs is not None and prompt_logprobs is None:
             prompt_logprobs = self.logprobs  # echo with logprobs reports the prompt's too
-        return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
+        return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs, self.constraint())
 
     def to_beam_search_params(self, max_logprobs: int, max_num_seqs: int, max_tokens: int) -> BeamSearchParams:
         """``max_tokens``: the request's, or what the context leaves."""
@@ -193,12 +208,15 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatMessage(OpenAIBaseModel):
-    """One message; its content rules (required unless the assistant's, text parts only) are
+    """One message; its content rules (required unless the assistant's, text parts only) and its
+    tool fields (``tool_calls`` on an assistant message, ``tool_call_id`` on a tool result) are
     checked with the conversation by ``chat_utils.text_messages``."""
 
     role: Role
     content: Str | list[dict[str, Any]] | None = None
     name: Str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: Str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -211,14 +229,18 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Str | dict[str, Any] | None = None
+    parallel_tool_calls: Bool | None = None
     # vLLM's extras
+    chat_template_kwargs: dict[str, Any] | None = None
     echo: Bool = False
     add_generation_prompt: Bool = True
     continue_final_message: Bool = False
     chat_template: Str | None = None
     add_special_tokens: Bool = False
 
-    def to_sampling_params(self, max_logprobs: int, max_num_seqs: int) -> SamplingParams:
+    def to_sampling_params(self, max_logprobs: int, max_num_seqs: int,
+                           tool_schema: dict | None = None) -> SamplingParams:
+        """``tool_schema``: the JSON schema a ``required`` or named ``tool_choice`` forces."""
         self._check_common(max_logprobs, max_num_seqs)
         self._check_no_beam_fields()
         self._check_chat()
@@ -228,16 +250,17 @@ class ChatCompletionRequest(_SamplingFields):
             if not 0 <= self.top_logprobs <= max_logprobs:
                 raise ValueError(f"top_logprobs must be in [0, {max_logprobs}], got {self.top_logprobs}")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(self.requested_max_tokens, logprobs, self.prompt_logprobs)
+        return self._sampling_params(self.requested_max_tokens, logprobs, self.prompt_logprobs,
+                                     self.constraint(tool_schema))
 
     def to_beam_search_params(self, max_logprobs: int, max_num_seqs: int, max_tokens: int) -> BeamSearchParams:
         """``max_tokens``: the request's, or what the context leaves."""
         self._check_chat()
+        if self.tools and self.tool_choice != "none":
+            raise ValueError("tools: not supported with use_beam_search (unless tool_choice is 'none')")
         return self._beam_search_params(max_logprobs, max_num_seqs, max_tokens)
 
     def _check_chat(self) -> None:
-        check_refused(CHAT, "tools", self.tools)
-        check_refused(CHAT, "tool_choice", self.tool_choice)
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message: cannot be combined with add_generation_prompt=true")
         max_tokens = self.requested_max_tokens
@@ -261,6 +284,8 @@ class TokenizeRequest(OpenAIBaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
     return_token_strs: bool = False
 
 

@@ -33,6 +33,7 @@ from pagedllm.entrypoints.openai.serving_common import (
     sse_error,
     usage,
 )
+from pagedllm.entrypoints.openai.structured_outputs import rename_constraint_error
 from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 
 _FIELDS = set(CompletionRequest.model_fields) | set(fields_of(COMPLETIONS))
@@ -99,7 +100,7 @@ class OpenAIServingCompletion:
                                            req.max_tokens) for i, p in enumerate(prompts)]
             streams: list[RequestStream] = []
         else:
-            streams = await self._submit(request_id, prompts, params, req.priority, trace_headers)
+            streams = await self._submit(request_id, prompts, params, req, trace_headers)
             sources = [ctx.engine.stream_outputs(s) for s in streams]
         created = int(time.time())
         if req.stream:
@@ -139,10 +140,11 @@ class OpenAIServingCompletion:
             out.append(prompt)
         return out
 
-    async def _submit(self, request_id: str, prompts: list[_Prompt], params, priority: int,
+    async def _submit(self, request_id: str, prompts: list[_Prompt], params, req: CompletionRequest,
                       trace_headers: dict[str, str] | None = None) -> list[RequestStream]:
         """Queue every prompt at once, then wait for all to be accepted (or abort all on a refusal)."""
         engine = self.ctx.engine
+        priority = req.priority
         streams: list[RequestStream] = []
         for i, p in enumerate(prompts):
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
@@ -157,7 +159,8 @@ class OpenAIServingCompletion:
         except BaseException as e:
             for s in streams:
                 engine.abort_stream(s)
-            if isinstance(e, (ValueError, TypeError)):
+            if isinstance(e, (ValueError, TypeError)):  # e.g. a schema, regex or grammar that does not parse
+                e = rename_constraint_error(e, req.constraint())
                 raise bad_request(e, _FIELDS, default_param="prompt") from e
             raise
         return streams

@@ -33,7 +33,7 @@ def replay(parser, text: str, seed: int) -> tuple[list[dict], str | None, list[d
         for entry in delta.get("tool_calls", []):
             if entry["index"] not in calls:  # the first delta of a call announces it
                 assert entry["index"] == len(calls), "calls are announced in order"
-                assert entry["id"].startswith("call_") and entry["type"] == "function", entry
+                assert entry["id"].startswith("chatcmpl-tool-") and entry["type"] == "function", entry
                 calls[entry["index"]] = {"id": entry["id"], "type": "function",
                                          "function": {"name": entry["function"]["name"], "arguments": ""}}
             else:

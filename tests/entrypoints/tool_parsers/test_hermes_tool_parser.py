@@ -23,7 +23,7 @@ def test_one_call_with_text_before_and_after():
     result = HermesToolParser().extract_tool_calls(text)
     assert result.tools_called
     [call] = result.tool_calls
-    assert call["id"].startswith("call_") and len(call["id"]) > len("call_") and call["type"] == "function"
+    assert call["id"].startswith("chatcmpl-tool-") and len(call["id"]) > len("chatcmpl-tool-") and call["type"] == "function"
     assert call["function"] == {"name": "get_weather", "arguments": '{"city":"Paris","unit":"celsius"}'}
     assert result.content == "Let me check.\n\nOne moment."
 

@@ -9,7 +9,9 @@
 Every parser returns OpenAI's wire format: ``message.tool_calls`` entries for a finished reply and
 ``delta.tool_calls`` chunks while it streams.
 
-How a chat request uses it (one parser per choice of a request)::
+A parser implements ``advance(text_so_far, final)``; the base class builds the whole-reply and the
+streaming methods on it. The server's wiring is ``serving_tools.py``. How a chat request uses it
+(one parser per choice of a request)::
 
     tools = validate_tools(request.tools)              # ValueError naming tools[i]...
     schema = tool_choice_json_schema(tools, request.tool_choice, request.parallel_tool_calls)

@@ -8,6 +8,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .json_tool_calls import tool_call_dict
+
 
 @dataclass
 class ExtractedToolCallInformation:
@@ -28,27 +30,50 @@ class ToolParser(ABC):
     ``{"content": str}`` and/or ``{"tool_calls": [{"index", "id", "type": "function",
     "function": {"name", "arguments"}}]}`` for a call's first delta, then ``{"index", "function":
     {"arguments": <fragment>}}``; a call's fragments concatenate to its JSON arguments.
+
+    A parser implements one method, ``advance``; the streaming and the whole-reply methods are
+    both built on it, so the two always agree: a whole reply is the stream of a fresh parser
+    read in a single final step.
     """
 
     def __init__(self, tokenizer: Any = None):
         self.tokenizer = tokenizer
 
     @abstractmethod
+    def advance(self, current_text: str, final: bool) -> dict | None:
+        """The delta that ``current_text`` (the reply so far; ``final``: all of it) adds to what
+        earlier calls returned."""
+
+    def fresh(self) -> ToolParser:
+        """A parser of the same kind and configuration with no stream state."""
+        return type(self)(self.tokenizer)
+
     def extract_tool_calls(self, model_output: str, request: Any = None) -> ExtractedToolCallInformation:
         """The tool calls and content of a finished reply."""
+        return information_from_delta(self.fresh().advance(model_output, final=True))
 
-    @abstractmethod
     def extract_tool_calls_streaming(self, previous_text: str, current_text: str, delta_text: str,
                                      previous_token_ids: Sequence[int] = (),
                                      current_token_ids: Sequence[int] = (),
                                      delta_token_ids: Sequence[int] = (),
                                      request: Any = None) -> dict | None:
-        """The delta for one step: ``current_text`` is the reply so far, ``delta_text`` its new end."""
+        """The delta for one step (vLLM's signature): ``current_text`` is the reply so far,
+        ``delta_text`` its new end."""
+        return self.advance(current_text, final=False)
 
-    @abstractmethod
     def finish_streaming(self, current_text: str, request: Any = None) -> dict | None:
         """The last delta, once the reply has ended: text held back in case it began a tag, and the
         calls of a block the reply left open."""
+        return self.advance(current_text, final=True)
+
+
+def information_from_delta(delta: dict | None) -> ExtractedToolCallInformation:
+    """The result of a whole reply from the one delta a fresh stream gives for all of it."""
+    delta = delta or {}
+    tool_calls = [tool_call_dict(call["function"]["name"], call["function"]["arguments"], call["id"])
+                  for call in delta.get("tool_calls", [])]
+    return ExtractedToolCallInformation(tools_called=bool(tool_calls), tool_calls=tool_calls,
+                                        content=delta.get("content"))
 
 
 class ToolParserManager:

@@ -24,8 +24,8 @@ ARGUMENT_KEYS = ("arguments", "parameters")
 
 
 def make_tool_call_id() -> str:
-    """A fresh OpenAI-style tool call id: ``call_`` and 24 random hex digits."""
-    return f"call_{uuid.uuid4().hex[:24]}"
+    """A fresh tool call id as vLLM makes them: ``chatcmpl-tool-`` and 32 random hex digits."""
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
 def tool_call_dict(name: str, arguments: str, call_id: str | None = None) -> dict:

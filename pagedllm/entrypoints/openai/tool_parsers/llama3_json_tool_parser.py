@@ -5,11 +5,9 @@ detokenized with special tokens skipped has no tag and starts with ``{`` directl
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
-from .abstract_tool_parser import ExtractedToolCallInformation, ToolParser, ToolParserManager
-from .json_block_tool_parser import information_from_delta
+from .abstract_tool_parser import ToolParser, ToolParserManager
 from .tool_call_stream import ToolCallStream
 
 PYTHON_TAG = "<|python_tag|>"
@@ -26,20 +24,7 @@ class Llama3JsonToolParser(ToolParser):
         self._calls_offset = 0  # where the calls begin in the reply (past the tag)
         self._plain_text_sent: int | None = None  # set once the reply is known to be content
 
-    def extract_tool_calls(self, model_output: str, request: Any = None) -> ExtractedToolCallInformation:
-        return information_from_delta(Llama3JsonToolParser(self.tokenizer)._advance(model_output, final=True))
-
-    def extract_tool_calls_streaming(self, previous_text: str, current_text: str, delta_text: str,
-                                     previous_token_ids: Sequence[int] = (),
-                                     current_token_ids: Sequence[int] = (),
-                                     delta_token_ids: Sequence[int] = (),
-                                     request: Any = None) -> dict | None:
-        return self._advance(current_text, final=False)
-
-    def finish_streaming(self, current_text: str, request: Any = None) -> dict | None:
-        return self._advance(current_text, final=True)
-
-    def _advance(self, text: str, final: bool) -> dict | None:
+    def advance(self, text: str, final: bool) -> dict | None:
         if self._calls is None and self._plain_text_sent is None:
             head = text.lstrip()
             if head.startswith("{") or head.startswith(PYTHON_TAG):

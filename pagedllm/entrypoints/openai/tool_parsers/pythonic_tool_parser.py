@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import ast
 import json
-from collections.abc import Sequence
 from typing import Any
 
-from .abstract_tool_parser import ExtractedToolCallInformation, ToolParser, ToolParserManager
+from .abstract_tool_parser import ToolParser, ToolParserManager
 from .json_tool_calls import tool_call_dict
 
 START, END = "<|python_start|>", "<|python_end|>"
@@ -51,23 +50,7 @@ class PythonicToolParser(ToolParser):
         self._sent = 0  # characters of the reply settled (sent as content, or read as calls)
         self._is_content: bool | None = None  # None while the reply may still be a call list
 
-    def extract_tool_calls(self, model_output: str, request: Any = None) -> ExtractedToolCallInformation:
-        calls = parse_pythonic_calls(model_output)
-        if calls is None:
-            return ExtractedToolCallInformation(tools_called=False, content=model_output)
-        return ExtractedToolCallInformation(tools_called=bool(calls), tool_calls=calls)
-
-    def extract_tool_calls_streaming(self, previous_text: str, current_text: str, delta_text: str,
-                                     previous_token_ids: Sequence[int] = (),
-                                     current_token_ids: Sequence[int] = (),
-                                     delta_token_ids: Sequence[int] = (),
-                                     request: Any = None) -> dict | None:
-        return self._advance(current_text, final=False)
-
-    def finish_streaming(self, current_text: str, request: Any = None) -> dict | None:
-        return self._advance(current_text, final=True)
-
-    def _advance(self, text: str, final: bool) -> dict | None:
+    def advance(self, text: str, final: bool) -> dict | None:
         if self._is_content is None:
             head = text.lstrip()
             if head and not (head.startswith("[") or START.startswith(head[:len(START)])):

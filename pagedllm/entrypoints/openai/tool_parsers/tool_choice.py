@@ -13,12 +13,10 @@ references point.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
 from typing import Any
 
-from .abstract_tool_parser import ExtractedToolCallInformation, ToolParser
-from .json_block_tool_parser import information_from_delta
-from .json_tool_calls import compact_json, make_tool_call_id, tool_call_dict
+from .abstract_tool_parser import ToolParser
+from .json_tool_calls import compact_json, make_tool_call_id
 from .tool_call_stream import ToolCallStream
 
 TOOL_CHOICE_MODES = ("none", "auto", "required")
@@ -124,6 +122,7 @@ class ConstrainedToolParser(ToolParser):
 
     def __init__(self, tools: Any, tool_choice: Any, tokenizer: Any = None):
         super().__init__(tokenizer)
+        self.tools, self.tool_choice = tools, tool_choice
         self.function_name = validate_tool_choice(tool_choice, validate_tools(tools))
         if self.function_name is None and tool_choice != "required":
             raise ValueError(f"tool_choice {tool_choice!r} is not enforced by a grammar")
@@ -131,23 +130,10 @@ class ConstrainedToolParser(ToolParser):
         self._named_call_id: str | None = None
         self._named_arguments_sent = 0
 
-    def extract_tool_calls(self, model_output: str, request: Any = None) -> ExtractedToolCallInformation:
-        if self.function_name is None:
-            return information_from_delta(ToolCallStream(None, None).advance(model_output, final=True))
-        call = tool_call_dict(self.function_name, compact_json(model_output))
-        return ExtractedToolCallInformation(tools_called=True, tool_calls=[call], content=None)
+    def fresh(self) -> ConstrainedToolParser:
+        return ConstrainedToolParser(self.tools, self.tool_choice, self.tokenizer)
 
-    def extract_tool_calls_streaming(self, previous_text: str, current_text: str, delta_text: str,
-                                     previous_token_ids: Sequence[int] = (),
-                                     current_token_ids: Sequence[int] = (),
-                                     delta_token_ids: Sequence[int] = (),
-                                     request: Any = None) -> dict | None:
-        return self._advance(current_text, final=False)
-
-    def finish_streaming(self, current_text: str, request: Any = None) -> dict | None:
-        return self._advance(current_text, final=True)
-
-    def _advance(self, current_text: str, final: bool) -> dict | None:
+    def advance(self, current_text: str, final: bool) -> dict | None:
         if self.function_name is None:
             return self._stream.advance(current_text, final)
         arguments = compact_json(current_text)

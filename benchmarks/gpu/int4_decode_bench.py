@@ -1,0 +1,222 @@
+"""Int4 (GPTQ layout) decode against bf16: Llama-3.1-8B architecture, random weights, one script.
+
+Two parts, each variant in its own process (a clean GPU for each engine):
+
+1. kernels: the int4 dequantize-in-the-GEMM kernels (``quantization/kernels/int4_gemm.py``) against
+   the bf16 GEMM the float layer runs (``F.linear``: cuBLAS), on the 8B projections (qkv, o,
+   gate_up, down) at 1, 2, 16 and 64 rows, each timed as 20 calls replayed from a CUDA graph; at
+   one row also a sweep of GEMV launch sizes (the default first), so the tuning can be read off;
+   and the GGUF block kernels (``kernels/gguf_gemm.py``, Q4_0 .. Q6_K) on the o and gate_up shapes.
+2. engine: the decode step (``bench latency``'s measure: (time for N tokens - time for 1) / (N - 1),
+   best of 2) at batch 1 and 64 with 1024-token prompts, for bf16 weights, GPTQ int4 group 128,
+   and GPTQ int4 group 128 with act-order; each against its floor (weight bytes as stored, without
+   the embedding table, plus the KV cache at the mean context, over the measured copy bandwidth).
+   The issue's target: int4 at batch 1 <= 0.4x the bf16 step.
+
+Prints two tables and writes ``$OUT/int4-decode-8b.json`` (``--out`` to change). From the repo root:
+
+    python benchmarks/gpu/int4_decode_bench.py            # about 5 minutes on an H100
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "benchmarks/configs/llama-3.1-8b/config.json"
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+# (block_n, block_k, num_warps, word_tiles) of the GEMV at one row; None: the default (gemv_config).
+GEMV_SWEEP = [None, (8, 1024, 4, False), (16, 1024, 8, True), (8, 2048, 8, True), (4, 2048, 4, True),
+              (4, 1024, 4, True), (8, 512, 4, True), (16, 512, 4, True), (16, 256, 4, True), (32, 256, 4, True),
+              (16, 512, 4, False), (8, 2048, 8, False), (32, 128, 4, False)]
+VARIANTS = {
+    "bf16": None,
+    "gptq-g128": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True},
+    "gptq-g128-act-order": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True, "sym": True},
+}
+
+
+def graph_time_us(fn, calls: int = 20) -> float:
+    """Microseconds per call of ``fn``, replayed ``calls`` at a time from a CUDA graph (no launch gaps)."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(5):
+        start.record()
+        for _ in range(5):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / (5 * calls))
+    return best
+
+
+def time_shape(name: str, n: int, k: int) -> list[dict]:
+    """The int4 kernels and bf16 ``F.linear`` for one ``[n, k]`` weight at 1, 2, 16 and 64 rows."""
+    import torch
+    import torch.nn.functional as F
+
+    from pagedllm.quantization.kernels import int4_gemm
+
+    qweight = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), dtype=torch.int32, device="cuda")
+    scales = torch.full((n, k // 128), 0.01, dtype=torch.float16, device="cuda")
+    zeros = torch.full((n, k // 128), 8.0, dtype=torch.float16, device="cuda")
+    weight = torch.randn(n, k, dtype=torch.bfloat16, device="cuda")
+    int4_bytes = n * k / 2 + 4 * n * (k // 128)
+    rows = []
+    for m in (1, 2, 16, 64):
+        x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+        bf16_us = graph_time_us(lambda x=x: F.linear(x, weight))
+        for config in GEMV_SWEEP if m == 1 else [None]:
+            us = graph_time_us(lambda x=x, c=config: int4_gemm.int4_linear(x, qweight, scales, zeros, None, 128, None,
+                                                                           config=c))
+            rows.append({"layer": name, "n": n, "k": k, "m": m, "config": config or "default",
+                         "int4_us": us, "bf16_us": bf16_us, "ratio": us / bf16_us,
+                         "int4_gb_per_s": int4_bytes / us / 1e3, "bf16_gb_per_s": 2 * n * k / bf16_us / 1e3})
+    return rows
+
+
+def time_gguf(name: str, n: int, k: int) -> list[dict]:
+    """The GGUF block kernels (``kernels/gguf_gemm.py``) for one ``[n, k]`` weight at 1 and 64 rows,
+    random blocks (timing does not depend on the values), against bf16 ``F.linear``."""
+    import torch
+    import torch.nn.functional as F
+
+    from pagedllm.quantization.kernels import gguf_gemm
+
+    weight = torch.randn(n, k, dtype=torch.bfloat16, device="cuda")
+    rows = []
+    for qtype, (_, qk, nbytes) in gguf_gemm.GGUF_BLOCKS.items():
+        w = torch.randint(0, 256, (n, k // qk * nbytes), dtype=torch.uint8, device="cuda")
+        for m in (1, 64):
+            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+            bf16_us = graph_time_us(lambda x=x: F.linear(x, weight))
+            us = graph_time_us(lambda x=x, w=w, q=qtype: gguf_gemm.gguf_linear(x, w, q))
+            rows.append({"layer": name, "qtype": qtype, "m": m, "us": us, "bf16_us": bf16_us, "ratio": us / bf16_us,
+                         "gb_per_s": w.numel() / us / 1e3})
+    return rows
+
+
+def kernels_part() -> dict:
+    return {"kernels": [row for name, (n, k) in SHAPES.items() for row in time_shape(name, n, k)],
+            "gguf": [row for name in ("o", "gate_up") for row in time_gguf(name, *SHAPES[name])]}
+
+
+def engine_part(variant: str, batch_sizes: list[int], input_len: int, output_len: int) -> dict:
+    import random
+
+    import torch
+
+    from pagedllm import LLM
+    from pagedllm.entrypoints.bench_latency import decode_step_seconds
+    from pagedllm.entrypoints.bench_roofline import device_name, measure_copy_bandwidth
+
+    folder = Path(tempfile.mkdtemp(prefix=f"int4-{variant}-"))
+    config = json.loads(CONFIG.read_text())
+    if VARIANTS[variant] is not None:
+        config["quantization_config"] = VARIANTS[variant]
+    (folder / "config.json").write_text(json.dumps(config))
+    llm = LLM(str(folder), load_format="dummy", skip_tokenizer_init=True, max_model_len=4096)
+    runner = llm.llm_engine.engine_core.runner
+    model = runner.model
+    embed = model.model.embed_tokens.weight
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) - embed.numel() * embed.element_size()
+    kv_per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * config["head_dim"] * 2
+    bandwidth = measure_copy_bandwidth(runner.device)
+    rng = random.Random(0)
+    runs = []
+    for bs in batch_sizes:
+        def prompts(bs=bs):
+            return [[rng.randrange(0, 100000) for _ in range(input_len)] for _ in range(bs)]
+
+        step, _, _ = decode_step_seconds(llm, prompts, output_len, repeats=2)
+        floor = (weight_bytes + bs * (input_len + output_len / 2) * kv_per_token) / bandwidth
+        runs.append({"batch_size": bs, "decode_step_ms": step * 1e3, "floor_ms": floor * 1e3,
+                     "step_over_floor": step / floor})
+        print(f"{variant} batch {bs}: {step * 1e3:.3f} ms (floor {floor * 1e3:.3f} ms)", flush=True)
+    return {"variant": variant, "device": device_name(runner.device), "weight_bytes": weight_bytes,
+            "copy_bytes_per_s": bandwidth, "torch": torch.__version__, "runs": runs}
+
+
+def run_child(args: list[str]) -> dict:
+    """Runs this script with ``args`` in a fresh process; returns the JSON it wrote."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        path = f.name
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, __file__, *args, "--child-json", path], env=env, cwd=ROOT)
+    if proc.returncode != 0:
+        return {"error": f"{args} exited with {proc.returncode}"}
+    return json.loads(Path(path).read_text())
+
+
+def print_tables(result: dict) -> None:
+    print("\nkernels (us per call, CUDA graph; int4 GPTQ g128 vs bf16 F.linear)")
+    print(f"{'layer':8} {'m':>3} {'config':>20} {'int4 us':>9} {'bf16 us':>9} {'ratio':>6} {'int4 GB/s':>10}")
+    for r in result.get("kernels", {}).get("kernels", []):
+        print(f"{r['layer']:8} {r['m']:>3} {str(r['config']):>20} {r['int4_us']:>9.1f} {r['bf16_us']:>9.1f} "
+              f"{r['ratio']:>6.2f} {r['int4_gb_per_s']:>10.0f}")
+    print("\nGGUF block kernels (us per call, CUDA graph; random blocks) vs bf16 F.linear")
+    print(f"{'layer':8} {'qtype':6} {'m':>3} {'us':>9} {'bf16 us':>9} {'ratio':>6} {'GB/s':>7}")
+    for r in result.get("kernels", {}).get("gguf", []):
+        print(f"{r['layer']:8} {r['qtype']:6} {r['m']:>3} {r['us']:>9.1f} {r['bf16_us']:>9.1f} {r['ratio']:>6.2f} "
+              f"{r['gb_per_s']:>7.0f}")
+    base = {r["batch_size"]: r["decode_step_ms"] for r in result["engine"].get("bf16", {}).get("runs", [])}
+    print("\ndecode step, Llama-3.1-8B architecture, 1024-token prompts")
+    print(f"{'variant':22} {'batch':>5} {'step ms':>8} {'floor ms':>9} {'/floor':>7} {'vs bf16':>8}")
+    for variant, res in result["engine"].items():
+        for r in res.get("runs", []):
+            vs = r["decode_step_ms"] / base[r["batch_size"]] if r["batch_size"] in base else float("nan")
+            print(f"{variant:22} {r['batch_size']:>5} {r['decode_step_ms']:>8.3f} {r['floor_ms']:>9.3f} "
+                  f"{r['step_over_floor']:>7.2f} {vs:>8.2f}")
+        if "error" in res:
+            print(f"{variant:22} error: {res['error']}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"), "int4-decode-8b.json"))
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--input-len", type=int, default=1024)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--skip-kernels", action="store_true")
+    p.add_argument("--skip-engine", action="store_true", help="only the kernel timings (about a minute)")
+    p.add_argument("--child", choices=["kernels", *VARIANTS], help=argparse.SUPPRESS)
+    p.add_argument("--child-json", help=argparse.SUPPRESS)
+    ns = p.parse_args()
+    if ns.child:
+        out = kernels_part() if ns.child == "kernels" else engine_part(ns.child, ns.batch_sizes, ns.input_len,
+                                                                         ns.output_len)
+        Path(ns.child_json).write_text(json.dumps(out))
+        return 0
+    sizes = ["--batch-sizes", *map(str, ns.batch_sizes), "--input-len", str(ns.input_len),
+             "--output-len", str(ns.output_len)]
+    result = {"kernels": {} if ns.skip_kernels else run_child(["--child", "kernels"]),
+              "engine": {} if ns.skip_engine else {v: run_child(["--child", v, *sizes]) for v in ns.variants}}
+    print_tables(result)
+    os.makedirs(os.path.dirname(ns.out) or ".", exist_ok=True)
+    Path(ns.out).write_text(json.dumps(result, indent=2))
+    print(f"\nwrote {ns.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

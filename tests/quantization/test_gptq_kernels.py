@@ -1,0 +1,158 @@
+"""The int4 dequantize-in-the-GEMM Triton kernels (GPTQ / AWQ serving form) against the torch
+reference that dequantizes: under Triton's interpreter in CI (small shapes, a subprocess with
+``TRITON_INTERPRET=1``), and on CUDA (``gpu``: real shapes, a captured CUDA graph, a whole model)."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pagedllm.quantization import int4
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+needs_cuda = pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs Triton and CUDA")
+
+# (rows M, outputs N, inputs K, group size, act-order perm, bias, dtype[, launch config]): GEMV (M <= 4;
+# word tiles at one row) and tiled GEMM, groups of 8 (per-column gather in the GEMM), 32, 128 and one
+# group (-1), ragged N and K tails.
+INTERPRETER_CASES = [
+    (1, 48, 64, 32, False, True, torch.float32),
+    (1, 40, 136, 8, True, False, torch.float16),
+    (1, 48, 64, 32, True, True, torch.float32, (16, 32, 4, False)),  # the strided GEMV at one row
+    (2, 40, 128, -1, True, False, torch.float16),
+    (3, 24, 72, 8, False, True, torch.float32),
+    (5, 72, 96, 32, True, True, torch.float32),
+    (17, 64, 256, 128, False, False, torch.float16),
+    (9, 24, 64, 8, True, False, torch.float32),
+]
+
+
+@functools.lru_cache(maxsize=1)  # a GPU case reuses its 8B-sized weight for every row count
+def make_weight(n: int, k: int, group_size: int, act_order: bool, device, seed: int = 0):
+    """Random serving-form tensors: ``(qweight [N, K/8], scales [N, G], zeros [N, G], perm or None)``."""
+    gen = torch.Generator().manual_seed(seed)
+    gs = group_size if group_size > 0 else k
+    groups = -(-k // gs)
+    q = torch.randint(0, 16, (n, k), generator=gen)
+    scales = (torch.rand(n, groups, generator=gen) * 0.02 + 0.002).half()
+    zeros = torch.randint(0, 16, (n, groups), generator=gen).half()
+    perm = torch.randperm(k, generator=gen).to(torch.int32) if act_order else None
+    to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return to(int4.pack_cols(q)), to(scales), to(zeros), to(perm)
+
+
+def check_case(case, device: str, seed: int = 0) -> float:
+    """Relative max error of the kernel against the reference for one case."""
+    from pagedllm.quantization.kernels import int4_gemm
+
+    m, n, k, group_size, act_order, with_bias, dtype, *config = case
+    qweight, scales, zeros, perm = make_weight(n, k, group_size, act_order, device, seed)
+    gs = group_size if group_size > 0 else k
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(m, k, generator=gen).to(device, dtype)
+    bias = torch.randn(n, generator=gen).to(device, dtype) if with_bias else None
+    assert int4_gemm.fits(x, qweight, gs)
+    want = int4.int4_linear_reference(x, qweight, scales, zeros, perm, gs)
+    if bias is not None:
+        want += bias.float()
+    got = int4_gemm.int4_linear(x, qweight, scales, zeros, perm, gs, bias, config=config[0] if config else None)
+    assert got.dtype == dtype and got.shape == (m, n)
+    return float((got.float() - want).abs().max() / want.abs().max())
+
+
+def _interpreter_main() -> None:
+    for case in INTERPRETER_CASES:
+        err = check_case(case, "cpu")
+        tol = 1e-5 if case[6] == torch.float32 else 2e-3
+        assert err < tol, (case, err)
+        print("ok", case, err)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
+def test_kernels_match_the_reference_in_the_triton_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    code = f"import runpy; runpy.run_path({__file__!r})['_interpreter_main']()"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert proc.stdout.count("ok") == len(INTERPRETER_CASES)
+
+
+def test_off_cuda_the_reference_path_runs():
+    """CPU tensors never reach the kernels (``int4_linear`` takes the reference path)."""
+    qweight, scales, zeros, perm = make_weight(16, 64, 32, True, "cpu")
+    x = torch.randn(3, 64)
+    want = int4.int4_linear_reference(x, qweight, scales, zeros, perm, 32)
+    torch.testing.assert_close(int4.int4_linear(x, qweight, scales, zeros, perm, 32, None), want)
+
+
+# ---- CUDA (the lead runs these on a GPU) -------------------------------------------------------
+
+# Llama-3.1-8B's projections (qkv, o, gate_up, down) at decode and prefill row counts.
+GPU_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("act_order", [False, True])
+def test_kernels_match_the_reference_on_cuda(shape, act_order):
+    n, k = shape
+    for m in (1, 2, 3, 4, 16, 64, 300):
+        err = check_case((m, n, k, 128, act_order, m == 3, torch.bfloat16), "cuda")
+        assert err < 1e-2, (m, err)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 64])
+def test_kernels_replay_in_a_cuda_graph(m):
+    from pagedllm.quantization.kernels import int4_gemm
+
+    qweight, scales, zeros, perm = make_weight(4096, 4096, 128, True, "cuda")
+    x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+    eager = int4_gemm.int4_linear(x, qweight, scales, zeros, perm, 128, None)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = int4_gemm.int4_linear(x, qweight, scales, zeros, perm, 128, None)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, int4_gemm.int4_linear(x, qweight, scales, zeros, perm, 128, None))
+    assert not torch.equal(out, eager)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("quant_method", ["gptq", "awq"])
+def test_a_checkpoint_on_cuda_gives_its_dequantized_models_logits(tmp_path, quant_method):
+    """bf16 on CUDA with the fused kernels on (batch 1, 2 and more rows through the Triton paths)."""
+    from pagedllm.config import KernelConfig
+    from pagedllm.layers.dispatch import prepare_model_kernels
+    from pagedllm.loader import load_hf_config, resolve_model
+    from pagedllm.models import load_model
+    from pagedllm.quantization import get_quantization_config
+    from tests.helpers import PagedTestRunner, make_tiny_model
+    from tests.quantization.int4_checkpoints import awq_config, gptq_config, write_int4_checkpoint
+
+    qcfg = gptq_config(32, desc_act=True) if quant_method == "gptq" else awq_config(32)
+    quant_dir, float_dir = write_int4_checkpoint(make_tiny_model("llama", tmp_path / "f", seed=1), tmp_path, qcfg)
+
+    def logits(folder):
+        source = resolve_model(folder)
+        hf_config = load_hf_config(source)
+        model = load_model(source, hf_config, torch.bfloat16, "cuda", get_quantization_config(None, hf_config))
+        prepare_model_kernels(model, torch.device("cuda"), KernelConfig())
+        runner = PagedTestRunner(model, num_blocks=64, block_size=4)
+        chunks = ([(0, list(range(3, 40))), (1, list(range(50, 59)))], [(0, [100])], [(0, [101]), (1, [102])])
+        return torch.cat([torch.cat(runner.step(c)) for c in chunks]).float()
+
+    got, want = logits(quant_dir), logits(float_dir)
+    assert float((got - want).abs().mean()) < 0.05 * float(want.abs().mean())
