@@ -7,6 +7,7 @@ and cache configs from here. Validation errors are ValueError naming the field.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,6 +101,68 @@ class KernelConfig:
 
         return cls(fused_ops=envs.PAGEDLLM_FUSED_OPS, pdl=envs.PAGEDLLM_PDL, fold_norms=envs.PAGEDLLM_FOLD_NORMS,
                    gemm_tuning=envs.PAGEDLLM_GEMM_TUNING, cpu_kernels=envs.PAGEDLLM_CPU_KERNELS)
+
+
+_SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
+_SPEC_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``speculative_config`` keys): a proposer drafts up to
+    ``num_speculative_tokens`` tokens per request and step, and the target model verifies them in
+    one forward. ``ngram`` looks the last ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens up
+    in the request's own prompt and output; ``draft_model`` runs ``model`` (same vocabulary)."""
+
+    method: str  # "ngram" | "draft_model"
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 5
+    prompt_lookup_max: int = 5
+    model: str | None = None
+    # The draft's resolved ModelConfig (method "draft_model"; set by engine/config_builder.py).
+    draft_model_config: Any = None
+
+    @classmethod
+    def from_dict(cls, spec: dict | str) -> SpeculativeConfig:
+        """Validate vLLM's dict (or its JSON text, as the CLI passes it); errors name the key."""
+        if isinstance(spec, str):
+            try:
+                spec = json.loads(spec)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config must be a JSON object: {e}") from None
+        if not isinstance(spec, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(spec).__name__}")
+        unknown = sorted(set(spec) - set(_SPEC_KEYS))
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {unknown}; supported: {list(_SPEC_KEYS)}")
+        model = spec.get("model")
+        if model is not None and (not isinstance(model, str) or not model):
+            raise ValueError(f"speculative_config.model must be a path or hub id, got {model!r}")
+        method = spec.get("method") or ("draft_model" if model is not None else None)
+        if method not in _SPEC_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {list(_SPEC_METHODS)} (or give a draft "
+                             f"'model'), got {method!r}")
+        if method == "draft_model" and model is None:
+            raise ValueError("speculative_config.model is required by method 'draft_model'")
+        if method == "ngram" and model is not None:
+            raise ValueError("speculative_config.model is not used by method 'ngram': remove it")
+        k = spec.get("num_speculative_tokens")
+        if not _is_positive_int(k):
+            raise ValueError(f"speculative_config.num_speculative_tokens must be a positive integer, got {k!r}")
+        lo, hi = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
+        for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if v is not None and not _is_positive_int(v):
+                raise ValueError(f"speculative_config.{name} must be a positive integer, got {v!r}")
+            if v is not None and method != "ngram":
+                raise ValueError(f"speculative_config.{name} is only used by method 'ngram'")
+        lo, hi = lo or hi or 5, hi or lo or 5  # vLLM: one given sets both; neither: 5
+        if lo > hi:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
+        return cls(method=method, num_speculative_tokens=k, prompt_lookup_min=lo, prompt_lookup_max=hi, model=model)
+
+
+def _is_positive_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
 
 @dataclass(frozen=True)
@@ -225,6 +288,9 @@ class EngineArgs:
                                   "default: no limit")
     otlp_traces_endpoint: str | None = arg(None, "export one OpenTelemetry span per request (OTLP) to this "
                                            "endpoint; needs the 'tracing' extra")
+    speculative_config: dict | str | None = arg(None, "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\" or "
+                                          "\"draft_model\", \"num_speculative_tokens\": k, \"prompt_lookup_min\", "
+                                          "\"prompt_lookup_max\" (ngram), \"model\" (the draft)}")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -278,6 +344,8 @@ class EngineArgs:
         if not isinstance(self.structured_outputs_jump_forward, bool):
             raise ValueError("structured_outputs_jump_forward must be a boolean, "
                              f"got {self.structured_outputs_jump_forward!r}")
+        if self.speculative_config is not None:
+            SpeculativeConfig.from_dict(self.speculative_config)  # raises naming the key
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if (
@@ -329,6 +397,7 @@ class EngineConfig:
     observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     async_scheduling: bool = False  # one step in flight while the next is scheduled (CUDA default)
+    speculative_config: SpeculativeConfig | None = None  # None: no drafts (the plain decode path)
 
     @property
     def log_stats(self) -> bool:

@@ -71,7 +71,7 @@ import bisect
 import heapq
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.block_pool import BlockPool
@@ -97,6 +97,39 @@ StopChecker = Callable[[str, list[int], bool], "tuple[int, str] | None"]
 
 
 @dataclass
+class SpecDecodingStats:
+    """Speculative decoding's totals since start-up (vLLM's ``spec_decode_*`` counters): a draft is
+    one request's run of draft tokens verified in one step. Invariant: ``num_accepted_tokens ==
+    sum(num_accepted_tokens_per_pos) <= num_draft_tokens``; ``num_accepted_tokens_per_pos[j]``
+    counts drafts whose token j was accepted. Cost: O(accepted) per verified draft."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        per_pos = self.num_accepted_tokens_per_pos
+        if len(per_pos) < num_draft_tokens:
+            per_pos.extend([0] * (num_draft_tokens - len(per_pos)))
+        for j in range(num_accepted):
+            per_pos[j] += 1
+
+    def copy(self) -> SpecDecodingStats:
+        return SpecDecodingStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                                 list(self.num_accepted_tokens_per_pos))
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verifying step gives a request on average: the accepted drafts plus the one
+        sampled after them (vLLM's definition; 1.0 before any draft)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+
+@dataclass
 class SchedulerStats:
     num_running: int
     num_waiting: int
@@ -104,6 +137,7 @@ class SchedulerStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions_total: int
+    spec_decoding: SpecDecodingStats | None = None  # None until a runner has returned drafts
 
 
 class RequestQueue:
@@ -195,6 +229,7 @@ class Scheduler:
         self.stop_checker = stop_checker
         # Set once a runner returns drafts: until then the hot loops skip every draft test.
         self._drafts_seen = False
+        self.spec_decoding_stats = SpecDecodingStats()
         self._num_with_stop_strings = 0  # unfinished requests with stop strings
         self._num_structured = 0  # unfinished requests with a grammar (structured output)
         # Jump-forward: tokens appended without sampling, not yet sent to the runner (req_id ->
@@ -652,6 +687,7 @@ class Scheduler:
         drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
         if drafts:
             self._settle_drafts(request, len(drafts), num_sampled)
+            self.spec_decoding_stats.observe(len(drafts), num_sampled - 1)
         if not finished and request.structured_output_request is not None:
             finished = self._advance_grammar(request, new_token_ids)  # may append jumped tokens
         if request.has_stop_strings and self.stop_checker is not None:
@@ -767,6 +803,7 @@ class Scheduler:
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions_total=self.num_preemptions_total,
+            spec_decoding=self.spec_decoding_stats.copy() if self._drafts_seen else None,
         )
 
     def check_integrity(self) -> None:

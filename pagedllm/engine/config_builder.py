@@ -5,6 +5,7 @@ Lives in engine/ (not config.py) because it needs the loader and torch, which co
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -17,6 +18,7 @@ from pagedllm.config import (
     ObservabilityConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     StructuredOutputsConfig,
 )
 
@@ -133,7 +135,32 @@ def create_engine_config(args: EngineArgs, usage_context: str = "ENGINE_CONTEXT"
         observability_config=_observability_config(args),
         structured_outputs_config=StructuredOutputsConfig(jump_forward=args.structured_outputs_jump_forward),
         async_scheduling=on_gpu if args.async_scheduling is None else args.async_scheduling,
+        speculative_config=_speculative_config(args.speculative_config, model_config),
     )
+
+
+def _speculative_config(spec: dict | str | None, target: ModelConfig) -> SpeculativeConfig | None:
+    """The validated config; a draft model must load and share the target's vocabulary (its
+    drafts are verified id by id). It runs in the target's dtype, context length and load format."""
+    if spec is None:
+        return None
+    config = SpeculativeConfig.from_dict(spec)
+    if config.method != "draft_model":
+        return config
+    from pagedllm.loader import load_hf_config, resolve_model
+
+    try:
+        source = resolve_model(config.model)
+        hf_config = load_hf_config(source)
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"speculative_config.model {config.model!r} could not be loaded: {e}") from None
+    if int(hf_config.vocab_size) != target.vocab_size:
+        raise ValueError(f"speculative_config.model must share the target's vocabulary: its vocab_size is "
+                         f"{hf_config.vocab_size}, the target's {target.vocab_size}")
+    draft = ModelConfig(model=config.model, source=source, hf_config=hf_config, dtype=target.dtype,
+                        max_model_len=target.max_model_len, seed=target.seed, load_format=target.load_format,
+                        skip_tokenizer_init=True)
+    return dataclasses.replace(config, draft_model_config=draft)
 
 
 def _observability_config(args: EngineArgs) -> ObservabilityConfig:

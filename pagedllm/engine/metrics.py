@@ -66,6 +66,9 @@ class _Interval:
     generation_tokens: int = 0
     prefix_queries: int = 0
     prefix_hits: int = 0
+    num_drafts: int = 0  # speculative decoding: verified drafts and their accepted tokens
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 class EngineMetrics:
@@ -122,6 +125,7 @@ class EngineMetrics:
         self._requests: dict[str, _RequestTimes] = {}
         self._last_prefix = (0, 0)
         self._last_preemptions = 0
+        self._spec: _SpecDecodeCounters | None = None  # registered once the engine has drafted
         self._interval = _Interval()
         self._last_stats: SchedulerStats | None = None
 
@@ -228,6 +232,10 @@ class EngineMetrics:
         self._last_preemptions = stats.num_preemptions_total
         if dp:
             self.preemptions.inc(dp)
+        if stats.spec_decoding is not None:
+            if self._spec is None:
+                self._spec = _SpecDecodeCounters(self.registry, self.model_name)
+            self._spec.record(stats.spec_decoding, self._interval)
 
     def _record_structured_output(self, stats: StructuredOutputStats) -> None:
         """A histogram sample per new compile and per step that filled bitmasks (the step's CPU time);
@@ -269,6 +277,9 @@ class EngineMetrics:
             f"KV cache usage: {100.0 * (stats.kv_cache_usage if stats else 0.0):.1f}%, "
             f"Prefix cache hit rate: {hit_rate:.1f}%"
         )
+        if iv.num_drafts:
+            line += (f", Spec decode mean acceptance length: {1 + iv.num_accepted_tokens / iv.num_drafts:.2f}, "
+                     f"draft acceptance rate: {100.0 * iv.num_accepted_tokens / iv.num_draft_tokens:.1f}%")
         logger.info(line)
         return line
 
@@ -279,3 +290,43 @@ class EngineMetrics:
     def render(self) -> bytes:
         """The Prometheus text exposition of every collector."""
         return generate_latest(self.registry)
+
+
+class _SpecDecodeCounters:
+    """Speculative decoding's counters (vLLM's ``spec_decode_*``), fed the scheduler's running
+    totals (``SpecDecodingStats``): each is advanced by what the totals grew since the last step.
+    ``num_accepted_tokens_per_pos`` has one series per draft position (label ``position``)."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        labels = ["model_name"]
+        self.model_name = model_name
+        self.num_drafts = Counter("pagedllm:spec_decode_num_drafts", "Number of spec decoding drafts.", labels,
+                                  registry=registry).labels(model_name)
+        self.num_draft_tokens = Counter("pagedllm:spec_decode_num_draft_tokens", "Number of draft tokens.", labels,
+                                        registry=registry).labels(model_name)
+        self.num_accepted_tokens = Counter("pagedllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                                           labels, registry=registry).labels(model_name)
+        self.per_pos = Counter("pagedllm:spec_decode_num_accepted_tokens_per_pos",
+                               "Accepted tokens per draft position.", labels + ["position"], registry=registry)
+        self._last = (0, 0, 0)
+        self._last_per_pos: list[int] = []
+
+    def record(self, totals: Any, interval: _Interval) -> None:
+        now = (totals.num_drafts, totals.num_draft_tokens, totals.num_accepted_tokens)
+        drafts, draft_tokens, accepted = (a - b for a, b in zip(now, self._last))
+        self._last = now
+        if not drafts:
+            return
+        self.num_drafts.inc(drafts)
+        self.num_draft_tokens.inc(draft_tokens)
+        self.num_accepted_tokens.inc(accepted)
+        interval.num_drafts += drafts
+        interval.num_draft_tokens += draft_tokens
+        interval.num_accepted_tokens += accepted
+        per_pos = totals.num_accepted_tokens_per_pos
+        last = self._last_per_pos + [0] * (len(per_pos) - len(self._last_per_pos))
+        for pos, (n, before) in enumerate(zip(per_pos, last)):
+            series = self.per_pos.labels(self.model_name, str(pos))
+            if n > before:
+                series.inc(n - before)
+        self._last_per_pos = list(per_pos)

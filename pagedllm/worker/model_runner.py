@@ -14,7 +14,8 @@ prepared while step N runs, each token step N samples reaching step N+1 on the d
 Multi-token steps: a request scheduled with d draft tokens (``scheduled_spec_decode_tokens``)
 computes its last known token plus the d drafts; logits are taken at all d + 1 positions, each is
 sampled with the request's own parameters, and the drafts are accepted while they equal the token
-sampled before them (StepHandle). A proposer (worker/proposer.py), when set, drafts the next ones.
+sampled at their positions (StepHandle, spec_decode/rejection_sampler.py). A proposer
+(spec_decode/, built by worker/proposer.py from ``speculative_config``) drafts the next ones.
 """
 
 from __future__ import annotations
@@ -38,10 +39,10 @@ from pagedllm.sample.bitmask import GrammarOutput, apply_token_bitmask
 from pagedllm.sample.history import TokenHistory
 from pagedllm.sample.logprobs import PromptLogprobs
 from pagedllm.sample.sampler import Sampler, SamplerOutput, build_sampling_metadata
+from pagedllm.spec_decode.interface import Proposer
 from pagedllm.worker.cuda_graph import CUDAGraphRunner
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.input_prep import InputPreparer, PreparedInputs
-from pagedllm.worker.proposer import Proposer
 from pagedllm.worker.step_handle import StepHandle, StepTrace
 from pagedllm.worker.sync_policy import StepSyncPolicy
 
@@ -232,6 +233,8 @@ class ModelRunner:
         batch = self.input_batch
         for req_id in so.finished_req_ids | so.preempted_req_ids:
             batch.remove(req_id)
+        if self.proposer is not None and (so.finished_req_ids or so.preempted_req_ids):
+            self.proposer.remove_requests(so.finished_req_ids | so.preempted_req_ids)
         for req_id in so.finished_req_ids:
             self.prompt_logprobs.forget(req_id)
         for new in so.scheduled_new_reqs:

@@ -38,6 +38,7 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker import kv_cache as kvc
 from pagedllm.worker.cuda_graph import CUDAGraphRunner
 from pagedllm.worker.model_runner import ModelRunner, StepHandle
+from pagedllm.worker.proposer import build_proposer, draft_bytes_per_block, load_draft_model
 
 logger = logging.getLogger("pagedllm")
 
@@ -71,6 +72,7 @@ class Worker:
             self.model = load_model(mc.source, mc.hf_config, self.dtype, self.device, mc.quant_config)
         self.model.eval()
         self._prepare_model_kernels()
+        self.draft_model = load_draft_model(config, self.device, self.dtype)  # speculative decoding
         logger.info("model loaded in %.1f s", time.perf_counter() - t0)
         self.backend = get_attention_backend(config.attention_backend, self.device)
         # This rank's KV heads (all of them at one tensor-parallel rank).
@@ -110,7 +112,8 @@ class Worker:
         logger.info("start-up stage %r done in %.1f s", name, seconds)
 
     def bytes_per_block(self) -> int:
-        return self.kv_cache_spec.bytes_per_block * self.model.num_attention_layers
+        return (self.kv_cache_spec.bytes_per_block * self.model.num_attention_layers
+                + draft_bytes_per_block(self.draft_model, self.block_size, self.dtype))
 
     def determine_num_blocks(self) -> int:
         """How many KV blocks to allocate: the override, a byte budget on the CPU, or the memory
@@ -174,6 +177,7 @@ class Worker:
         assert shape == self.kv_cache_spec.shape(num_blocks), "the model's KV layout is not the backend's"
         caches = kvc.allocate_kv_caches(self.model.num_attention_layers, shape, self.dtype, self.device)
         self.model_runner.bind_kv_caches(caches)
+        self.model_runner.proposer = build_proposer(self.config, self.draft_model, num_blocks, self.device, self.dtype)
 
     def warm_up(self) -> None:
         """The stages after the KV cache exists (CUDA only): ``warm up``, ``tune``, ``capture``."""
