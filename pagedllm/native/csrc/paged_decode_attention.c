@@ -7,8 +7,11 @@
  * max-subtracted softmax per head, and sums the values, walking the pages of the block table.
  *
  * Layout (see pagedllm/attention/backend.py): the cache is [2, num_blocks, block_size, num_kv_heads,
- * head_dim] float32; query and out are [num_tokens, num_heads, head_dim] float32, contiguous. Query
- * head h uses KV head h / (num_heads / num_kv_heads).
+ * head_dim] float32, or one byte an element (a float8 cache, kv_cache_dtype "fp8*") with `lut` the
+ * float value of each of the 256 bytes; query and out are [num_tokens, num_heads, head_dim] float32,
+ * contiguous. Query head h uses KV head h / (num_heads / num_kv_heads). A float8 cache is upcast a
+ * row at a time through the table into a per-thread buffer (correct, not fast: values are
+ * converted once per query head instead of once per KV head).
  *
  * Work: one item per (decode request, slice of its query heads). A slice holds all heads unless
  * there are fewer requests than threads; whole-token rows (all KV heads, contiguous) stream from
@@ -24,26 +27,39 @@
 #include "vec_math.h"
 
 typedef struct {
-    const float *query, *k_cache, *v_cache;
+    const float *query;
+    const void *k_cache, *v_cache; /* float32, or bytes decoded by lut */
+    const float *lut;              /* NULL for a float32 cache */
     float *out;
     const int32_t *block_tables;
     int64_t block_table_stride, block_stride, token_stride, block_size, num_heads, rep;
     float scale;
 } Problem;
 
-/* Attention of query heads [h0, h1) of one request with context length len. */
+/* n float32 values of the cache half `base` from element `offset` on: in place for a float32 cache,
+ * else decoded into `buf`. */
+static inline const float *cache_row(const Problem *p, const void *base, int64_t offset, int64_t n, float *buf)
+{
+    if (p->lut == NULL) return (const float *)base + offset;
+    const uint8_t *src = (const uint8_t *)base + offset;
+    for (int64_t j = 0; j < n; ++j) buf[j] = p->lut[src[j]];
+    return buf;
+}
+
+/* Attention of query heads [h0, h1) of one request with context length len; row_buf holds one
+ * token's decoded row (token_stride floats) for a float8 cache. */
 static inline __attribute__((always_inline)) void attend(
     const Problem *p, int64_t query_row, const int32_t *table, int64_t len, int64_t h0, int64_t h1,
-    const int64_t head_dim, float *scores)
+    const int64_t head_dim, float *scores, float *row_buf)
 {
     const int64_t nh = h1 - h0, ls = len + 1; /* score row stride: len scores + the normaliser */
     const float *q = p->query + (query_row * p->num_heads + h0) * head_dim;
     /* Scores: s[h][t] = scale * <q_h, k_t of h's KV head>. */
     for (int64_t t0 = 0; t0 < len; t0 += p->block_size) {
-        const float *kb = p->k_cache + (int64_t)table[t0 / p->block_size] * p->block_stride;
+        const int64_t kb = (int64_t)table[t0 / p->block_size] * p->block_stride;
         const int64_t n = len - t0 < p->block_size ? len - t0 : p->block_size;
         for (int64_t i = 0; i < n; ++i) {
-            const float *k = kb + i * p->token_stride;
+            const float *k = cache_row(p, p->k_cache, kb + i * p->token_stride, p->token_stride, row_buf);
             for (int64_t h = 0; h < nh; ++h) {
                 const float *qh = q + h * head_dim, *kh = k + ((h0 + h) / p->rep) * head_dim;
                 float s = 0.0f;
@@ -77,10 +93,10 @@ static inline __attribute__((always_inline)) void attend(
         float a[head_dim];
         for (int64_t d = 0; d < head_dim; ++d) a[d] = 0.0f;
         for (int64_t t0 = 0; t0 < len; t0 += p->block_size) {
-            const float *vb = p->v_cache + (int64_t)table[t0 / p->block_size] * p->block_stride + kv_offset;
+            const int64_t vb = (int64_t)table[t0 / p->block_size] * p->block_stride + kv_offset;
             const int64_t n = len - t0 < p->block_size ? len - t0 : p->block_size;
             for (int64_t i = 0; i < n; ++i) {
-                const float wt = w[t0 + i], *v = vb + i * p->token_stride;
+                const float wt = w[t0 + i], *v = cache_row(p, p->v_cache, vb + i * p->token_stride, head_dim, row_buf);
 #pragma omp simd
                 for (int64_t d = 0; d < head_dim; ++d) a[d] += wt * v[d];
             }
@@ -91,15 +107,16 @@ static inline __attribute__((always_inline)) void attend(
 }
 
 int paged_decode_attention(
-    const float *query, const float *kv_cache, float *out,
+    const float *query, const void *kv_cache, const float *lut, float *out,
     const int32_t *block_tables, int64_t block_table_stride,
     const int64_t *query_rows, const int64_t *table_rows, const int64_t *seq_lens, int64_t num_reqs,
     int64_t num_blocks, int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     float scale, int num_threads)
 {
     const int64_t token_stride = num_kv_heads * head_dim, block_stride = block_size * token_stride;
-    const Problem p = {query, kv_cache, kv_cache + num_blocks * block_stride, out, block_tables,
-                       block_table_stride, block_stride, token_stride, block_size, num_heads,
+    const int64_t elem_bytes = lut == NULL ? (int64_t)sizeof(float) : 1;
+    const Problem p = {query, kv_cache, (const char *)kv_cache + num_blocks * block_stride * elem_bytes, lut, out,
+                       block_tables, block_table_stride, block_stride, token_stride, block_size, num_heads,
                        num_heads / num_kv_heads, scale};
     /* Split each request's heads into whole KV groups when there are too few requests to share. */
     int64_t slices = 1;
@@ -112,7 +129,8 @@ int paged_decode_attention(
 
 #pragma omp parallel num_threads(num_threads)
     {
-        float *scores = malloc(sizeof(float) * slice_heads * (max_len + 1));
+        float *scores = malloc(sizeof(float) * (slice_heads * (max_len + 1) + token_stride));
+        float *row_buf = scores + slice_heads * (max_len + 1);
         if (scores == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -123,11 +141,11 @@ int paged_decode_attention(
             const int64_t r = item / slices, h0 = (item % slices) * slice_heads, h1 = h0 + slice_heads;
             const int32_t *table = block_tables + table_rows[r] * block_table_stride;
             if (head_dim == 64)
-                attend(&p, query_rows[r], table, seq_lens[r], h0, h1, 64, scores);
+                attend(&p, query_rows[r], table, seq_lens[r], h0, h1, 64, scores, row_buf);
             else if (head_dim == 128)
-                attend(&p, query_rows[r], table, seq_lens[r], h0, h1, 128, scores);
+                attend(&p, query_rows[r], table, seq_lens[r], h0, h1, 128, scores, row_buf);
             else
-                attend(&p, query_rows[r], table, seq_lens[r], h0, h1, head_dim, scores);
+                attend(&p, query_rows[r], table, seq_lens[r], h0, h1, head_dim, scores, row_buf);
         }
         free(scores);
     }
