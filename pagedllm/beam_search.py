@@ -122,8 +122,10 @@ def beam_search_steps(prompts: list[list[int]], params: BeamSearchParams, eos_to
     Per step each beam grows by each of its candidates; a candidate ending in EOS (unless
     ignore_eos) is finished, the others compete for the prompt's ``beam_width`` places by score.
     A prompt whose search is done (``early_stopping``) drops its live beams. At the end the
-    finished and live beams compete together. Cost: at most ``max_tokens`` steps, each on at most
-    ``len(prompts) * beam_width`` beams.
+    finished and live beams compete together. A beam that ended with EOS has finish_reason "stop"
+    and stop_reason the EOS id; the EOS stays in its ``tokens`` and ``text`` only with
+    ``include_stop_str_in_output`` (as vLLM's beam search: the EOS is the stop "string").
+    Cost: at most ``max_tokens`` steps, each on at most ``len(prompts) * beam_width`` beams.
     """
     def score(b: BeamSearchSequence) -> float:
         return get_beam_search_score(b.tokens, b.cum_logprob, eos_token_id, params.length_penalty)
@@ -143,7 +145,7 @@ def beam_search_steps(prompts: list[list[int]], params: BeamSearchParams, eos_to
             for token_id, lp in cands.items():
                 child = BeamSearchSequence(beam.tokens + [token_id], beam.logprobs + [cands], beam.cum_logprob + lp.logprob)
                 if token_id == eos_token_id and not params.ignore_eos:
-                    child.finish_reason = "stop"
+                    child.finish_reason, child.stop_reason = "stop", eos_token_id
                     inst.completed.append(child)
                 else:
                     grown[id(inst)].append(child)
@@ -156,6 +158,8 @@ def beam_search_steps(prompts: list[list[int]], params: BeamSearchParams, eos_to
         best = sorted(inst.completed + inst.beams, key=score, reverse=True)[: params.beam_width]
         for beam in best:
             beam.finish_reason = beam.finish_reason or "length"
+            if beam.finish_reason == "stop" and not params.include_stop_str_in_output:
+                beam.tokens = beam.tokens[:-1]  # the EOS that ended it (its logprob stays counted)
             beam.text = decode(beam.tokens) if decode is not None else None
         outputs.append(BeamSearchOutput(best))
     return outputs

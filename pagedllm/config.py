@@ -23,6 +23,9 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "priority"  # "priority" (larger value sooner, then arrival) | "fcfs"
     preemption_mode: str = "recompute"
+    # A request not scheduled within this many seconds of its arrival is finished as aborted
+    # (``QUEUE_TIMEOUT_REASON``); None: requests wait as long as it takes.
+    timeout_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,8 @@ class KernelConfig:
 @dataclass(frozen=True)
 class ObservabilityConfig:
     log_stats: bool = False  # the periodic stats line (vLLM's ``disable_log_stats=False``)
+    # Where finished requests' OpenTelemetry spans are exported (OTLP); None: no tracing at all.
+    otlp_traces_endpoint: str | None = None
 
 
 @dataclass(frozen=True)
@@ -155,7 +160,8 @@ class EngineArgs:
     device: str = arg("auto", "auto (CUDA when available), cpu, cuda or cuda:N")
     attention_backend: str = arg("auto", "auto, cpu, torch_ref or triton")
     max_logprobs: int = arg(20, "most logprobs a request may ask for per token")
-    disable_log_stats: bool = arg(True, "no periodic stats log line")
+    disable_log_stats: bool = arg(False, "no periodic stats log line (LLM(...) turns it on unless given, "
+                                   "as vLLM)")
     num_gpu_blocks_override: int | None = arg(None, "a fixed number of KV-cache blocks (tests, benchmarks)")
     load_format: str = arg("auto", "auto (the checkpoint's weights) or dummy (random weights, benchmarks)")
     skip_tokenizer_init: bool = arg(False, "no tokenizer: prompts must be token ids, outputs have no text")
@@ -170,6 +176,13 @@ class EngineArgs:
     quantization: str | None = arg(None, "quantize the weights: fp8 (float8 weights, per-output-channel scales, "
                                    "quantized at load; per-token dynamic FP8 activations); a checkpoint's own "
                                    "quantization_config (fp8, compressed-tensors FP8) is served in its scheme")
+    swap_space: float | None = arg(None, "CPU swap space for preempted KV blocks, GiB (vLLM's); only 0 / unset is "
+                                   "accepted: preemption recomputes, the KV cache has no CPU tier yet")
+    timeout_s: float | None = arg(None, "finish a request as aborted when it waits longer than this many seconds "
+                                  "in the queue before it is first scheduled (the server answers 503); "
+                                  "default: no limit")
+    otlp_traces_endpoint: str | None = arg(None, "export one OpenTelemetry span per request (OTLP) to this "
+                                           "endpoint; needs the 'tracing' extra")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -201,6 +214,18 @@ class EngineArgs:
             raise ValueError(f"scheduling_policy must be 'priority' or 'fcfs', got {self.scheduling_policy!r}")
         if self.preemption_mode != "recompute":
             raise ValueError(f"preemption_mode must be 'recompute' (swap is not supported yet), got {self.preemption_mode!r}")
+        if self.swap_space not in (None, 0):
+            raise ValueError(f"swap_space is not supported yet (got {self.swap_space!r}): preemption recomputes the "
+                             "KV cache, which has no CPU tier; leave swap_space unset or 0")
+        if self.timeout_s is not None and (
+            isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float))
+            or not 0 < self.timeout_s < float("inf")
+        ):
+            raise ValueError(f"timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
+        if self.otlp_traces_endpoint is not None and (
+            not isinstance(self.otlp_traces_endpoint, str) or not self.otlp_traces_endpoint.strip()
+        ):
+            raise ValueError(f"otlp_traces_endpoint must be a URL, got {self.otlp_traces_endpoint!r}")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.attention_backend not in ("auto", "cpu", "torch_ref", "triton"):

@@ -14,12 +14,17 @@ class Logprob(NamedTuple):
     decoded_token: str | None = None
 
 
+# ``CompletionOutput.stop_reason`` of a sequence finished with finish_reason "abort" because it
+# waited in the queue longer than the engine's ``timeout_s`` without being scheduled (the OpenAI
+# server answers 503 for it). Unambiguous: a matched stop string comes with finish_reason "stop".
+QUEUE_TIMEOUT_REASON = "queue_timeout"
+
 # One dict per position: token id -> Logprob (the chosen token plus the top-k).
 SampleLogprobs = list[dict[int, Logprob]]
 PromptLogprobs = list[dict[int, Logprob] | None]
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestMetrics:
     """When a request went through the engine (vLLM's fields; seconds on the ``time.time()`` clock).
 
@@ -59,4 +64,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
-    metrics: RequestMetrics | None = field(default=None, repr=False)
+    # Timings differ from run to run: left out of equality (two runs' outputs compare equal).
+    metrics: RequestMetrics | None = field(default=None, repr=False, compare=False)

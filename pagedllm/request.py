@@ -90,9 +90,9 @@ class Request:
         self.stop_reason: int | str | None = None
         # Hashes of this request's full blocks (prefix caching), extended as tokens arrive.
         self.block_hashes: list[int] = []
-        # Timestamps for metrics.
+        # When the scheduler first admitted it (RequestMetrics; the timeout_s check). The token
+        # times are stamped by the engine's output processor.
         self.first_scheduled_time: float | None = None
-        self.first_token_time: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

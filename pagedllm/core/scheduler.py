@@ -49,6 +49,10 @@ Semantics fixed here:
   applied: never expected).
 - Sequences of an n > 1 request are added together (``add_request(first, siblings)``); the
   siblings wait until the first has computed the prompt, so that they hit its prefix cache.
+- ``timeout_s`` (when set): a request that has waited that long since its arrival without ever
+  being scheduled is finished as FINISHED_ABORTED with stop reason ``QUEUE_TIMEOUT_REASON`` at the
+  start of a ``schedule()`` and reported by the next update; it holds no blocks. A request that
+  was scheduled once (running, or preempted and waiting again) never times out: its wait is over.
 - A request whose tokens need more blocks than the whole pool holds (or, without chunked prefill,
   more tokens than a whole step's budget) can never run; rather than block the queue forever it
   is finished as FINISHED_ABORTED when it reaches the head of the waiting queue, and reported
@@ -59,6 +63,7 @@ Semantics fixed here:
 from __future__ import annotations
 
 import bisect
+import heapq
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -73,6 +78,7 @@ from pagedllm.core.sched_output import (
     NewRequestData,
     SchedulerOutput,
 )
+from pagedllm.outputs import QUEUE_TIMEOUT_REASON
 from pagedllm.request import Request, RequestStatus
 
 # Enum members as module constants: attribute access on an Enum class is slow in the hot loops.
@@ -191,6 +197,12 @@ class Scheduler:
         # Finished inside schedule() (could never fit): reported by the next update_from_output.
         self._pending_outputs: list[EngineCoreOutput] = []
         self.num_preemptions_total = 0
+        # With timeout_s: (arrival_time, insertion number, request id) of every request added, a
+        # min-heap, so the front is the first that can time out. An entry whose request was
+        # scheduled or finished meanwhile is dropped when it reaches the front (ids, not requests:
+        # a finished request is not kept alive by its entry). Cost: O(log n) per request added;
+        # O(1) per step while nobody times out.
+        self._arrivals: list[tuple[float, int, str]] = []
 
     @property
     def block_pool(self) -> BlockPool:
@@ -222,6 +234,8 @@ class Scheduler:
             self._num_with_stop_strings += r.has_stop_strings
             self._num_structured += r.structured_output_request is not None
             self._insertion_number[r.request_id] = self._num_added
+            if self.scheduler_config.timeout_s is not None:
+                heapq.heappush(self._arrivals, (r.arrival_time, self._num_added, r.request_id))
             self._num_added += 1
             r.status = RequestStatus.WAITING
         self.waiting.add(request)
@@ -296,6 +310,8 @@ class Scheduler:
 
     # -- schedule ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        if self._arrivals:
+            self._expire_timed_out(time.time())
         out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
         self.finished_req_ids = set()
         self._schedule_tokens(out, self.running.snapshot(), out.scheduled_cached_reqs)  # running requests
@@ -464,15 +480,35 @@ class Scheduler:
         config = self.scheduler_config
         return not config.enable_chunked_prefill and num_new_tokens > config.max_num_batched_tokens
 
-    def _abort_unschedulable(self, request: Request) -> None:
-        request.status = RequestStatus.FINISHED_ABORTED
+    def _abort_unschedulable(self, request: Request, stop_reason: str | None = None) -> None:
+        """Finish a request that left the waiting queue without running (it holds no blocks)."""
+        request.status, request.stop_reason = RequestStatus.FINISHED_ABORTED, stop_reason
         self._release(request)
         self._pending_outputs.append(
             EngineCoreOutput(
-                request.request_id, [], finish_reason=request.get_finish_reason(),
+                request.request_id, [], finish_reason=request.get_finish_reason(), stop_reason=stop_reason,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
             )
         )
+
+    def _expire_timed_out(self, now: float) -> None:
+        """Abort the requests that arrived more than ``timeout_s`` ago and were never scheduled.
+        A held sibling is left alone (its first sequence runs: the group's wait is over); when a
+        first sequence times out, its released siblings come next in the heap and time out too."""
+        deadline = now - self.scheduler_config.timeout_s
+        arrivals = self._arrivals
+        while arrivals and arrivals[0][0] < deadline:
+            _, number, req_id = heapq.heappop(arrivals)
+            if self._insertion_number.get(req_id) != number:
+                continue  # finished (the id may be in use by a later request)
+            request = self.requests[req_id]
+            if request.first_scheduled_time is not None:
+                continue
+            try:
+                self.waiting.remove(request)
+            except ValueError:
+                continue  # a held sibling
+            self._abort_unschedulable(request, QUEUE_TIMEOUT_REASON)
 
     def _admit(self, request: Request, num_hit_tokens: int, out: SchedulerOutput) -> None:
         """Start running ``request`` (its blocks are allocated) and schedule its tokens. Its
@@ -535,8 +571,6 @@ class Scheduler:
             finished = False
             if i is not None and (sampled := sampled_rows[i]):
                 request.num_output_placeholders -= 1
-                if request.first_token_time is None:
-                    request.first_token_time = time.time()
                 # Append tokens one by one until a stop condition; tokens after a stop are dropped.
                 output_ids, all_ids = request.output_token_ids, request.all_token_ids
                 for token_id in sampled:

@@ -25,7 +25,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import Any
 
 from pagedllm.config import EngineArgs, EngineConfig, ModelConfig
@@ -116,6 +116,7 @@ def _merge_delta(into: RequestOutput, new: RequestOutput) -> None:
         old.finish_reason, old.stop_reason = c.finish_reason, c.stop_reason
     into.finished = new.finished
     into.num_cached_tokens = new.num_cached_tokens
+    into.metrics = new.metrics
     if new.prompt_logprobs is not None:
         into.prompt_logprobs = new.prompt_logprobs
 
@@ -157,10 +158,12 @@ class AsyncLLMEngine:
     (adds sent and not yet answered) is shared with the event loop(s) under ``_lock``.
     """
 
-    def __init__(self, engine: LLMEngine | EngineConfig, log_stats: bool = True, log_interval_s: float = 10.0,
+    def __init__(self, engine: LLMEngine | EngineConfig, log_stats: bool | None = None, log_interval_s: float = 10.0,
                  idle_poll_s: float = 0.5) -> None:
         """``engine``: an LLMEngine, run on a thread of this process; or an EngineConfig, from which
-        a child process builds its LLMEngine (raises ``EngineProcessError`` if it cannot start)."""
+        a child process builds its LLMEngine (raises ``EngineProcessError`` if it cannot start).
+        ``log_stats``: log the periodic stats line (None: unless the config's ``disable_log_stats``);
+        the Prometheus metrics are recorded either way."""
         if isinstance(engine, EngineConfig):
             from pagedllm.loader import load_tokenizer
 
@@ -170,6 +173,8 @@ class AsyncLLMEngine:
         else:
             self._config = engine.get_engine_config()
             self.tokenizer = engine.get_tokenizer()
+        if log_stats is None:
+            log_stats = self._config.log_stats
         self.metrics = EngineMetrics(self._config.model_config.served_model_name,
                                      log_interval_s if log_stats else None)
         self._lock = threading.Lock()
@@ -214,6 +219,11 @@ class AsyncLLMEngine:
     def errored(self) -> bool:
         return self._dead is not None
 
+    def is_tracing_enabled(self) -> bool:
+        """Whether requests become OpenTelemetry spans (``otlp_traces_endpoint``): only then may
+        ``trace_headers`` be given (the server forwards the HTTP trace headers only then)."""
+        return self._config.observability_config.otlp_traces_endpoint is not None
+
     def num_waiting_requests(self) -> int:
         """Sequences not yet scheduled: the scheduler's waiting queue (as of the last step, plus
         those accepted since) and those of adds not yet answered. A request with ``n`` choices
@@ -243,6 +253,7 @@ class AsyncLLMEngine:
         arrival_time: float | None = None,
         lora_request: Any = None,
         tokenization_kwargs: dict[str, Any] | None = None,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield this request's outputs as steps produce them; the last one has ``finished``.
 
@@ -250,7 +261,7 @@ class AsyncLLMEngine:
         cancellation, client gone) aborts the request.
         """
         stream = await self.add_request(request_id, prompt, sampling_params, priority, arrival_time,
-                                        lora_request, tokenization_kwargs)
+                                        lora_request, tokenization_kwargs, trace_headers)
         outputs = self.stream_outputs(stream)
         try:
             async for out in outputs:
@@ -267,6 +278,7 @@ class AsyncLLMEngine:
         arrival_time: float | None = None,
         lora_request: Any = None,
         tokenization_kwargs: dict[str, Any] | None = None,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> RequestStream:
         """Hand a request to the engine and wait until it is accepted (or raise its validation error).
 
@@ -274,7 +286,7 @@ class AsyncLLMEngine:
         """
         await self.check_health()
         stream = self.submit(request_id, prompt, sampling_params, priority, arrival_time, lora_request,
-                             tokenization_kwargs)
+                             tokenization_kwargs, trace_headers)
         await self.wait_accepted(stream)
         return stream
 
@@ -287,6 +299,7 @@ class AsyncLLMEngine:
         arrival_time: float | None = None,
         lora_request: Any = None,
         tokenization_kwargs: dict[str, Any] | None = None,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> RequestStream:
         """Queue a request without waiting (call from the event loop); then ``await wait_accepted``."""
         kind = getattr(sampling_params, "output_kind", RequestOutputKind.CUMULATIVE)
@@ -301,7 +314,8 @@ class AsyncLLMEngine:
             self._adding[stream.add_id] = stream
         try:
             self._backend.send(AddCommand(stream.add_id, request_id, prompt, sampling_params, priority, arrival,
-                                          lora_request, tokenization_kwargs))
+                                          lora_request, tokenization_kwargs,
+                                          dict(trace_headers) if isinstance(trace_headers, Mapping) else trace_headers))
         except Exception:  # e.g. a prompt that cannot be pickled for the engine process
             with self._lock:
                 self._adding.pop(stream.add_id, None)

@@ -111,6 +111,7 @@ def create_engine_config(args: EngineArgs, usage_context: str = "ENGINE_CONTEXT"
             enable_chunked_prefill=args.enable_chunked_prefill,
             scheduling_policy=args.scheduling_policy,
             preemption_mode=args.preemption_mode,
+            timeout_s=args.timeout_s,
         ),
         device=device,
         enforce_eager=args.enforce_eager or not on_gpu,
@@ -123,9 +124,17 @@ def create_engine_config(args: EngineArgs, usage_context: str = "ENGINE_CONTEXT"
             distributed_executor_backend=args.distributed_executor_backend or "uni",
         ),
         kernel_config=KernelConfig.from_env(),
-        observability_config=ObservabilityConfig(log_stats=not args.disable_log_stats),
+        observability_config=_observability_config(args),
         async_scheduling=on_gpu if args.async_scheduling is None else args.async_scheduling,
     )
+
+
+def _observability_config(args: EngineArgs) -> ObservabilityConfig:
+    if args.otlp_traces_endpoint is not None:
+        from pagedllm.tracing import check_tracing_available
+
+        check_tracing_available()
+    return ObservabilityConfig(log_stats=not args.disable_log_stats, otlp_traces_endpoint=args.otlp_traces_endpoint)
 
 
 def _resolve_dtype(dtype: str, hf_config: Any, device: str) -> str:

@@ -38,6 +38,7 @@ class AddCommand:
     arrival_time: float = 0.0
     lora_request: Any = None
     tokenization_kwargs: dict[str, Any] | None = None
+    trace_headers: dict[str, str] | None = None
 
 
 @dataclass
@@ -74,12 +75,12 @@ class Refused:
 class StepReport:
     """One step: its outputs, the scheduler's state after it, ``step_tokens`` ``{request id: (new
     tokens, prompt length)}`` of every request that generated tokens (whatever its output kind),
-    and ``first_scheduled`` ``{request id: time}`` of the requests first scheduled by it."""
+    and ``step_time``, the time stamp of those tokens (the one in their ``RequestMetrics``)."""
 
     outputs: list[RequestOutput]
     scheduler_stats: SchedulerStats
     step_tokens: dict[str, tuple[int, int]] = field(default_factory=dict)
-    first_scheduled: dict[str, float] = field(default_factory=dict)
+    step_time: float = 0.0
 
 
 @dataclass
@@ -106,7 +107,7 @@ class EngineLoop:
     ``receive(timeout)`` returns the next command or None: it waits up to ``timeout`` seconds, or
     not at all when ``timeout`` is None. ``emit(event)`` hands an event to the front end. The loop
     blocks in ``receive`` only when the engine is idle, so commands take effect before the next step.
-    Cost per step: the step itself plus O(requests not yet scheduled) for the queue times.
+    Cost per step: the step itself plus its report (O(requests with new tokens)).
     """
 
     def __init__(self, engine: Any, receive: Callable[[float | None], Command | None],
@@ -116,10 +117,9 @@ class EngineLoop:
         self._emit = emit
         self._idle_poll_s = idle_poll_s
         self._live: dict[str, int] = {}  # request id -> the add_id that created it
-        self._awaiting_schedule: set[str] = set()  # accepted, not yet scheduled
-        # Token counts straight from each step (not from the RequestOutputs, which a non-streaming
-        # FINAL_ONLY request gets only once, when it finishes).
-        engine.output_processor.record_step_tokens()
+        # The front end records and logs the stats of every step (``StepReport``): the engine
+        # counts tokens per step for it and logs nothing itself.
+        engine.report_steps()
 
     def run(self) -> None:
         """Serve commands until a StopCommand; always ends with a LoopEnded event."""
@@ -154,12 +154,11 @@ class EngineLoop:
         try:
             self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, arrival_time=cmd.arrival_time,
                                     lora_request=cmd.lora_request, tokenization_kwargs=cmd.tokenization_kwargs,
-                                    priority=cmd.priority)
+                                    trace_headers=cmd.trace_headers, priority=cmd.priority)
         except Exception as e:  # validation: surfaces from generate() as raised
             self._emit(Refused(cmd.add_id, e))
             return
         self._live[cmd.request_id] = cmd.add_id
-        self._awaiting_schedule.add(cmd.request_id)
         self._emit(Accepted(cmd.add_id))
 
     def _abort(self, cmd: AbortCommand) -> None:
@@ -170,7 +169,6 @@ class EngineLoop:
             self.engine.abort_request(ids)
 
     def _step(self) -> None:
-        step_start = time.time()
         try:
             outputs = self.engine.step()
         except Exception as e:
@@ -180,27 +178,7 @@ class EngineLoop:
         for out in outputs:
             if out.finished:
                 self._live.pop(out.request_id, None)
-        self._emit(StepReport(outputs, self.engine.get_scheduler_stats(),
-                              self.engine.output_processor.take_step_tokens(),
-                              self._first_scheduled(step_start, outputs)))
-
-    def _first_scheduled(self, step_start: float, outputs: list[RequestOutput]) -> dict[str, float]:
-        """When each request still awaiting its first schedule got it (those that got it now)."""
-        if not self._awaiting_schedule:
-            return {}
-        times = self.engine.get_first_scheduled_times(self._awaiting_schedule)
-        aborted = {o.request_id for o in outputs
-                   if o.finished and o.outputs and o.outputs[0].finish_reason == "abort"}
-        found: dict[str, float] = {}
-        for rid in list(self._awaiting_schedule):
-            if rid in times:
-                if times[rid] is None:
-                    continue  # still waiting
-                found[rid] = times[rid]
-            elif rid not in aborted:  # aborted before it ran: no queue time
-                found[rid] = step_start  # first scheduled and finished within this very step
-            self._awaiting_schedule.discard(rid)
-        return found
+        self._emit(self.engine.step_report(outputs))
 
     def _fail_live(self, error: BaseException) -> None:
         """After a failed step: abort every live request and hand each caller the error."""
@@ -211,7 +189,6 @@ class EngineLoop:
         except Exception:
             logger.exception("could not abort the failed requests cleanly")
         self._live.clear()
-        self._awaiting_schedule.clear()
         self._emit(StepFailed(ids, error))
 
     def _abort_all_and_flush(self) -> None:

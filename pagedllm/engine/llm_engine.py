@@ -3,6 +3,11 @@
 add_request -> tokenization + validation -> Request(s) into the EngineCore; step() runs one
 engine iteration and returns RequestOutputs; abort_request frees the request at once and its
 final output (finish_reason "abort") is returned by the next step().
+
+Observability (``EngineConfig.observability_config``): with stats on (``disable_log_stats=False``)
+the engine records every step into an ``EngineMetrics`` (``get_metrics()``) and logs vLLM's
+periodic stats line, unless a front end (``EngineLoop``) takes the step reports over
+(``report_steps``); with ``otlp_traces_endpoint`` every finished request becomes a span.
 """
 
 from __future__ import annotations
@@ -16,7 +21,10 @@ from pagedllm.config import EngineArgs, EngineConfig, ModelConfig
 from pagedllm.core.scheduler import SchedulerStats
 from pagedllm.engine.config_builder import create_engine_config
 from pagedllm.engine.engine_core import EngineCore
+from pagedllm.engine.engine_loop import StepReport
 from pagedllm.engine.input_processor import tokenize_prompt, validate_prompt
+from pagedllm.engine.metrics import EngineMetrics
+from pagedllm.engine.metrics_reader import Metric
 from pagedllm.engine.output_processor import OutputProcessor, ParentRequest, RequestState
 from pagedllm.outputs import RequestOutput
 from pagedllm.request import Request
@@ -41,6 +49,18 @@ class LLMEngine:
                                       tokenizer=self.tokenizer)
         self._pending_abort_outputs: list[RequestOutput] = []
         self.eos_token_id = self._eos_token_id()
+        self.stat_logger: EngineMetrics | None = None
+        if config.log_stats:
+            self.stat_logger = EngineMetrics(mc.served_model_name)
+            self.output_processor.record_step_tokens()
+        self.tracer = None
+        # request id -> (its params, its trace headers) of the requests to trace when they finish.
+        self._traced: dict[str, tuple[SamplingParams, Mapping[str, str] | None]] = {}
+        endpoint = config.observability_config.otlp_traces_endpoint
+        if endpoint is not None:
+            from pagedllm.tracing import RequestTracer
+
+            self.tracer = RequestTracer(endpoint, mc.served_model_name)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, usage_context: str = "ENGINE_CONTEXT") -> LLMEngine:
@@ -73,18 +93,28 @@ class LLMEngine:
         """Queue lengths, KV-cache usage and the cumulative prefix-cache and preemption counts."""
         return self.engine_core.scheduler.stats()
 
-    def get_first_scheduled_times(self, request_ids: Iterable[str]) -> dict[str, float | None]:
-        """For each live request: when its first sequence was first scheduled (None: still waiting).
-        Finished and unknown ids are left out."""
-        times: dict[str, float | None] = {}
-        for request_id in request_ids:
-            seq_ids = self.output_processor.child_ids(request_id)
-            request = self.engine_core.scheduler.get_request(seq_ids[0]) if seq_ids else None
-            if request is not None:
-                times[request_id] = request.first_scheduled_time
-        return times
+    def get_metrics(self) -> list[Metric]:
+        """The engine's metrics (vLLM's ``get_metrics``): Counter / Gauge / Histogram objects named
+        ``pagedllm:...`` as the server's ``/metrics``. Needs stats (``disable_log_stats=False``)."""
+        if self.stat_logger is None:
+            raise RuntimeError("get_metrics() needs stats, which are off: create the engine with "
+                               "disable_log_stats=False (LLM(...) turns them off by default, as vLLM)")
+        return self.stat_logger.snapshot()
+
+    def report_steps(self) -> None:
+        """A front end (``EngineLoop``) takes the stats over: it gets ``step_report`` of every step
+        and records and logs them itself; this engine keeps no metrics of its own from now on."""
+        self.stat_logger = None
+        self.output_processor.record_step_tokens()
+
+    def step_report(self, outputs: list[RequestOutput]) -> StepReport:
+        """What the step that returned ``outputs`` did, for ``EngineMetrics.on_step``."""
+        return StepReport(outputs, self.get_scheduler_stats(), self.output_processor.take_step_tokens(),
+                          self.output_processor.step_time)
 
     def shutdown(self) -> None:
+        if self.tracer is not None:
+            self.tracer.shutdown()  # export the spans still queued
         self.engine_core.shutdown()
 
     # -- requests -------------------------------------------------------------------------
@@ -109,6 +139,8 @@ class LLMEngine:
             raise ValueError("lora_request is not supported: this engine serves base models only")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise TypeError(f"priority must be an integer, got {priority!r}")
+        if trace_headers is not None:
+            self._check_trace_headers(trace_headers)
         self._check_logprobs(params)
         if self.tokenizer is None and (params.stop or params.bad_words):
             raise ValueError("stop strings and bad_words need a tokenizer (the engine was started with skip_tokenizer_init)")
@@ -127,13 +159,27 @@ class LLMEngine:
         requests = []
         for index, child_id in enumerate(child_ids):
             child_params = params if num_seqs == 1 else self._child_params(params, index)
+            request = Request(child_id, prompt_ids, child_params, self.eos_token_id, arrival, priority, max_tokens)
             state = RequestState(child_id, parent.request_id if parent else None, index, prompt_text, prompt_ids,
                                  child_params, self.tokenizer, params.output_kind,
-                                 hide_logprobs=params.logprobs is None)
+                                 hide_logprobs=params.logprobs is None, request=request)
             self.output_processor.add_request(state, parent)
-            requests.append(Request(child_id, prompt_ids, child_params, self.eos_token_id, arrival, priority, max_tokens))
+            requests.append(request)
         # n / best_of > 1: the scheduler holds the siblings back until the first has the prompt's KV.
         self.engine_core.add_request(requests[0], requests[1:])
+        if self.stat_logger is not None:
+            self.stat_logger.on_request_added(request_id, arrival)
+        if self.tracer is not None:
+            self._traced[request_id] = (params, trace_headers)
+
+    def _check_trace_headers(self, trace_headers: Any) -> None:
+        if self.tracer is None:
+            raise ValueError("trace_headers need tracing, which is off: start the engine with "
+                             "otlp_traces_endpoint (--otlp-traces-endpoint) to export request spans")
+        if not isinstance(trace_headers, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in trace_headers.items()
+        ):
+            raise TypeError(f"trace_headers must be a mapping of header names to strings, got {trace_headers!r}")
 
     @staticmethod
     def _child_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -182,7 +228,18 @@ class LLMEngine:
         outputs, self._pending_abort_outputs = self._pending_abort_outputs, []
         if self.engine_core.has_unfinished_requests():
             outputs.extend(self.output_processor.process_outputs(self.engine_core.step()))
+        if self.tracer is not None:
+            self._trace_finished(outputs)
+        if self.stat_logger is not None:
+            self.stat_logger.on_step(self.step_report(outputs))
+            self.stat_logger.maybe_log()
         return outputs
+
+    def _trace_finished(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            if out.finished and out.request_id in self._traced:
+                params, trace_headers = self._traced.pop(out.request_id)
+                self.tracer.trace_request(out, params, trace_headers)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._pending_abort_outputs) or self.engine_core.has_unfinished_requests()

@@ -1,10 +1,13 @@
 """Engine metrics: Prometheus collectors named as vLLM's (prefix ``pagedllm:``) and a periodic log line.
 
-``EngineMetrics`` is fed by the front end's event thread (one writer): ``on_request_added`` when
-the engine accepted a request, ``on_step`` with every step's ``StepReport`` (its outputs, token
-counts, first-schedule times and the scheduler's stats). The collectors live in a registry of
-their own (several engines in one process, as in tests, do not collide); ``render()`` gives the
-text exposition for ``/metrics``.
+``EngineMetrics`` is fed by one writer: the server front end's event thread, or an ``LLMEngine``
+started with stats on (``disable_log_stats=False``). ``on_request_added`` when the engine accepted
+a request, ``on_step`` with every step's ``StepReport`` (its outputs, token counts, the time stamp
+of its tokens and the scheduler's stats). Every latency comes from the engine's own time stamps,
+the ones in ``RequestOutput.metrics`` (``RequestMetrics``): token times are the step's stamp,
+queue, prefill, decode and end-to-end times are read from the finished output. The collectors
+live in a registry of their own (several engines in one process, as in tests, do not collide);
+``render()`` gives the text exposition for ``/metrics``, ``snapshot()`` the same as objects.
 Cost: O(outputs + requests with new tokens) per step.
 """
 
@@ -26,6 +29,7 @@ except ImportError:  # pragma: no cover - older prometheus_client
 
 from pagedllm.core.scheduler import SchedulerStats
 from pagedllm.engine.engine_loop import StepReport
+from pagedllm.engine.metrics_reader import Metric, get_metrics_snapshot
 from pagedllm.outputs import RequestOutput
 
 logger = logging.getLogger("pagedllm")
@@ -98,6 +102,12 @@ class EngineMetrics:
         self.queue_time = histogram("pagedllm:request_queue_time_seconds",
                                     "Time a request spent waiting before it was first scheduled.",
                                     _LATENCY_BUCKETS)
+        self.prefill_time = histogram("pagedllm:request_prefill_time_seconds",
+                                      "Time from a request's first schedule to its first token.", _LATENCY_BUCKETS)
+        self.decode_time = histogram("pagedllm:request_decode_time_seconds",
+                                     "Time from a request's first token to its last token.", _LATENCY_BUCKETS)
+        self.inference_time = histogram("pagedllm:request_inference_time_seconds",
+                                        "Time from a request's first schedule to its last token.", _LATENCY_BUCKETS)
         self.request_prompt_tokens = histogram("pagedllm:request_prompt_tokens",
                                                "Number of prompt tokens per finished request.", _TOKEN_BUCKETS)
         self.request_generation_tokens = histogram("pagedllm:request_generation_tokens",
@@ -114,53 +124,65 @@ class EngineMetrics:
         self._requests[request_id] = _RequestTimes(arrival_time)
 
     def on_step(self, report: StepReport) -> None:
-        """Record one step: its finishes, the tokens each request generated in it (whatever its
-        output kind), the queue times of the requests it scheduled first, and the scheduler's state."""
-        now = time.time()
-        for rid, scheduled in report.first_scheduled.items():
-            times = self._requests.get(rid)
-            if times is not None:
-                self.queue_time.observe(max(0.0, scheduled - times.arrival_time))
-        for rid, (new, prompt_len) in report.step_tokens.items():
-            times = self._requests.get(rid)
-            if times is not None and new:
-                self._record_tokens(times, new, prompt_len, now)
+        """Record one step: the tokens each request generated in it (whatever its output kind), at
+        the step's time stamp; its finished requests; and the scheduler's state."""
+        if report.step_tokens:
+            self._record_tokens(report.step_tokens, report.step_time)
         for out in report.outputs:
-            self._record_finish(out, now)
+            if out.finished:
+                self._record_finish(out)
         self._record_scheduler(report.scheduler_stats)
 
     def forget(self, request_id: str) -> None:
         """Drop a request that ended without a final output (engine failure)."""
         self._requests.pop(request_id, None)
 
-    def _record_finish(self, out: RequestOutput, now: float) -> None:
-        times = self._requests.get(out.request_id)
+    def _record_finish(self, out: RequestOutput) -> None:
+        """A finished request: its finish reason, token counts and its ``RequestMetrics`` latencies."""
+        times = self._requests.pop(out.request_id, None)
         if times is None:
             return
-        if out.finished:
-            del self._requests[out.request_id]
-            reason = out.outputs[0].finish_reason if out.outputs else "abort"
-            self._success.labels(self.model_name, reason or "abort").inc()
-            self.e2e.observe(now - times.arrival_time)
-            if times.first_token_time is not None:
-                self.request_prompt_tokens.observe(times.num_prompt_tokens)
-                self.request_generation_tokens.observe(times.num_generation_tokens)
+        reason = out.outputs[0].finish_reason if out.outputs else "abort"
+        self._success.labels(self.model_name, reason or "abort").inc()
+        if times.first_token_time is not None:
+            self.request_prompt_tokens.observe(times.num_prompt_tokens)
+            self.request_generation_tokens.observe(times.num_generation_tokens)
+        m = out.metrics
+        if m is None:
+            return
+        if m.finished_time is not None:
+            self.e2e.observe(m.finished_time - m.arrival_time)
+        if m.time_in_queue is not None:
+            self.queue_time.observe(m.time_in_queue)
+        if m.first_scheduled_time is not None and m.first_token_time is not None:
+            self.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
+            self.decode_time.observe(m.last_token_time - m.first_token_time)
+            self.inference_time.observe(m.last_token_time - m.first_scheduled_time)
 
-    def _record_tokens(self, times: _RequestTimes, new: int, prompt_len: int, now: float) -> None:
-        """``new`` tokens of one request arrived at ``now``: TTFT (and the prompt tokens) on the first,
-        else an inter-token latency sample."""
-        if times.first_token_time is None:
-            times.first_token_time = now
-            times.num_prompt_tokens = prompt_len
-            self.ttft.observe(now - times.arrival_time)
-            self.prompt_tokens.inc(prompt_len)
-            self._interval.prompt_tokens += prompt_len
-        elif times.last_token_time is not None:
-            self.itl.observe(now - times.last_token_time)
-        times.last_token_time = now
-        times.num_generation_tokens += new
-        self.generation_tokens.inc(new)
-        self._interval.generation_tokens += new
+    def _record_tokens(self, step_tokens: dict[str, tuple[int, int]], now: float) -> None:
+        """Each request's new tokens arrived at ``now``: TTFT (and its prompt tokens) on its first,
+        else an inter-token latency sample. The counters get one increment per step (a lock each)."""
+        prompt = generated = 0
+        for rid, (new, prompt_len) in step_tokens.items():
+            times = self._requests.get(rid)
+            if times is None or not new:
+                continue
+            if times.first_token_time is None:
+                times.first_token_time = now
+                times.num_prompt_tokens = prompt_len
+                self.ttft.observe(now - times.arrival_time)
+                prompt += prompt_len
+            elif times.last_token_time is not None:
+                self.itl.observe(now - times.last_token_time)
+            times.last_token_time = now
+            times.num_generation_tokens += new
+            generated += new
+        if prompt:
+            self.prompt_tokens.inc(prompt)
+            self._interval.prompt_tokens += prompt
+        if generated:
+            self.generation_tokens.inc(generated)
+            self._interval.generation_tokens += generated
 
     def _record_scheduler(self, stats: SchedulerStats) -> None:
         self._last_stats = stats
@@ -205,6 +227,10 @@ class EngineMetrics:
         )
         logger.info(line)
         return line
+
+    def snapshot(self) -> list[Metric]:
+        """Every metric as an object (``LLM.get_metrics()``, vLLM's reader types)."""
+        return get_metrics_snapshot(self.registry)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every collector."""

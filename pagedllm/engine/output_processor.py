@@ -12,11 +12,13 @@ that is later trimmed.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from pagedllm.core.sched_output import EngineCoreOutput, TokenLogprobs
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
-from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedllm.request import Request
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 _FINAL_ONLY = RequestOutputKind.FINAL_ONLY  # Enum attribute access is slow in the per-step loop
@@ -35,11 +37,18 @@ class ParentRequest:
 
 class RequestState:
     """One sequence's output so far. With ``hide_logprobs`` (best_of's internal logprobs=0, not
-    asked for by the user) only the cumulative logprob is kept, for ranking, and none is reported."""
+    asked for by the user) only the cumulative logprob is kept, for ranking, and none is reported.
+
+    ``request`` is the scheduler's record of the sequence: its arrival and first-scheduled times
+    are read from it for ``RequestMetrics``; the token times are stamped here, once per step.
+    """
 
     def __init__(self, request_id, parent_id, index, prompt, prompt_token_ids, params: SamplingParams,
-                 tokenizer, output_kind: RequestOutputKind, hide_logprobs: bool = False) -> None:
+                 tokenizer, output_kind: RequestOutputKind, hide_logprobs: bool = False,
+                 request: Request | None = None) -> None:
         self.request_id = request_id
+        self.request = request
+        self.arrival_time = request.arrival_time if request is not None else time.time()
         self.parent_id = parent_id
         self.index = index
         self.prompt = prompt
@@ -67,16 +76,24 @@ class RequestState:
         self.num_cached_tokens = 0
         self.sent_tokens = 0
         self.sent_text = 0
+        # When this sequence got its first / latest tokens and finished (the step's one time stamp).
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.finished_time: float | None = None
         self.hold_back = 0 if params.include_stop_str_in_output or not params.stop else max(map(len, params.stop)) - 1
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def update(self, out: EngineCoreOutput) -> None:
-        """Apply one step's output. The text of a sequence with stop strings was already added by
-        ``add_text_until_stop`` (during the core's update)."""
+    def update(self, out: EngineCoreOutput, now: float) -> None:
+        """Apply one step's output, stamped ``now``. The text of a sequence with stop strings was
+        already added by ``add_text_until_stop`` (during the core's update)."""
         new_ids = out.new_token_ids
+        if new_ids:
+            if self.first_token_time is None:
+                self.first_token_time = now
+            self.last_token_time = now
         self.token_ids.extend(new_ids)
         self.num_cached_tokens = out.num_cached_tokens
         if out.new_logprobs and self.cumulative_logprob is not None:
@@ -94,6 +111,7 @@ class RequestState:
                 self.text += self.detok.add_tokens(new_ids)
         if finish_reason is not None:
             self.finish_reason, self.stop_reason = finish_reason, out.stop_reason
+            self.finished_time = now
 
     def add_text_until_stop(self, new_ids: list[int], stopped_on_token: bool) -> tuple[int, str] | None:
         """Detokenize a step's tokens of a sequence with stop strings, one token at a time.
@@ -101,23 +119,34 @@ class RequestState:
         Returns None, or (number of ``new_ids`` up to the one that completes a stop string, the
         stop string); the text then ends at the match and the later tokens are never added.
         ``stopped_on_token``: the last id stopped the sequence (EOS / stop id), so it is not text.
+        Stop strings are looked for only once ``min_tokens`` tokens have been generated (vLLM): the
+        text of the first ``min_tokens`` tokens is never searched, only text after it (a stop
+        string may start inside it and end after it).
         """
         if stopped_on_token and not self.params.include_stop_str_in_output:
             new_ids = new_ids[:-1]
+        num_before = len(self.token_ids)  # this step's tokens are appended to token_ids later (update)
+        min_tokens = self.params.min_tokens
         for i, token_id in enumerate(new_ids):
-            stop = self._append_text(self.detok.add_tokens([token_id]))
+            delta = self.detok.add_tokens([token_id])
+            if num_before + i + 1 <= min_tokens:
+                self.text += delta
+                continue
+            stop = self._append_text(delta)
             if stop is not None:
                 return i + 1, stop
         return None
 
     def _append_text(self, delta: str) -> str | None:
-        """Append ``delta``; return the stop string it completes (the text is cut there), if any."""
+        """Append ``delta``; return the stop string it completes (the text is cut there), if any.
+        Only matches that end inside ``delta`` count: the text before it was searched already,
+        or was not to be searched (min_tokens)."""
         if not delta:
             return None
-        start = max(0, len(self.text) - max(len(s) for s in self.params.stop) + 1)
+        old_len = len(self.text)
         self.text += delta
         for stop in self.params.stop:
-            idx = self.text.find(stop, start)
+            idx = self.text.find(stop, max(0, old_len - len(stop) + 1))
             if idx != -1:
                 end = idx + len(stop) if self.params.include_stop_str_in_output else idx
                 self.text = self.text[:end]
@@ -135,6 +164,9 @@ class RequestState:
         if self.tokenizer is None or not self.params.detokenize:
             return None
         return self.tokenizer.decode([token_id])
+
+    def first_scheduled_time(self) -> float | None:
+        return self.request.first_scheduled_time if self.request is not None else None
 
     def completion(self) -> CompletionOutput:
         """The CompletionOutput to send now, honouring the output kind (cumulative / delta)."""
@@ -163,6 +195,9 @@ class OutputProcessor:
         # FINAL_ONLY included): what the serving metrics count. None until ``record_step_tokens``, so
         # LLM.generate does not pay for it.
         self._step_tokens: dict[str, list[int]] | None = None
+        # The time stamp of the latest ``process_outputs``: every token time of that step (the
+        # serving histograms read it, so they and RequestMetrics share one clock reading).
+        self.step_time = time.time()
 
     def record_step_tokens(self) -> None:
         """From now on, count each step's new tokens per user request (see ``take_step_tokens``)."""
@@ -209,6 +244,7 @@ class OutputProcessor:
         touched: dict[str, None] = {}
         states = self.states
         counts = self._step_tokens
+        self.step_time = now = time.time()
         for out in outputs:
             state = states.get(out.req_id)
             if state is None or state.finish_reason is not None:
@@ -216,7 +252,7 @@ class OutputProcessor:
             if counts is not None and out.new_token_ids:
                 count = counts.setdefault(state.parent_id or state.request_id, [0, len(state.prompt_token_ids)])
                 count[0] += len(out.new_token_ids)
-            state.update(out)
+            state.update(out, now)
             if state.finish_reason is None and state.output_kind == _FINAL_ONLY:
                 continue
             touched[state.parent_id or state.request_id] = None
@@ -227,11 +263,12 @@ class OutputProcessor:
     def finish_aborted(self, request_ids: list[str]) -> list[RequestOutput]:
         """Mark user requests aborted; return their final outputs (finish_reason "abort")."""
         results = []
+        now = time.time()
         for rid in request_ids:
             for cid in self.child_ids(rid):
                 st = self.states[cid]
                 if not st.finished:
-                    st.finish_reason, st.stop_reason = "abort", None
+                    st.finish_reason, st.stop_reason, st.finished_time = "abort", None, now
             ro = self._make_output(rid)
             if ro is not None:
                 results.append(ro)
@@ -246,6 +283,7 @@ class OutputProcessor:
         if not finished and (first.output_kind == _FINAL_ONLY
                              or (parent is not None and parent.n < len(children))):
             return None  # best_of > n streams nothing: which sequences survive is known at the end
+        metrics = _request_metrics(children, finished)
         if parent is not None and finished and parent.n < len(children):
             # best_of: keep the n sequences with the highest cumulative logprob, best first.
             children = sorted(children, key=lambda s: s.cumulative_logprob or 0.0, reverse=True)[: parent.n]
@@ -260,5 +298,32 @@ class OutputProcessor:
         return RequestOutput(
             request_id=user_request_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
             prompt_logprobs=first.prompt_logprobs, outputs=completions, finished=finished,
-            num_cached_tokens=first.num_cached_tokens,
+            num_cached_tokens=first.num_cached_tokens, metrics=metrics,
         )
+
+
+def _request_metrics(states: list[RequestState], finished: bool) -> RequestMetrics:
+    """A user request's timings from its sequences' (n > 1: the earliest first schedule and first
+    token, the latest token; it finished when its last sequence did). Built for every output, so
+    the one-sequence case (nearly every output) takes the short path."""
+    arrival = states[0].arrival_time
+    if len(states) == 1:
+        s = states[0]
+        first_scheduled = s.first_scheduled_time()
+        first_token, last_token, finished_time = s.first_token_time, s.last_token_time, s.finished_time
+    else:
+        first_scheduled = _earliest(s.first_scheduled_time() for s in states)
+        first_token = _earliest(s.first_token_time for s in states)
+        last_tokens = [s.last_token_time for s in states if s.last_token_time is not None]
+        last_token = max(last_tokens) if last_tokens else None
+        finished_time = max(s.finished_time for s in states) if finished else None
+    return RequestMetrics(
+        arrival_time=arrival, last_token_time=last_token, first_scheduled_time=first_scheduled,
+        first_token_time=first_token, time_in_queue=None if first_scheduled is None else first_scheduled - arrival,
+        finished_time=finished_time,
+    )
+
+
+def _earliest(times) -> float | None:
+    known = [t for t in times if t is not None]
+    return min(known) if known else None

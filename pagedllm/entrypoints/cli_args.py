@@ -30,7 +30,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
             group.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
         elif isinstance(default, bool):
             group.add_argument(flag, action="store_true", **kwargs)
-        elif f.name == "gpu_memory_utilization":
+        elif f.name == "gpu_memory_utilization" or f.type in ("float | None", "float"):
             group.add_argument(flag, type=float, **kwargs)
         elif f.type in ("int | None", "int") or isinstance(default, int):
             group.add_argument(flag, type=int, **kwargs)

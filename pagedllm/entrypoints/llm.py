@@ -12,6 +12,7 @@ from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_se
 from pagedllm.config import EngineArgs
 from pagedllm.engine.input_processor import tokenize_prompt
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.metrics_reader import Metric
 from pagedllm.entrypoints.chat_utils import apply_chat_template
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
@@ -21,11 +22,19 @@ class LLM:
     """``LLM()`` loads the embedded default model; ``LLM("folder" | "file.gguf" | "org/name", **engine_args)``."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        kwargs.setdefault("disable_log_stats", True)  # as vLLM: offline runs log no stats unless asked
         self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs), usage_context="LLM_CLASS")
         self._counter = itertools.count()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's metrics as vLLM's reader objects (``Counter``, ``Gauge``, ``Histogram`` with
+        ``.name``, ``.labels`` and ``.value`` / ``.count``, ``.sum``, ``.buckets``), named
+        ``pagedllm:...`` as the server's Prometheus metrics. Needs ``LLM(..., disable_log_stats=False)``
+        (RuntimeError otherwise)."""
+        return self.llm_engine.get_metrics()
 
     def generate(
         self,

@@ -8,6 +8,9 @@ Three costs, paid in three places:
   vocabulary): on the manager's thread pool, off the engine loop;
 - ``GrammarMatcher`` (microseconds): one per request, when it is first scheduled.
 
+Per step, the bitmask rows of all constrained requests are filled by one ``BatchGrammarMatcher``
+call that runs on xgrammar's own threads (one per usable CPU) without the GIL.
+
 The vocabulary comes from the engine's HF tokenizer, padded to the model's logits width (ids past
 the tokenizer's are never allowed). ``TokenizerInfo`` costs a fraction of a second, so it is built
 on the first structured request, not at engine start.
@@ -20,6 +23,7 @@ import threading
 
 import xgrammar as xgr
 
+from pagedllm.cpu_threads import usable_cpus
 from pagedllm.sampling_params import StructuredOutputsParams
 
 
@@ -37,6 +41,7 @@ class XgrammarBackend:
         self.max_threads = max_threads
         self._compiler: xgr.GrammarCompiler | None = None
         self._lock = threading.Lock()
+        self._batch: xgr.BatchGrammarMatcher | None = None  # the per-step fill's thread pool
 
     @property
     def compiler(self) -> xgr.GrammarCompiler:
@@ -68,6 +73,12 @@ class XgrammarBackend:
 
     def compile(self, grammar: xgr.Grammar) -> xgr.CompiledGrammar:
         return self.compiler.compile_grammar(grammar)
+
+    def batch_fill_bitmask(self, matchers: list[xgr.GrammarMatcher], bitmask, rows: list[int]) -> None:
+        """Fill ``bitmask[rows[i]]`` with the next-token mask of ``matchers[i]``, in parallel."""
+        if self._batch is None:
+            self._batch = xgr.BatchGrammarMatcher(max_threads=usable_cpus())
+        self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
 
     @staticmethod
     def new_matcher(compiled: xgr.CompiledGrammar, stop_token_ids: list[int] | None) -> xgr.GrammarMatcher:

@@ -52,25 +52,31 @@ def brute_force_beam_search(hf, prompt, beam_width, max_tokens, length_penalty, 
     return sorted(finished + live, key=score, reverse=True)[:beam_width]
 
 
-@pytest.mark.parametrize("beam_width, max_tokens, length_penalty, ignore_eos", [
-    (3, 5, 1.0, False), (2, 4, 0.0, True), (4, 3, 2.0, False),
+@pytest.mark.parametrize("beam_width, max_tokens, length_penalty, ignore_eos, include_stop", [
+    (3, 5, 1.0, False, True), (2, 4, 0.0, True, False), (4, 3, 2.0, False, False),
 ])
-def test_beam_search_matches_brute_force(beam_model, beam_width, max_tokens, length_penalty, ignore_eos):
+def test_beam_search_matches_brute_force(beam_model, beam_width, max_tokens, length_penalty, ignore_eos,
+                                         include_stop):
+    """Same beams, scores and order as the brute force; a beam ended by EOS keeps the EOS in its
+    tokens and text only with include_stop_str_in_output (as vLLM)."""
     folder, hf, prompts = beam_model
     llm = LLM(folder, dtype="float32")
     params = BeamSearchParams(beam_width=beam_width, max_tokens=max_tokens, length_penalty=length_penalty,
-                              ignore_eos=ignore_eos)
+                              ignore_eos=ignore_eos, include_stop_str_in_output=include_stop)
     outputs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], params)
     tok = llm.get_tokenizer()
     saw_eos = False
     for prompt, out in zip(prompts, outputs):
         ref = brute_force_beam_search(hf, prompt, beam_width, max_tokens, length_penalty, ignore_eos)
-        assert [s.tokens for s in out.sequences] == [t for t, _ in ref]
+        ended = [t[-1] == EOS and not ignore_eos for t, _ in ref]
+        assert [s.tokens for s in out.sequences] == [
+            t[:-1] if end and not include_stop else t for (t, _), end in zip(ref, ended)]
         assert [s.cum_logprob for s in out.sequences] == pytest.approx([c for _, c in ref], abs=1e-4)
-        for s in out.sequences:
+        for s, end in zip(out.sequences, ended):
             assert s.text == tok.decode(s.tokens) and s.tokens[: len(prompt)] == prompt
-            assert s.finish_reason == ("stop" if s.tokens[-1] == EOS and not ignore_eos else "length")
-            saw_eos |= s.tokens[-1] == EOS
+            assert (s.finish_reason, s.stop_reason) == (("stop", EOS) if end else ("length", None))
+            assert (s.tokens[-1] == EOS) == (end and include_stop) or ignore_eos
+            saw_eos |= end
     assert saw_eos or ignore_eos, "the EOS row was meant to make some beam finish early"
     assert llm.llm_engine.engine_core.scheduler.stats().prefix_cache_hits > 0, "beams share prefix blocks"
 

@@ -135,3 +135,30 @@ def test_detokenize_false_keeps_ids_only(tok):
     ids = tok.encode("Hello world", add_special_tokens=False)
     outs, _ = stream(tok, ids, SamplingParams(detokenize=False), kind=RequestOutputKind.CUMULATIVE)
     assert outs[-1].outputs[0].text == "" and outs[-1].outputs[0].token_ids == ids
+
+
+def test_min_tokens_holds_back_stop_strings(tok):
+    """vLLM checks stop strings only once min_tokens tokens were generated: a stop string inside the
+    first min_tokens tokens' text does not stop the sequence; the next one after them does."""
+    ids = tok.encode("one, two, three, four, five, six", add_special_tokens=False)
+    first_comma = next(i for i in range(len(ids)) if "," in tok.decode(ids[: i + 1]))
+    outs, stopped = stream(tok, ids, SamplingParams(stop=[","]))
+    assert stopped and final_text(outs) == "one"  # without min_tokens: the first comma stops it
+    min_tokens = first_comma + 2  # past the first comma, before the second
+    assert "," not in tok.decode(ids[first_comma + 1 : min_tokens])
+    outs, stopped = stream(tok, ids, SamplingParams(stop=[","], min_tokens=min_tokens))
+    text = final_text(outs)
+    assert stopped and text == "one, two", text
+    assert sum(len(o.outputs[0].token_ids) for o in outs) > min_tokens
+
+
+@pytest.mark.parametrize("per_step", [1, 3])
+def test_min_tokens_stop_string_may_start_before_and_end_after(tok, per_step):
+    """A stop string that starts inside the first min_tokens tokens and ends after them counts
+    (vLLM searches the text new since min_tokens, matches may begin before it)."""
+    ids = tok.encode("Hello world, this is a test.", add_special_tokens=False)
+    assert tok.decode(ids[:1]) == "Hello" and tok.decode(ids[1:2]) == " world"
+    outs, stopped = stream(tok, ids, SamplingParams(stop=["o w"], min_tokens=1), per_step=per_step)
+    assert stopped and final_text(outs) == "Hell"
+    outs, stopped = stream(tok, ids, SamplingParams(stop=["o w"], min_tokens=2), per_step=per_step)
+    assert not stopped and final_text(outs) == "Hello world, this is a test."

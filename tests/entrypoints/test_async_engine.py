@@ -18,7 +18,8 @@ import pytest
 
 from pagedllm.core.scheduler import SchedulerStats
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
-from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.engine.engine_loop import StepReport
+from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 pytestmark = pytest.mark.timeout(60)
@@ -37,12 +38,13 @@ class FakeEngine:
         self.events: list[tuple] = []
         self.tokenizer = None
         self.step_tokens: dict[str, tuple[int, int]] = {}  # as OutputProcessor.take_step_tokens
-        self.output_processor = SimpleNamespace(child_ids=lambda rid: [rid] if rid in self.live else [],
-                                                record_step_tokens=lambda: None, take_step_tokens=self._take_tokens)
 
-    def _take_tokens(self) -> dict[str, tuple[int, int]]:
+    def report_steps(self) -> None:
+        pass
+
+    def step_report(self, outputs) -> StepReport:  # as LLMEngine.step_report
         taken, self.step_tokens = self.step_tokens, {}
-        return taken
+        return StepReport(outputs, self.get_scheduler_stats(), taken, time.time())
 
     def _touch(self) -> None:
         self.threads.add(threading.current_thread().name)
@@ -58,20 +60,18 @@ class FakeEngine:
     def get_tokenizer(self):
         return None
 
-    def get_first_scheduled_times(self, request_ids) -> dict:
-        return {}  # as if each request was scheduled and finished within the step that saw it
-
     def shutdown(self) -> None:
         pass
 
     def add_request(self, request_id, prompt, params, arrival_time=None, lora_request=None,
-                    tokenization_kwargs=None, priority=0) -> None:
+                    tokenization_kwargs=None, trace_headers=None, priority=0) -> None:
         self._touch()
         if not isinstance(prompt, str) or not prompt:
             raise ValueError("prompt must not be empty")
         if request_id in self.live:
             raise ValueError(f"request_id {request_id!r} is already in use by a live request")
-        self.live[request_id] = {"params": params, "tokens": [], "sent": 0, "prompt": prompt}
+        self.live[request_id] = {"params": params, "tokens": [], "sent": 0, "prompt": prompt,
+                                 "arrival": time.time() if arrival_time is None else arrival_time}
         self.events.append(("add", request_id, self.steps))
 
     def abort_request(self, ids) -> None:
@@ -115,7 +115,8 @@ class FakeEngine:
         toks = st["tokens"][st["sent"]:] if kind == RequestOutputKind.DELTA else list(st["tokens"])
         st["sent"] = len(st["tokens"])
         comp = CompletionOutput(0, "".join(f"<{t}>" for t in toks), toks, finish_reason=finish)
-        return RequestOutput(rid, st["prompt"], [1, 2], None, [comp], finished=finish is not None)
+        metrics = RequestMetrics(st["arrival"], finished_time=time.time() if finish else None)
+        return RequestOutput(rid, st["prompt"], [1, 2], None, [comp], finished=finish is not None, metrics=metrics)
 
 
 @pytest.fixture

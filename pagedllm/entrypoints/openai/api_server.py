@@ -145,12 +145,12 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
     @app.post("/v1/completions")
     async def create_completion(request: Request) -> Response:
         body = await parse_body(request, CompletionRequest, ctx.max_request_body_bytes)
-        return await cancel_on_disconnect(request, completions.create(body))
+        return await cancel_on_disconnect(request, completions.create(body, ctx.trace_headers(request.headers)))
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: Request) -> Response:
         body = await parse_body(request, ChatCompletionRequest, ctx.max_request_body_bytes)
-        return await cancel_on_disconnect(request, chat.create(body))
+        return await cancel_on_disconnect(request, chat.create(body, ctx.trace_headers(request.headers)))
 
     def model_card(name: str) -> dict:
         return {"id": name, "object": "model", "created": ctx.created, "owned_by": "pagedllm",
@@ -248,7 +248,8 @@ def run_server(ns: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     interval = ns.stats_log_interval if ns.stats_log_interval and ns.stats_log_interval > 0 else None
     engine = AsyncLLMEngine.from_engine_args(engine_args_from(ns), "OPENAI_API_SERVER", engine_process=ns.engine_process,
-                                             log_stats=interval is not None, log_interval_s=interval or 10.0)
+                                             log_stats=interval is not None and not ns.disable_log_stats,
+                                             log_interval_s=interval or 10.0)
     app = build_app(engine, chat_template=chat_template, api_key=ns.api_key,
                     max_waiting_requests=ns.max_waiting_requests, max_request_body_bytes=ns.max_request_body_bytes)
     logger.info("model %s loaded in %.1f s (%d CPU threads); serving on http://%s:%d",

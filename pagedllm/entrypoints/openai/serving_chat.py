@@ -55,7 +55,7 @@ class OpenAIServingChat:
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
 
-    async def create(self, req: ChatCompletionRequest) -> Response:
+    async def create(self, req: ChatCompletionRequest, trace_headers: dict[str, str] | None = None) -> Response:
         ctx = self.ctx
         model = ctx.check_model(req.model)
         max_num_seqs = ctx.engine.get_engine_config().scheduler_config.max_num_seqs
@@ -82,7 +82,7 @@ class OpenAIServingChat:
         else:
             try:
                 stream = await ctx.engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, params,
-                                                      priority=req.priority)
+                                                      priority=req.priority, trace_headers=trace_headers)
             except (ValueError, TypeError) as e:
                 raise bad_request(e, _FIELDS, default_param="messages") from e
             outputs = ctx.engine.stream_outputs(stream)
@@ -120,6 +120,7 @@ class OpenAIServingChat:
             if stream is not None:
                 self.ctx.engine.abort_stream(stream)  # a no-op once finished
         assert final is not None
+        self.ctx.check_timed_out(final)
         prefix = self._echo_prefix(req)
         choices = []
         for c in final.outputs:
@@ -160,6 +161,7 @@ class OpenAIServingChat:
                 yield chunk({"index": i, "delta": {"role": "assistant", "content": prefix},
                              "logprobs": None, "finish_reason": None})
             async for out in outputs:
+                self.ctx.check_timed_out(out)
                 prompt_tokens, cached = len(out.prompt_token_ids), out.num_cached_tokens
                 for c in out.outputs:
                     if c.index in finished:

@@ -9,7 +9,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 import anyio
@@ -23,7 +23,8 @@ from pagedllm.entrypoints.openai import request_body
 from pagedllm.entrypoints.openai.errors import OpenAIError, error_body, from_validation_errors
 from pagedllm.entrypoints.openai.request_body import default_max_body_bytes
 from pagedllm.entrypoints.openai.tokenizer_pool import TokenizerPool
-from pagedllm.outputs import Logprob
+from pagedllm.outputs import QUEUE_TIMEOUT_REASON, Logprob, RequestOutput
+from pagedllm.tracing import extract_trace_headers, log_tracing_disabled_warning
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -149,6 +150,25 @@ class ServingContext:
                 f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the {prompt_param}, {max_tokens} "
                 f"in the completion). Please reduce the length of the {prompt_param} or {max_tokens_param}.",
                 param=max_tokens_param, code="context_length_exceeded")
+
+    def trace_headers(self, headers: Mapping[str, str]) -> dict[str, str] | None:
+        """The W3C trace headers of an HTTP request, for the engine's span; None when tracing is
+        off (then, as vLLM, a request that carries them only gets a warning, once)."""
+        found = extract_trace_headers(headers)
+        if not self.engine.is_tracing_enabled():
+            if found:
+                log_tracing_disabled_warning()
+            return None
+        return found or None
+
+    def check_timed_out(self, out: RequestOutput) -> None:
+        """503 (retry later) for a request the engine finished because it waited in the queue
+        longer than ``--timeout-s``; in a stream it becomes an SSE error event before [DONE]."""
+        if any(c.finish_reason == "abort" and c.stop_reason == QUEUE_TIMEOUT_REASON for c in out.outputs):
+            timeout_s = self.engine.get_engine_config().scheduler_config.timeout_s
+            raise OpenAIError(503, f"the request waited in the queue longer than the server's timeout_s "
+                              f"({timeout_s} s) without being scheduled; retry later", code="queue_timeout",
+                              headers={"Retry-After": "1"})
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         vocab = self.model_config.vocab_size

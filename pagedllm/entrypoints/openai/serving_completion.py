@@ -77,7 +77,7 @@ class OpenAIServingCompletion:
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
 
-    async def create(self, req: CompletionRequest) -> Response:
+    async def create(self, req: CompletionRequest, trace_headers: dict[str, str] | None = None) -> Response:
         ctx = self.ctx
         model = ctx.check_model(req.model)
         max_num_seqs = ctx.engine.get_engine_config().scheduler_config.max_num_seqs
@@ -99,7 +99,7 @@ class OpenAIServingCompletion:
                                            req.max_tokens) for i, p in enumerate(prompts)]
             streams: list[RequestStream] = []
         else:
-            streams = await self._submit(request_id, prompts, params, req.priority)
+            streams = await self._submit(request_id, prompts, params, req.priority, trace_headers)
             sources = [ctx.engine.stream_outputs(s) for s in streams]
         created = int(time.time())
         if req.stream:
@@ -139,7 +139,8 @@ class OpenAIServingCompletion:
             out.append(prompt)
         return out
 
-    async def _submit(self, request_id: str, prompts: list[_Prompt], params, priority: int) -> list[RequestStream]:
+    async def _submit(self, request_id: str, prompts: list[_Prompt], params, priority: int,
+                      trace_headers: dict[str, str] | None = None) -> list[RequestStream]:
         """Queue every prompt at once, then wait for all to be accepted (or abort all on a refusal)."""
         engine = self.ctx.engine
         streams: list[RequestStream] = []
@@ -148,7 +149,8 @@ class OpenAIServingCompletion:
             prompt = {"prompt_token_ids": p.token_ids}
             if p.text is not None:
                 prompt["prompt"] = p.text
-            streams.append(engine.submit(rid, prompt, params if i == 0 else params.clone(), priority=priority))
+            streams.append(engine.submit(rid, prompt, params if i == 0 else params.clone(), priority=priority,
+                                         trace_headers=trace_headers))
         try:
             for s in streams:
                 await engine.wait_accepted(s)
@@ -179,6 +181,7 @@ class OpenAIServingCompletion:
         prompt_tokens = completion_tokens = cached = 0
         for i, out in enumerate(finals):
             assert out is not None
+            self.ctx.check_timed_out(out)
             prompt_logprobs = prompt_logprobs_json(out.prompt_logprobs, self.ctx.tokenizer)
             prompt_tokens += len(out.prompt_token_ids)
             cached += out.num_cached_tokens
@@ -229,6 +232,7 @@ class OpenAIServingCompletion:
 
     def _chunks(self, req: CompletionRequest, head: dict, state: _StreamState, prompt_index: int,
                 out: RequestOutput, prompt: _Prompt):
+        self.ctx.check_timed_out(out)
         if prompt_index not in state.counted_prompts:
             state.counted_prompts.add(prompt_index)
             state.prompt_tokens += len(out.prompt_token_ids)
@@ -279,11 +283,9 @@ async def beam_search_outputs(ctx: ServingContext, req: CompletionRequest | Chat
 
 def _beam_choice(ctx: ServingContext, index: int, beam: BeamSearchSequence, prompt_len: int,
                  req: CompletionRequest | ChatCompletionRequest) -> CompletionOutput:
+    # The search already dropped the EOS that ended a beam unless include_stop_str_in_output.
     token_ids = beam.tokens[prompt_len:]
-    shown = token_ids
-    if beam.finish_reason == "stop" and not req.include_stop_str_in_output:
-        shown = token_ids[:-1]  # the EOS that ended the beam, as vLLM
-    text = ctx.tokenizer.decode(shown, skip_special_tokens=req.skip_special_tokens)
+    text = ctx.tokenizer.decode(token_ids, skip_special_tokens=req.skip_special_tokens)
     return CompletionOutput(index, text, token_ids, beam.cum_logprob, None, beam.finish_reason)
 
 
