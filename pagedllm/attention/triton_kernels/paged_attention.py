@@ -399,7 +399,8 @@ def _fit_tiles(
     block_m: int, tile_n: int, num_stages: int, head_dim_pad: int, elem_size: int
 ) -> tuple[int, int]:
     """Shrink pipelining depth, then the key tile, until Q plus ``num_stages`` K and V tiles fit in
-    ``_SMEM_BUDGET`` (matters for fp32 caches and head_dim > 128)."""
+    ``_SMEM_BUDGET`` (matters for fp32 caches and head_dim > 128). ``elem_size`` is the compute
+    dtype's: a float8 cache gets the tiles of its query's dtype (its upcast tiles take that much)."""
 
     def smem(tn: int, st: int) -> int:
         return (block_m + 2 * tn * st) * head_dim_pad * elem_size
@@ -466,7 +467,7 @@ def unified_attention(
     block_m = max(block_m, qpk_pad)
     block_q = block_m // qpk_pad
     head_dim_pad = triton.next_power_of_2(head_dim)
-    tile_n, num_stages = _fit_tiles(block_m, tile_n, num_stages, head_dim_pad, kv_cache.element_size())
+    tile_n, num_stages = _fit_tiles(block_m, tile_n, num_stages, head_dim_pad, compute_dtype.itemsize)
     grid = (query.shape[0] // block_q + num_reqs, num_kv_heads)
     _unified_attention_kernel[grid](
         out,
@@ -531,7 +532,7 @@ def paged_decode(
     assert 1 <= num_splits <= _MAX_SPLITS, f"num_splits must be in 1..{_MAX_SPLITS}"
     head_dim_pad = triton.next_power_of_2(head_dim)
     block_m = max(16, triton.next_power_of_2(qpk))
-    tile_n, num_stages = _fit_tiles(block_m, tile_n, num_stages, head_dim_pad, kv_cache.element_size())
+    tile_n, num_stages = _fit_tiles(block_m, tile_n, num_stages, head_dim_pad, compute_dtype.itemsize)
     if num_splits > 1:
         rows = num_reqs * num_heads * num_splits
         part_acc = torch.empty(rows, head_dim_pad, dtype=torch.float32, device=query.device)

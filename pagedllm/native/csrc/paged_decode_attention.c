@@ -17,7 +17,7 @@
  * there are fewer requests than threads; whole-token rows (all KV heads, contiguous) stream from
  * memory best. Items are shared by OpenMP threads (torch's libgomp, so torch's pool). Scratch per
  * thread: heads * max_seq_len scores + heads * head_dim sums. Head sizes 64 and 128 get code with
- * the size fixed at compile time (unrolled dot products).
+ * the size fixed at compile time (unrolled dot products); a float8 cache takes the generic code.
  */
 #include <math.h>
 #include <stdint.h>
@@ -36,13 +36,10 @@ typedef struct {
     float scale;
 } Problem;
 
-/* n float32 values of the cache half `base` from element `offset` on: in place for a float32 cache,
- * else decoded into `buf`. */
-static inline const float *cache_row(const Problem *p, const void *base, int64_t offset, int64_t n, float *buf)
+/* n float8 bytes decoded through the table into buf. */
+static inline const float *decode_row(const float *lut, const uint8_t *src, int64_t n, float *buf)
 {
-    if (p->lut == NULL) return (const float *)base + offset;
-    const uint8_t *src = (const uint8_t *)base + offset;
-    for (int64_t j = 0; j < n; ++j) buf[j] = p->lut[src[j]];
+    for (int64_t j = 0; j < n; ++j) buf[j] = lut[src[j]];
     return buf;
 }
 
@@ -50,16 +47,18 @@ static inline const float *cache_row(const Problem *p, const void *base, int64_t
  * token's decoded row (token_stride floats) for a float8 cache. */
 static inline __attribute__((always_inline)) void attend(
     const Problem *p, int64_t query_row, const int32_t *table, int64_t len, int64_t h0, int64_t h1,
-    const int64_t head_dim, float *scores, float *row_buf)
+    const int64_t head_dim, float *scores, float *row_buf, const int fp8)
 {
+    const int64_t block_bytes = p->block_stride * (fp8 ? 1 : (int64_t)sizeof(float)); /* fp8: a constant here */
     const int64_t nh = h1 - h0, ls = len + 1; /* score row stride: len scores + the normaliser */
     const float *q = p->query + (query_row * p->num_heads + h0) * head_dim;
     /* Scores: s[h][t] = scale * <q_h, k_t of h's KV head>. */
     for (int64_t t0 = 0; t0 < len; t0 += p->block_size) {
-        const int64_t kb = (int64_t)table[t0 / p->block_size] * p->block_stride;
+        const char *kb = (const char *)p->k_cache + (int64_t)table[t0 / p->block_size] * block_bytes;
         const int64_t n = len - t0 < p->block_size ? len - t0 : p->block_size;
         for (int64_t i = 0; i < n; ++i) {
-            const float *k = cache_row(p, p->k_cache, kb + i * p->token_stride, p->token_stride, row_buf);
+            const float *k = fp8 ? decode_row(p->lut, (const uint8_t *)kb + i * p->token_stride, p->token_stride, row_buf)
+                                 : (const float *)kb + i * p->token_stride;
             for (int64_t h = 0; h < nh; ++h) {
                 const float *qh = q + h * head_dim, *kh = k + ((h0 + h) / p->rep) * head_dim;
                 float s = 0.0f;
@@ -93,10 +92,13 @@ static inline __attribute__((always_inline)) void attend(
         float a[head_dim];
         for (int64_t d = 0; d < head_dim; ++d) a[d] = 0.0f;
         for (int64_t t0 = 0; t0 < len; t0 += p->block_size) {
-            const int64_t vb = (int64_t)table[t0 / p->block_size] * p->block_stride + kv_offset;
+            const char *vb = (const char *)p->v_cache + (int64_t)table[t0 / p->block_size] * block_bytes;
             const int64_t n = len - t0 < p->block_size ? len - t0 : p->block_size;
             for (int64_t i = 0; i < n; ++i) {
-                const float wt = w[t0 + i], *v = cache_row(p, p->v_cache, vb + i * p->token_stride, head_dim, row_buf);
+                const int64_t at = i * p->token_stride + kv_offset;
+                const float wt = w[t0 + i];
+                const float *v = fp8 ? decode_row(p->lut, (const uint8_t *)vb + at, head_dim, row_buf)
+                                     : (const float *)vb + at;
 #pragma omp simd
                 for (int64_t d = 0; d < head_dim; ++d) a[d] += wt * v[d];
             }
@@ -140,12 +142,14 @@ int paged_decode_attention(
             if (scores == NULL) continue;
             const int64_t r = item / slices, h0 = (item % slices) * slice_heads, h1 = h0 + slice_heads;
             const int32_t *table = block_tables + table_rows[r] * block_table_stride;
-            if (head_dim == 64)
-                attend(&p, query_rows[r], table, seq_lens[r], h0, h1, 64, scores, row_buf);
+            if (lut != NULL)
+                attend(&p, query_rows[r], table, seq_lens[r], h0, h1, head_dim, scores, row_buf, 1);
+            else if (head_dim == 64)
+                attend(&p, query_rows[r], table, seq_lens[r], h0, h1, 64, scores, row_buf, 0);
             else if (head_dim == 128)
-                attend(&p, query_rows[r], table, seq_lens[r], h0, h1, 128, scores, row_buf);
+                attend(&p, query_rows[r], table, seq_lens[r], h0, h1, 128, scores, row_buf, 0);
             else
-                attend(&p, query_rows[r], table, seq_lens[r], h0, h1, head_dim, scores, row_buf);
+                attend(&p, query_rows[r], table, seq_lens[r], h0, h1, head_dim, scores, row_buf, 0);
         }
         free(scores);
     }
