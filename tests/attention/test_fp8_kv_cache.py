@@ -3,6 +3,7 @@ float8 cache, the reference against float attention over the rounded K/V, and th
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -190,10 +191,12 @@ def _engine_cache(llm: LLM) -> tuple[int, torch.Tensor]:
 
 
 @pytest.mark.parametrize("dtype,ratio", [("float32", 4), ("bfloat16", 2)])
-def test_fp8_cache_holds_more_blocks_in_the_same_memory(tiny_llama, dtype, ratio):
+def test_fp8_cache_holds_more_blocks_in_the_same_memory(tiny_llama, dtype, ratio, caplog):
     args = dict(model=tiny_llama, dtype=dtype, kv_cache_memory=1 << 20, max_model_len=128, max_num_seqs=2)
     auto_blocks, auto_cache = _engine_cache(LLM(**args))
-    fp8_blocks, fp8_cache = _engine_cache(LLM(kv_cache_dtype="fp8", **args))
+    with caplog.at_level(logging.INFO, logger="pagedllm"):
+        fp8_blocks, fp8_cache = _engine_cache(LLM(kv_cache_dtype="fp8", **args))
+    assert f"KV cache: {fp8_blocks} blocks of 16 tokens in float8_e4m3fn (1 byte(s) an element" in caplog.text
     assert fp8_cache.dtype == torch.float8_e4m3fn and auto_cache.dtype == getattr(torch, dtype)
     assert fp8_blocks // ratio == auto_blocks  # the byte budget divided by 1/ratio of the bytes per block
     assert _engine_cache(LLM(kv_cache_dtype="fp8_e5m2", **args))[1].dtype == torch.float8_e5m2
