@@ -221,3 +221,25 @@ def test_fp8_engine_greedy_is_sane(tiny_llama):
         diffs += [abs(a.prompt_logprobs[i][t].logprob - b.prompt_logprobs[i][t].logprob) for i, t in enumerate(ids)
                   if i > 0]
     assert 0 < sum(diffs) / len(diffs) < 0.1 and max(diffs) < 0.5, (sum(diffs) / len(diffs), max(diffs))
+
+
+@pytest.mark.gpu
+def test_fp8_engine_on_gpu_is_sane():
+    """Qwen3-0.6B's shape with random weights on the GPU (fused RoPE + K/V store kernels, decode CUDA
+    graphs): an fp8 cache of half the bytes per block, finite prompt logprobs near the bf16 cache's."""
+    args = dict(model="benchmarks/configs/qwen3-0.6b", load_format="dummy", skip_tokenizer_init=True,
+                max_model_len=1024, max_num_seqs=8, num_gpu_blocks_override=256, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=16, prompt_logprobs=0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [(37 * i + n) % 5000 + 1 for i in range(n)]} for n in (300, 17, 120)]
+    runs = {}
+    for name in ("auto", "fp8"):
+        llm = LLM(kv_cache_dtype=name, **args)
+        runs[name] = llm.generate(prompts, params, use_tqdm=False)
+        assert _engine_cache(llm)[1].dtype == (torch.float8_e4m3fn if name == "fp8" else torch.bfloat16)
+        del llm
+    diffs = []
+    for a, b in zip(runs["auto"], runs["fp8"]):
+        assert len(b.outputs[0].token_ids) == 16
+        diffs += [abs(a.prompt_logprobs[i][t].logprob - b.prompt_logprobs[i][t].logprob)
+                  for i, t in enumerate(a.prompt_token_ids) if i > 0]
+    assert all(d == d for d in diffs) and 0 < sum(diffs) / len(diffs) < 0.5, sum(diffs) / len(diffs)
