@@ -21,12 +21,18 @@ import torch
 FP8_KV_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
-def kv_cache_torch_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The storage dtype of the KV cache for ``CacheConfig.cache_dtype`` ("auto": ``model_dtype``)."""
+def kv_cache_torch_dtype(cache_dtype: str, model_dtype: torch.dtype,
+                         device: torch.device | None = None) -> torch.dtype:
+    """The storage dtype of the KV cache for ``CacheConfig.cache_dtype`` ("auto": ``model_dtype``).
+    A float8 cache on a CUDA device needs compute capability 8.9+ (Ada, Hopper): the Triton
+    kernels convert to and from float8 with the instructions those GPUs have."""
     if cache_dtype == "auto":
         return model_dtype
     if cache_dtype not in FP8_KV_DTYPES:
         raise ValueError(f"kv_cache_dtype must be 'auto', 'fp8', 'fp8_e4m3' or 'fp8_e5m2', got {cache_dtype!r}")
+    if device is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(f"kv_cache_dtype={cache_dtype!r} needs a GPU of compute capability 8.9 or newer "
+                         f"(this one is {torch.cuda.get_device_capability(device)}): use 'auto'")
     return FP8_KV_DTYPES[cache_dtype]
 
 

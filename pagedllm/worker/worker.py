@@ -74,7 +74,7 @@ class Worker:
         self._prepare_model_kernels()
         logger.info("model loaded in %.1f s", time.perf_counter() - t0)
         self.backend = get_attention_backend(config.attention_backend, self.device)
-        self.kv_cache_dtype = kv_cache_torch_dtype(config.cache_config.cache_dtype, self.dtype)
+        self.kv_cache_dtype = kv_cache_torch_dtype(config.cache_config.cache_dtype, self.dtype, self.device)
         self.kv_cache_spec = self.backend.kv_cache_spec(mc.num_kv_heads, mc.head_dim, self.kv_cache_dtype,
                                                         self.block_size)
         self.model_runner = ModelRunner(config, self.model, self.backend, self.device, self.dtype)

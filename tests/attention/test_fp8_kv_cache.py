@@ -44,6 +44,15 @@ def test_cache_dtype_names(name, dtype):
     assert kv_cache_torch_dtype(name, torch.bfloat16) == dtype
 
 
+def test_fp8_cache_needs_fp8_capable_gpus(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ValueError, match="^kv_cache_dtype='fp8_e4m3' needs a GPU of compute capability 8.9"):
+        kv_cache_torch_dtype("fp8_e4m3", torch.bfloat16, torch.device("cuda:0"))
+    assert kv_cache_torch_dtype("auto", torch.bfloat16, torch.device("cuda:0")) == torch.bfloat16
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert kv_cache_torch_dtype("fp8_e5m2", torch.bfloat16, torch.device("cuda:0")) == torch.float8_e5m2
+
+
 def test_engine_args_validate_kv_cache_dtype():
     with pytest.raises(ValueError, match="^kv_cache_dtype must be one of"):
         EngineArgs(kv_cache_dtype="int8")

@@ -1,7 +1,7 @@
 """Accuracy of ``quantization="fp8"`` on the embedded SmolLM2 (fp32 on the CPU): teacher-forced
 perplexity (prompt_logprobs) of a fixed English text near the unquantized model's.
 
-The bound is 8%, not the issue's 2%: on this 135M model, whose weights are themselves a 4-bit
+The bound is 7%, not the issue's 2%: on this 135M model, whose weights are themselves a 4-bit
 grid (Q4_1), the change is rounding noise of e4m3's 3 mantissa bits (about 2.6% relative error per
 weight, whatever the scale), not a systematic error: it is +6.4% with the per-channel scales
 here, -0.8% to +2.7% with those scales 3-13% larger, +1.1% with vLLM's per-tensor weight scales
@@ -58,5 +58,5 @@ def test_fp8_weights_keep_the_perplexity_near_the_unquantized_models():
     llm = LLM(quantization="fp8", **args)
     fp8, _ = perplexity(llm)
     assert n > 250
-    assert abs(fp8 - plain) / plain < 0.08, (plain, fp8)
+    assert abs(fp8 - plain) / plain < 0.07, (plain, fp8)  # +6.4% today
     assert fp8 != plain, "the quantization must show"
