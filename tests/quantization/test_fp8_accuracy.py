@@ -6,7 +6,8 @@ grid (Q4_1), the change is rounding noise of e4m3's 3 mantissa bits (about 2.6% 
 weight, whatever the scale), not a systematic error: it is +6.4% with the per-channel scales
 here, -0.8% to +2.7% with those scales 3-13% larger, +1.1% with vLLM's per-tensor weight scales
 and +2.6% to +4.2% with those 3-13% larger; weight-only (float activations) gives +3.8%. The
-down_proj layers carry most of it (left in float: +1.1%), the last layer's most of those (+2.1%).
+down_proj layers carry most of it (with them left in float: +1.1%; with only the last layer left
+in float: +2.1%).
 The embedding and the tied lm_head are not quantized (as vLLM). The tiny-model tests check that
 the FP8 path computes exactly its dequantized model; this one that the scheme stays usable."""
 
