@@ -7,11 +7,13 @@ bf16 cache and decode attention reads half the bytes.
 
 Scales: every layer's ``k_scale`` and ``v_scale`` are 1.0, vLLM's default for a checkpoint that
 carries none: K/V are cast as they are, values beyond the format's range saturate to its largest
-finite value (as the GPU's ``cvt.satfinite`` does), and readers upcast to the query's dtype. The
-relative precision of a float8 number does not depend on a scale, only its range does, and
-post-RoPE keys and values of the models served here stay far inside +-448 (the accuracy test
-bounds the perplexity change). Checkpoint scales (``k_scale``/``v_scale`` tensors) are not read: a
-checkpoint with them is refused by the loader as having unexpected weights.
+finite value (as the GPU's ``cvt.satfinite`` does), and readers upcast to the query's dtype. A
+scale only moves the window of representable magnitudes (e4m3: normal from 2^-6 to 448), not the
+relative precision inside it; trained models' keys and values sit inside that window
+(tests/attention/test_fp8_kv_accuracy.py bounds SmolLM2's perplexity change), while very small
+values (tiny random test models) fall into the subnormals and keep fewer bits. Checkpoint scales
+(``k_scale``/``v_scale`` tensors) are not read: the loader refuses a checkpoint that has them as
+having unexpected weights.
 """
 
 from __future__ import annotations
