@@ -13,6 +13,7 @@ from typing import Any
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp16", "fp32")
 _DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}
+_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9  # CUDA: share of the device memory the engine may take
     kv_cache_memory: int | None = None  # CPU: bytes for the KV cache (None: a default budget)
     num_gpu_blocks_override: int | None = None  # a fixed number of blocks (tests, benchmarks)
+    cache_dtype: str = "auto"  # "auto" (the compute dtype) | "fp8_e4m3" | "fp8_e5m2" (attention/kv_dtype.py)
 
 
 @dataclass(frozen=True)
@@ -246,6 +248,8 @@ class EngineArgs:
     gpu_memory_utilization: float = arg(0.9, "share of GPU memory the engine may take (weights, activations, "
                                         "KV cache)")
     kv_cache_memory: int | None = arg(None, "bytes of KV cache on the CPU (default: enough for max_num_seqs full-length requests, at most 2 GiB)")
+    kv_cache_dtype: str = arg("auto", "KV cache storage: auto (the compute dtype), fp8 (= fp8_e4m3) or fp8_e5m2: "
+                              "1 byte an element (twice the blocks of bf16), scales 1.0")
     enable_prefix_caching: bool = arg(True, "reuse the KV blocks of common prompt prefixes")
     enable_chunked_prefill: bool = arg(True, "split long prompts over steps so that running streams keep "
                                        "their pace")
@@ -306,6 +310,8 @@ class EngineArgs:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if not isinstance(self.block_size, int) or self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ValueError(f"block_size must be a power of two in [1, 256], got {self.block_size!r}")
+        if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {_KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if not (0.0 < float(self.gpu_memory_utilization) <= 1.0):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.scheduler_policy is not None:

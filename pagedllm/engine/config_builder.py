@@ -116,6 +116,7 @@ def create_engine_config(args: EngineArgs, usage_context: str = "ENGINE_CONTEXT"
             gpu_memory_utilization=args.gpu_memory_utilization,
             kv_cache_memory=args.kv_cache_memory,
             num_gpu_blocks_override=args.num_gpu_blocks_override,
+            cache_dtype="fp8_e4m3" if args.kv_cache_dtype == "fp8" else args.kv_cache_dtype,
         ),
         scheduler_config=SchedulerConfig(
             max_num_seqs=max_num_seqs,

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from pagedllm.attention.backend import forward_context
+from pagedllm.attention.kv_dtype import kv_cache_torch_dtype
 from pagedllm.attention.registry import get_attention_backend
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import SchedulerOutput
@@ -77,7 +78,9 @@ class Worker:
         self.backend = get_attention_backend(config.attention_backend, self.device)
         # This rank's KV heads (all of them at one tensor-parallel rank).
         num_kv_heads = self.model.attention_layers[0].num_kv_heads
-        self.kv_cache_spec = self.backend.kv_cache_spec(num_kv_heads, mc.head_dim, self.dtype, self.block_size)
+        self.kv_cache_dtype = kv_cache_torch_dtype(config.cache_config.cache_dtype, self.dtype, self.device)
+        self.kv_cache_spec = self.backend.kv_cache_spec(num_kv_heads, mc.head_dim, self.kv_cache_dtype,
+                                                        self.block_size)
         self.model_runner = ModelRunner(config, self.model, self.backend, self.device, self.dtype)
         self._graphs: CUDAGraphRunner | None = None
         # No graphs across pipeline stages: a captured forward cannot hold the stage's send / receive.
@@ -142,7 +145,7 @@ class Worker:
             lens.append(min(self.max_model_len, sc.max_num_batched_tokens - sum(lens)))
         dummy_cache = self.model.kv_cache_shape_per_layer(1, self.block_size)
         self.model.bind_kv_caches(kvc.allocate_kv_caches(self.model.num_attention_layers, dummy_cache,
-                                                         self.dtype, self.device))
+                                                         self.kv_cache_dtype, self.device))
         with self._stage("compile"):
             self._compile_in_parallel(lens)
         with self._stage("profile"):
@@ -175,7 +178,8 @@ class Worker:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         shape = self.model.kv_cache_shape_per_layer(num_blocks, self.block_size)
         assert shape == self.kv_cache_spec.shape(num_blocks), "the model's KV layout is not the backend's"
-        caches = kvc.allocate_kv_caches(self.model.num_attention_layers, shape, self.dtype, self.device)
+        caches = kvc.allocate_kv_caches(self.model.num_attention_layers, shape, self.kv_cache_dtype, self.device)
+        kvc.log_kv_cache(num_blocks, self.block_size, self.kv_cache_dtype, self.bytes_per_block())
         self.model_runner.bind_kv_caches(caches)
         self.model_runner.proposer = build_proposer(self.config, self.draft_model, num_blocks, self.device, self.dtype)
 
