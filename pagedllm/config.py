@@ -7,11 +7,13 @@ and cache configs from here. Validation errors are ValueError naming the field.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp16", "fp32")
 _DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}
+_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass(frozen=True)
@@ -38,17 +40,49 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9  # CUDA: share of the device memory the engine may take
     kv_cache_memory: int | None = None  # CPU: bytes for the KV cache (None: a default budget)
     num_gpu_blocks_override: int | None = None  # a fixed number of blocks (tests, benchmarks)
+    cache_dtype: str = "auto"  # "auto" (the compute dtype) | "fp8_e4m3" | "fp8_e5m2" (attention/kv_dtype.py)
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How the model is split across devices and processes. Sizes above 1 are refused until the
-    parallel executors exist; the layers are already written for a group of this size."""
+    """How the model is split across devices and processes.
+
+    World layout: ``world_size = tensor_parallel_size * pipeline_parallel_size`` ranks; rank
+    ``pp_rank * tensor_parallel_size + tp_rank`` holds tensor-parallel slice ``tp_rank`` of pipeline
+    stage ``pp_rank``. The engine core reads its step's output from ``output_rank`` (the last
+    stage's first tensor-parallel rank). One engine core per data-parallel replica.
+    """
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
-    distributed_executor_backend: str = "uni"  # "uni" (one process) | "mp" | "ray"
+    distributed_executor_backend: str = "uni"  # "uni" (one process) | "mp" (one process per rank) | "ray"
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def output_rank(self) -> int:
+        return (self.pipeline_parallel_size - 1) * self.tensor_parallel_size
+
+    def verify_model(self, hf_config: Any) -> None:
+        """Refuse sizes that do not divide the model, with a ``ValueError`` naming the size and what
+        it must divide (the layers would refuse too, but only inside a worker process)."""
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        heads = int(hf_config.num_attention_heads)
+        kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+        checks = [("num_attention_heads", heads), ("vocab_size", int(hf_config.vocab_size)),
+                  ("intermediate_size", int(getattr(hf_config, "intermediate_size", tp)))]
+        for name, total in checks:
+            if total % tp:
+                raise ValueError(f"tensor_parallel_size ({tp}) must divide the model's {name} ({total})")
+        if kv_heads % tp and tp % kv_heads:
+            raise ValueError(f"tensor_parallel_size ({tp}) must divide the model's num_key_value_heads "
+                             f"({kv_heads}) or be a multiple of it")
+        layers = int(hf_config.num_hidden_layers)
+        if layers % pp:
+            raise ValueError(f"pipeline_parallel_size ({pp}) must divide the model's num_hidden_layers ({layers})")
 
 
 @dataclass(frozen=True)
@@ -69,6 +103,76 @@ class KernelConfig:
 
         return cls(fused_ops=envs.PAGEDLLM_FUSED_OPS, pdl=envs.PAGEDLLM_PDL, fold_norms=envs.PAGEDLLM_FOLD_NORMS,
                    gemm_tuning=envs.PAGEDLLM_GEMM_TUNING, cpu_kernels=envs.PAGEDLLM_CPU_KERNELS)
+
+
+_SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
+_SPEC_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``speculative_config`` keys): a proposer drafts up to
+    ``num_speculative_tokens`` tokens per request and step, and the target model verifies them in
+    one forward. ``ngram`` looks the last ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens up
+    in the request's own prompt and output; ``draft_model`` runs ``model`` (same vocabulary)."""
+
+    method: str  # "ngram" | "draft_model"
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 5
+    prompt_lookup_max: int = 5
+    model: str | None = None
+    # The draft's resolved ModelConfig (method "draft_model"; set by engine/config_builder.py).
+    draft_model_config: Any = None
+
+    @classmethod
+    def from_dict(cls, spec: dict | str) -> SpeculativeConfig:
+        """Validate vLLM's dict (or its JSON text, as the CLI passes it); errors name the key."""
+        if isinstance(spec, str):
+            try:
+                spec = json.loads(spec)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config must be a JSON object: {e}") from None
+        if not isinstance(spec, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(spec).__name__}")
+        unknown = sorted(set(spec) - set(_SPEC_KEYS))
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {unknown}; supported: {list(_SPEC_KEYS)}")
+        model = spec.get("model")
+        if model is not None and (not isinstance(model, str) or not model):
+            raise ValueError(f"speculative_config.model must be a path or hub id, got {model!r}")
+        method = spec.get("method") or ("draft_model" if model is not None else None)
+        if method not in _SPEC_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {list(_SPEC_METHODS)} (or give a draft "
+                             f"'model'), got {method!r}")
+        if method == "draft_model" and model is None:
+            raise ValueError("speculative_config.model is required by method 'draft_model'")
+        if method == "ngram" and model is not None:
+            raise ValueError("speculative_config.model is not used by method 'ngram': remove it")
+        k = spec.get("num_speculative_tokens")
+        if not _is_positive_int(k):
+            raise ValueError(f"speculative_config.num_speculative_tokens must be a positive integer, got {k!r}")
+        lo, hi = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
+        for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if v is not None and not _is_positive_int(v):
+                raise ValueError(f"speculative_config.{name} must be a positive integer, got {v!r}")
+            if v is not None and method != "ngram":
+                raise ValueError(f"speculative_config.{name} is only used by method 'ngram'")
+        lo, hi = lo or hi or 5, hi or lo or 5  # vLLM: one given sets both; neither: 5
+        if lo > hi:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
+        return cls(method=method, num_speculative_tokens=k, prompt_lookup_min=lo, prompt_lookup_max=hi, model=model)
+
+
+def _is_positive_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """Structured output (xgrammar is the one backend). ``jump_forward``: append the tokens a
+    grammar forces without sampling them one by one (structured_output/jump_forward.py)."""
+
+    jump_forward: bool = False
 
 
 @dataclass(frozen=True)
@@ -144,6 +248,8 @@ class EngineArgs:
     gpu_memory_utilization: float = arg(0.9, "share of GPU memory the engine may take (weights, activations, "
                                         "KV cache)")
     kv_cache_memory: int | None = arg(None, "bytes of KV cache on the CPU (default: enough for max_num_seqs full-length requests, at most 2 GiB)")
+    kv_cache_dtype: str = arg("auto", "KV cache storage: auto (the compute dtype), fp8 (= fp8_e4m3) or fp8_e5m2: "
+                              "1 byte an element (twice the blocks of bf16), scales 1.0")
     enable_prefix_caching: bool = arg(True, "reuse the KV blocks of common prompt prefixes")
     enable_chunked_prefill: bool = arg(True, "split long prompts over steps so that running streams keep "
                                        "their pace")
@@ -156,6 +262,11 @@ class EngineArgs:
     device: str = arg("auto", "auto (CUDA when available), cpu, cuda or cuda:N")
     attention_backend: str = arg("auto", "auto, cpu, torch_ref or triton")
     max_logprobs: int = arg(20, "most logprobs a request may ask for per token")
+    # Off by default: outputs then match token-by-token sampling (vLLM has no jump-forward), and the
+    # per-token jump check adds serial CPU work to the update of every constrained request.
+    structured_outputs_jump_forward: bool = arg(False, "structured output: append the tokens a grammar "
+                                                "forces (jump-forward) instead of sampling them one by one; "
+                                                "requests with logprobs always sample every token")
     disable_log_stats: bool = arg(False, "no periodic stats log line (LLM(...) turns it on unless given, "
                                    "as vLLM)")
     num_gpu_blocks_override: int | None = arg(None, "a fixed number of KV-cache blocks (tests, benchmarks)")
@@ -165,11 +276,12 @@ class EngineArgs:
     # Overlap the CPU side of a step with the GPU's previous step (default: on for CUDA).
     async_scheduling: bool | None = arg(None, "schedule the next step while the GPU runs this one "
                                         "(default: on for CUDA)")
-    tensor_parallel_size: int = arg(1, "GPUs a layer is split over (only 1 is supported yet)")
-    pipeline_parallel_size: int = arg(1, "pipeline stages (only 1 is supported yet)")
+    tensor_parallel_size: int = arg(1, "ranks (GPUs, or CPU processes) each layer is split over")
+    pipeline_parallel_size: int = arg(1, "pipeline stages the decoder layers are split over (one process each)")
     data_parallel_size: int = arg(1, "engine replicas (only 1 is supported yet)")
-    distributed_executor_backend: str | None = arg(None, "uni, mp or ray (only uni, one process, is "
-                                                   "supported yet)")
+    distributed_executor_backend: str | None = arg(None, "uni (one process), mp (one process per rank) or "
+                                                   "ray (not supported yet); default: uni at one rank, "
+                                                   "mp above")
     quantization: str | None = arg(None, "quantize the weights: fp8 (float8 weights, per-output-channel scales, "
                                    "quantized at load; per-token dynamic FP8 activations); a checkpoint's own "
                                    "quantization_config (fp8, compressed-tensors FP8, gptq and awq int4) is "
@@ -181,6 +293,9 @@ class EngineArgs:
                                   "default: no limit")
     otlp_traces_endpoint: str | None = arg(None, "export one OpenTelemetry span per request (OTLP) to this "
                                            "endpoint; needs the 'tracing' extra")
+    speculative_config: dict | str | None = arg(None, "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\" or "
+                                          "\"draft_model\", \"num_speculative_tokens\": k, \"prompt_lookup_min\", "
+                                          "\"prompt_lookup_max\" (ngram), \"model\" (the draft)}")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -196,6 +311,8 @@ class EngineArgs:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if not isinstance(self.block_size, int) or self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ValueError(f"block_size must be a power of two in [1, 256], got {self.block_size!r}")
+        if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {_KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if not (0.0 < float(self.gpu_memory_utilization) <= 1.0):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.scheduler_policy is not None:
@@ -228,20 +345,14 @@ class EngineArgs:
             raise ValueError(f"attention_backend must be 'auto', 'cpu', 'torch_ref' or 'triton', got {self.attention_backend!r}")
         if self.load_format not in ("auto", "dummy", "gguf", "gguf_dequantized"):
             raise ValueError(f"load_format must be 'auto', 'dummy', 'gguf' or 'gguf_dequantized', got {self.load_format!r}")
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
-            if v != 1:
-                raise ValueError(f"{name}={v} is not supported yet: this build runs one rank (size 1)")
-        if self.distributed_executor_backend not in (None, "uni", "mp", "ray"):
-            raise ValueError("distributed_executor_backend must be 'uni', 'mp' or 'ray', "
-                             f"got {self.distributed_executor_backend!r}")
-        if self.distributed_executor_backend in ("mp", "ray"):
-            raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r} is not "
-                             "supported yet: this build runs one rank in one process ('uni')")
+        self._validate_parallel()
         if self.quantization is not None and not isinstance(self.quantization, str):
             raise ValueError(f"quantization must be a string or None, got {self.quantization!r}")
+        if not isinstance(self.structured_outputs_jump_forward, bool):
+            raise ValueError("structured_outputs_jump_forward must be a boolean, "
+                             f"got {self.structured_outputs_jump_forward!r}")
+        if self.speculative_config is not None:
+            SpeculativeConfig.from_dict(self.speculative_config)  # raises naming the key
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if (
@@ -254,6 +365,24 @@ class EngineArgs:
                 "max_num_batched_tokens must be >= max_model_len when enable_chunked_prefill is False "
                 f"(got {self.max_num_batched_tokens} < {self.max_model_len}): a prompt could never be scheduled"
             )
+
+    def _validate_parallel(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.data_parallel_size != 1:
+            raise ValueError(f"data_parallel_size={self.data_parallel_size} is not supported yet (size 1 only)")
+        backend = self.distributed_executor_backend
+        if backend not in (None, "uni", "mp", "ray"):
+            raise ValueError(f"distributed_executor_backend must be 'uni', 'mp' or 'ray', got {backend!r}")
+        if backend == "ray":
+            raise ValueError("distributed_executor_backend='ray' is not supported yet: use 'mp' (one process "
+                             "per rank on this host)")
+        world_size = self.tensor_parallel_size * self.pipeline_parallel_size
+        if backend == "uni" and world_size > 1:
+            raise ValueError(f"distributed_executor_backend='uni' runs one rank, but tensor_parallel_size x "
+                             f"pipeline_parallel_size is {world_size}: use 'mp'")
 
     def replace(self, **changes: Any) -> EngineArgs:
         return dataclasses.replace(self, **changes)
@@ -273,7 +402,9 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     kernel_config: KernelConfig = field(default_factory=KernelConfig)
     observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     async_scheduling: bool = False  # one step in flight while the next is scheduled (CUDA default)
+    speculative_config: SpeculativeConfig | None = None  # None: no drafts (the plain decode path)
 
     @property
     def log_stats(self) -> bool:

@@ -3,8 +3,9 @@
 Prefill and chunked prefill go through the reference (one SDPA call per request, where the GEMMs
 dominate and a gather is cheap next to them). Decode requests (query_len 1) go to
 ``native.kernels.paged_decode_attention`` in one call per layer, which reads each cached key and value
-once instead of gathering them into a padded copy first. Where that kernel cannot run (no C
-compiler, or a cache dtype other than float32) the whole step falls back to the reference path.
+once instead of gathering them into a padded copy first; a float8 cache (``kv_cache_dtype="fp8*"``)
+is upcast inside the kernel. Where that kernel cannot run (no C compiler, or a query or cache dtype
+it does not take) the whole step falls back to the reference path.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class CpuBackend(TorchRefBackend):
         self._rows: DecodeRows | None = None
 
     def forward(self, query, key, value, kv_cache, meta, scale, kv_stored=False):
-        if kv_stored or not cpu_kernels.applies(query, kv_cache):
+        if kv_stored or not cpu_kernels.decode_applies(query, kv_cache):
             return super().forward(query, key, value, kv_cache, meta, scale, kv_stored)
         n = meta.num_actual_tokens
         store_kv_cache(key[:n], value[:n], kv_cache, meta.slot_mapping[:n])

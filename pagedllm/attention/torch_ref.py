@@ -22,6 +22,7 @@ from pagedllm.attention.backend import (
     AttentionMetadataBuilder,
     CommonAttentionInputs,
 )
+from pagedllm.attention.kv_dtype import from_cache_dtype, to_cache_dtype
 
 
 @dataclass
@@ -47,15 +48,19 @@ class HostPlannedMetadataBuilder(AttentionMetadataBuilder):
 
 
 def store_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write each token's K/V into its slot; slots < 0 (padding) are skipped."""
+    """Write each token's K/V into its slot (cast to the cache's dtype, saturating for float8:
+    ``kv_dtype.to_cache_dtype``); slots < 0 (padding) are skipped."""
     num_tokens = key.shape[0]
     slots = slot_mapping[:num_tokens]
     flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
     if bool((slots < 0).any()):
         keep = slots >= 0
         slots, key, value = slots[keep], key[keep], value[keep]
-    flat[0].index_copy_(0, slots, key.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slots, value.to(kv_cache.dtype))
+    key, value = to_cache_dtype(key, kv_cache.dtype), to_cache_dtype(value, kv_cache.dtype)
+    if kv_cache.element_size() == 1:  # torch has no float8 index_copy on the CPU: copy the bytes
+        flat, key, value = flat.view(torch.uint8), key.view(torch.uint8), value.view(torch.uint8)
+    flat[0].index_copy_(0, slots, key)
+    flat[1].index_copy_(0, slots, value)
 
 
 def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,7 +178,7 @@ def prefill_attention_ref(query: torch.Tensor, kv_cache: torch.Tensor, meta: Hos
         if q_len <= 1:
             continue
         seq_len = seq_lens[r]
-        k, v = gather_kv(kv_cache, meta.block_tables[r], seq_len)
+        k, v = (from_cache_dtype(t, query.dtype) for t in gather_kv(kv_cache, meta.block_tables[r], seq_len))
         # Query j (position seq_len - q_len + j) sees keys 0..seq_len - q_len + j.
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device).unsqueeze(1)
         k_pos = torch.arange(seq_len, device=query.device).unsqueeze(0)
@@ -196,8 +201,8 @@ def _decode_group(query, kv_cache, group: DecodeGroup, scale: float, out: torch.
     B = group.rows.shape[0]
     block_size = kv_cache.shape[2]
     shape = (B, group.num_blocks * block_size, kv_cache.shape[-2], kv_cache.shape[-1])
-    k = kv_cache[0].index_select(0, group.blocks).view(shape)[:, :group.max_len]
-    v = kv_cache[1].index_select(0, group.blocks).view(shape)[:, :group.max_len]
+    k = from_cache_dtype(kv_cache[0].index_select(0, group.blocks).view(shape)[:, :group.max_len], query.dtype)
+    v = from_cache_dtype(kv_cache[1].index_select(0, group.blocks).view(shape)[:, :group.max_len], query.dtype)
     num_heads, head_dim, num_kv_heads = query.shape[1], query.shape[2], kv_cache.shape[-2]
     # GQA as in _grouped_sdpa: the heads of a KV group are the query rows of one SDPA "head".
     qg = query[group.rows].view(B, num_kv_heads, num_heads // num_kv_heads, head_dim).to(k.dtype)

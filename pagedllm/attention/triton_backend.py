@@ -15,7 +15,8 @@ Dispatch (cost per layer): one KV-store launch, then
   decodes off the tall prefill tiles (two launches beat one unified launch on mixed steps;
   benchmarks/kernels/bench_attention.py measures both).
 
-Supported: fp16 / bf16 (fp32 for tests), any ``block_size`` (16/32/64 tested), head sizes up to
+Supported: fp16 / bf16 (fp32 for tests) caches, or a float8 cache (``kv_cache_dtype="fp8*"``:
+stored saturating, upcast to the query's dtype as each tile is loaded), any ``block_size`` (16/32/64 tested), head sizes up to
 256 (non-powers of two such as 80/96 are padded with masks), any GQA ratio. Rows of ``query`` past
 ``meta.num_actual_tokens`` come back as zeros, like the reference backend.
 

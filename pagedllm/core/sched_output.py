@@ -52,6 +52,11 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     # req_id -> draft tokens scheduled for it this step (in order; counted in num_scheduled_tokens).
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # req_id -> (position, token ids): tokens appended to a scheduled request without being sampled
+    # (structured output jump-forward) since the runner last saw it. The runner writes them at that
+    # position of the request's tokens, replacing what it holds from there on: a token sampled in
+    # flight at that position was superseded by them and is dropped.
+    jump_forward_tokens: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

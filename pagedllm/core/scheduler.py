@@ -46,7 +46,12 @@ Semantics fixed here:
 - Structured output: ``Request.structured_output_request`` (None for most requests) is advanced
   by each step's kept tokens in ``update_from_output``; the request finishes with "stop" when
   its grammar terminates, and as aborted if the grammar refuses a token (its bitmask was not
-  applied: never expected).
+  applied: never expected). Jump-forward: the tokens the grammar then forces
+  (``jump_forward()``, structured_output/jump_forward.py) are appended in the same update, before
+  its stop strings are checked; having no KV, they are computed by the next step that schedules
+  the request (the one rule), whose ``SchedulerOutput.jump_forward_tokens`` tells the runner
+  their ids. With async scheduling the step in flight samples where the first jumped token now
+  is: that sample is superseded (its placeholder is taken back now, its result ignored later).
 - Sequences of an n > 1 request are added together (``add_request(first, siblings)``); the
   siblings wait until the first has computed the prompt, so that they hit its prefix cache.
 - ``timeout_s`` (when set): a request that has waited that long since its arrival without ever
@@ -66,7 +71,7 @@ import bisect
 import heapq
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.block_pool import BlockPool
@@ -92,6 +97,39 @@ StopChecker = Callable[[str, list[int], bool], "tuple[int, str] | None"]
 
 
 @dataclass
+class SpecDecodingStats:
+    """Speculative decoding's totals since start-up (vLLM's ``spec_decode_*`` counters): a draft is
+    one request's run of draft tokens verified in one step. Invariant: ``num_accepted_tokens ==
+    sum(num_accepted_tokens_per_pos) <= num_draft_tokens``; ``num_accepted_tokens_per_pos[j]``
+    counts drafts whose token j was accepted. Cost: O(accepted) per verified draft."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        per_pos = self.num_accepted_tokens_per_pos
+        if len(per_pos) < num_draft_tokens:
+            per_pos.extend([0] * (num_draft_tokens - len(per_pos)))
+        for j in range(num_accepted):
+            per_pos[j] += 1
+
+    def copy(self) -> SpecDecodingStats:
+        return SpecDecodingStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                                 list(self.num_accepted_tokens_per_pos))
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verifying step gives a request on average: the accepted drafts plus the one
+        sampled after them (vLLM's definition; 1.0 before any draft)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+
+@dataclass
 class SchedulerStats:
     num_running: int
     num_waiting: int
@@ -99,6 +137,7 @@ class SchedulerStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions_total: int
+    spec_decoding: SpecDecodingStats | None = None  # None until a runner has returned drafts
 
 
 class RequestQueue:
@@ -190,8 +229,13 @@ class Scheduler:
         self.stop_checker = stop_checker
         # Set once a runner returns drafts: until then the hot loops skip every draft test.
         self._drafts_seen = False
+        self.spec_decoding_stats = SpecDecodingStats()
         self._num_with_stop_strings = 0  # unfinished requests with stop strings
         self._num_structured = 0  # unfinished requests with a grammar (structured output)
+        # Jump-forward: tokens appended without sampling, not yet sent to the runner (req_id ->
+        # (position, ids)), and requests whose sample in flight a jump superseded.
+        self._jump_forward_tokens: dict[str, tuple[int, list[int]]] = {}
+        self._superseded_samples: set[str] = set()
         # Finished since the previous schedule(): sent to the runner in the next SchedulerOutput.
         self.finished_req_ids: set[str] = set()
         # Finished inside schedule() (could never fit): reported by the next update_from_output.
@@ -290,10 +334,16 @@ class Scheduler:
         del self.requests[request.request_id]
         del self._insertion_number[request.request_id]
         self._num_with_stop_strings -= request.has_stop_strings
-        self._num_structured -= request.structured_output_request is not None
+        if request.structured_output_request is not None:
+            self._num_structured -= 1
+            self._forget_jumps(request.request_id)
         self.finished_req_ids.add(request.request_id)
         if self._held_siblings and request.request_id in self._held_siblings:
             self._queue_siblings(request.request_id)
+
+    def _forget_jumps(self, req_id: str) -> None:
+        self._jump_forward_tokens.pop(req_id, None)
+        self._superseded_samples.discard(req_id)
 
     def get_request(self, req_id: str) -> Request | None:
         return self.requests.get(req_id)
@@ -317,7 +367,16 @@ class Scheduler:
         self._schedule_tokens(out, self.running.snapshot(), out.scheduled_cached_reqs)  # running requests
         if not out.preempted_req_ids and len(self.waiting):
             self._schedule_waiting(out)
+        if self._jump_forward_tokens:
+            self._send_jump_forward_tokens(out)
         return out
+
+    def _send_jump_forward_tokens(self, out: SchedulerOutput) -> None:
+        """Hand the runner the jumped tokens of the requests scheduled in ``out`` (the others keep
+        theirs until they are scheduled)."""
+        pending = self._jump_forward_tokens
+        for req_id in [r for r in pending if r in out.num_scheduled_tokens]:
+            out.jump_forward_tokens[req_id] = pending.pop(req_id)
 
     def _budget_left(self, out: SchedulerOutput) -> int:
         return self.scheduler_config.max_num_batched_tokens - out.total_num_scheduled_tokens
@@ -437,6 +496,8 @@ class Scheduler:
         request.num_output_placeholders = 0  # tokens in flight are dropped and sampled again later
         request.num_drafts_in_flight = 0
         request.spec_token_ids = []
+        if request.structured_output_request is not None:
+            self._forget_jumps(request.request_id)  # it comes back with every token it has
         self.num_preemptions_total += 1
         self.waiting.add(request)
         out.preempted_req_ids.add(request.request_id)
@@ -563,13 +624,14 @@ class Scheduler:
         num_cached_blocks = kv.num_cached_blocks if kv.enable_caching else None
         block_size = self.block_size
         max_model_len = self.scheduler_config.max_model_len
+        superseded = self._superseded_samples
         for req_id, i in zip(req_ids, rows):
             request = requests.get(req_id)
             if request is None or request.status != _RUNNING:
                 continue  # finished (aborted, stop string) or preempted while the step ran
             new_token_ids: list[int] = []
             finished = False
-            if i is not None and (sampled := sampled_rows[i]):
+            if i is not None and (sampled := sampled_rows[i]) and not (superseded and self._drop_superseded(req_id)):
                 request.num_output_placeholders -= 1
                 # Append tokens one by one until a stop condition; tokens after a stop are dropped.
                 output_ids, all_ids = request.output_token_ids, request.all_token_ids
@@ -625,29 +687,67 @@ class Scheduler:
         drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
         if drafts:
             self._settle_drafts(request, len(drafts), num_sampled)
+            self.spec_decoding_stats.observe(len(drafts), num_sampled - 1)
+        if not finished and request.structured_output_request is not None:
+            finished = self._advance_grammar(request, new_token_ids)  # may append jumped tokens
         if request.has_stop_strings and self.stop_checker is not None:
             finished = self._check_stop_strings(request, new_token_ids, finished) or finished
         if finished:
             return True
-        if request.structured_output_request is not None and self._advance_grammar(request, new_token_ids):
-            return True
-        if model_runner_output.draft_token_ids is not None:
+        # Drafts guess the tokens after the sampled one: none after a jump (tokens were appended).
+        if model_runner_output.draft_token_ids is not None and len(new_token_ids) == num_sampled:
             request.spec_token_ids = model_runner_output.draft_token_ids.get(req_id) or []
         if req_id in self._held_siblings:
             self._queue_siblings(req_id)  # its prompt is computed (its full blocks are cached next)
         return False
 
-    @staticmethod
-    def _advance_grammar(request: Request, new_token_ids: list[int]) -> bool:
+    def _advance_grammar(self, request: Request, new_token_ids: list[int]) -> bool:
         """Advance the request's grammar by its new tokens; finish it (True) when the grammar has
         terminated (its stop token accepted: "stop", as EOS) or refused a token ("abort": the
-        text could no longer match)."""
+        text could no longer match). Otherwise append the tokens the grammar forces next."""
         grammar = request.structured_output_request
         if not grammar.accept_tokens(new_token_ids):
             request.status = RequestStatus.FINISHED_ABORTED
             return True
         if grammar.is_terminated():
             request.status, request.stop_reason = _FINISHED_STOPPED, None
+            return True
+        # With drafts in flight, where the next token goes is not known yet: no jump this time.
+        if request.num_output_placeholders <= 1 and not request.num_drafts_in_flight:
+            return self._jump_forward(request, new_token_ids)
+        return False
+
+    def _jump_forward(self, request: Request, new_token_ids: list[int]) -> bool:
+        """Append the tokens the request's grammar forces (jump-forward; at most up to its length
+        limits) to its output and to ``new_token_ids``; True if that finished it ("length")."""
+        limit = min(request.max_tokens - len(request.output_token_ids),
+                    self.scheduler_config.max_model_len - len(request.all_token_ids))
+        token_ids = request.structured_output_request.jump_forward(limit)
+        if not token_ids:
+            return False
+        req_id = request.request_id
+        position = len(request.all_token_ids)
+        request.output_token_ids.extend(token_ids)
+        request.all_token_ids.extend(token_ids)
+        new_token_ids.extend(token_ids)
+        request.spec_token_ids = []
+        if request.num_output_placeholders:  # async: the step in flight samples at `position`
+            request.num_output_placeholders -= 1
+            self._superseded_samples.add(req_id)
+        unsent = self._jump_forward_tokens.get(req_id)
+        if unsent is not None:
+            unsent[1].extend(token_ids)
+        else:
+            self._jump_forward_tokens[req_id] = (position, list(token_ids))
+        if len(token_ids) == limit:
+            request.status = _FINISHED_LENGTH
+            return True
+        return False
+
+    def _drop_superseded(self, req_id: str) -> bool:
+        """Whether this result for ``req_id`` is a sample a jump superseded (then forgotten)."""
+        if req_id in self._superseded_samples:
+            self._superseded_samples.discard(req_id)
             return True
         return False
 
@@ -703,6 +803,7 @@ class Scheduler:
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions_total=self.num_preemptions_total,
+            spec_decoding=self.spec_decoding_stats.copy() if self._drafts_seen else None,
         )
 
     def check_integrity(self) -> None:

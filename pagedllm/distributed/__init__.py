@@ -1,5 +1,16 @@
-"""Process groups and the collectives the parallel layers call (tensor parallel today)."""
+"""Process groups and the collectives the parallel layers call (tensor and pipeline parallel)."""
 
-from pagedllm.distributed.parallel_state import TensorParallelGroup, get_tp_group, set_tp_group, shard_range
+from pagedllm.distributed.parallel_state import (
+    PipelineParallelGroup,
+    TensorParallelGroup,
+    destroy_distributed,
+    get_pp_group,
+    get_tp_group,
+    init_distributed,
+    set_pp_group,
+    set_tp_group,
+    shard_range,
+)
 
-__all__ = ["TensorParallelGroup", "get_tp_group", "set_tp_group", "shard_range"]
+__all__ = ["PipelineParallelGroup", "TensorParallelGroup", "destroy_distributed", "get_pp_group", "get_tp_group",
+           "init_distributed", "set_pp_group", "set_tp_group", "shard_range"]

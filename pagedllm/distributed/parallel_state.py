@@ -1,4 +1,5 @@
-"""This process's place in the tensor-parallel group, and the two collectives the layers need.
+"""This process's place in the tensor-parallel group, and the two collectives the layers need;
+``init_distributed`` joins a multi-process world and makes this rank's group.
 
 A process is one rank, so its tensor-parallel group is process state, set once by the worker
 before it builds the model (``set_tp_group``) and read by the parallel layers when they are
@@ -46,7 +47,65 @@ class TensorParallelGroup:
         return torch.cat(parts, dim=dim)
 
 
+@dataclass(frozen=True)
+class PipelineParallelGroup:
+    """This rank's pipeline stage: ``stage`` of ``size``, holding decoder layers ``layer_range``.
+
+    Stage ``s`` receives the residual stream from the same tensor-parallel rank of stage ``s - 1``
+    and sends its own to stage ``s + 1`` (point-to-point); the last stage samples and broadcasts
+    the sampled ids to every rank (``broadcast_sampled``), so every stage's input batch knows them.
+    Invariant: ``0 <= stage < size``; ``world_rank = stage * tp_size + tp_rank``. Cost: none at
+    size 1; one send and one receive of ``[tokens, hidden]`` per stage boundary per step otherwise,
+    plus one broadcast of the sampled ids.
+    """
+
+    stage: int = 0
+    size: int = 1
+    world_rank: int = 0
+    tp_size: int = 1
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.size - 1
+
+    def layer_range(self, num_layers: int) -> range:
+        """The decoder layers of this stage: an equal, contiguous share."""
+        start, length = shard_range(num_layers, self.stage, self.size, "num_hidden_layers")
+        return range(start, start + length)
+
+    def send_next(self, x: torch.Tensor) -> None:
+        torch.distributed.send(x.contiguous(), dst=self.world_rank + self.tp_size)
+
+    def recv_prev(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        x = torch.empty(shape, dtype=dtype, device=device)
+        torch.distributed.recv(x, src=self.world_rank - self.tp_size)
+        return x
+
+    def broadcast_sampled(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The last stage's ``token_ids`` on every rank (their number is known everywhere)."""
+        if self.size == 1:
+            return token_ids
+        torch.distributed.broadcast(token_ids, src=(self.size - 1) * self.tp_size)
+        return token_ids
+
+
 _tp_group = TensorParallelGroup()
+_pp_group = PipelineParallelGroup()
+
+
+def get_pp_group() -> PipelineParallelGroup:
+    return _pp_group
+
+
+def set_pp_group(group: PipelineParallelGroup) -> PipelineParallelGroup:
+    """Make ``group`` this process's pipeline stage; returns the previous one."""
+    global _pp_group
+    previous, _pp_group = _pp_group, group
+    return previous
 
 
 def get_tp_group() -> TensorParallelGroup:
@@ -67,3 +126,35 @@ def shard_range(total: int, rank: int, size: int, name: str) -> tuple[int, int]:
         raise ValueError(f"{name} ({total}) must be divisible by the tensor-parallel size ({size})")
     length = total // size
     return rank * length, length
+
+
+def init_distributed(rank: int, world_size: int, tensor_parallel_size: int, init_method: str,
+                     backend: str) -> TensorParallelGroup:
+    """Join the ``torch.distributed`` world of ``world_size`` ranks (``backend``: "gloo" on the CPU,
+    "nccl" on CUDA) and make this process's tensor-parallel group: the ``tensor_parallel_size``
+    consecutive ranks ``rank`` belongs to (one group per pipeline stage; every rank creates every
+    group, as ``torch.distributed.new_group`` requires) and its pipeline stage (``rank //
+    tensor_parallel_size``). Returns the tensor-parallel group it set."""
+    import datetime
+
+    torch.distributed.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                                         timeout=datetime.timedelta(minutes=10))
+    tp = tensor_parallel_size
+    group = None
+    for first in range(0, world_size, tp):
+        ranks = list(range(first, first + tp))
+        made = torch.distributed.new_group(ranks) if tp > 1 else None
+        if rank in ranks:
+            group = made
+    tp_group = TensorParallelGroup(rank % tp, tp, group)
+    set_tp_group(tp_group)
+    set_pp_group(PipelineParallelGroup(rank // tp, world_size // tp, rank, tp))
+    return tp_group
+
+
+def destroy_distributed() -> None:
+    """Leave the world joined by ``init_distributed`` (no-op if none) and go back to one rank."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    set_tp_group(TensorParallelGroup())
+    set_pp_group(PipelineParallelGroup())

@@ -5,6 +5,7 @@ Lives in engine/ (not config.py) because it needs the loader and torch, which co
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -17,6 +18,8 @@ from pagedllm.config import (
     ObservabilityConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
+    StructuredOutputsConfig,
 )
 
 # Who builds the engine (vLLM's UsageContext): the offline ``LLM`` class, the OpenAI server, or
@@ -58,11 +61,22 @@ def create_engine_config(args: EngineArgs, usage_context: str = "ENGINE_CONTEXT"
     quant_config = get_quantization_config(args.quantization, hf_config, source.kind, args.load_format)
     if quant_config is not None:
         logger.info("quantization: %s", quant_config.describe())
+    parallel_config = ParallelConfig(
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        data_parallel_size=args.data_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend or (
+            "mp" if args.tensor_parallel_size * args.pipeline_parallel_size > 1 else "uni"),
+    )
+    parallel_config.verify_model(hf_config)
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("device='cuda' was requested but CUDA is not available")
+    if device.startswith("cuda") and parallel_config.world_size > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size x pipeline_parallel_size ({parallel_config.world_size}) must not "
+                         f"exceed the GPUs of this host ({torch.cuda.device_count()})")
     dtype = _resolve_dtype(args.dtype, hf_config, device)
     max_model_len = _resolve_max_model_len(args.max_model_len, hf_config)
     on_gpu = device.startswith("cuda")
@@ -102,6 +116,7 @@ def create_engine_config(args: EngineArgs, usage_context: str = "ENGINE_CONTEXT"
             gpu_memory_utilization=args.gpu_memory_utilization,
             kv_cache_memory=args.kv_cache_memory,
             num_gpu_blocks_override=args.num_gpu_blocks_override,
+            cache_dtype="fp8_e4m3" if args.kv_cache_dtype == "fp8" else args.kv_cache_dtype,
         ),
         scheduler_config=SchedulerConfig(
             max_num_seqs=max_num_seqs,
@@ -116,16 +131,37 @@ def create_engine_config(args: EngineArgs, usage_context: str = "ENGINE_CONTEXT"
         enforce_eager=args.enforce_eager or not on_gpu,
         attention_backend=args.attention_backend,
         max_logprobs=args.max_logprobs,
-        parallel_config=ParallelConfig(
-            tensor_parallel_size=args.tensor_parallel_size,
-            pipeline_parallel_size=args.pipeline_parallel_size,
-            data_parallel_size=args.data_parallel_size,
-            distributed_executor_backend=args.distributed_executor_backend or "uni",
-        ),
+        parallel_config=parallel_config,
         kernel_config=KernelConfig.from_env(),
         observability_config=_observability_config(args),
+        structured_outputs_config=StructuredOutputsConfig(jump_forward=args.structured_outputs_jump_forward),
         async_scheduling=on_gpu if args.async_scheduling is None else args.async_scheduling,
+        speculative_config=_speculative_config(args.speculative_config, model_config),
     )
+
+
+def _speculative_config(spec: dict | str | None, target: ModelConfig) -> SpeculativeConfig | None:
+    """The validated config; a draft model must load and share the target's vocabulary (its
+    drafts are verified id by id). It runs in the target's dtype, context length and load format."""
+    if spec is None:
+        return None
+    config = SpeculativeConfig.from_dict(spec)
+    if config.method != "draft_model":
+        return config
+    from pagedllm.loader import load_hf_config, resolve_model
+
+    try:
+        source = resolve_model(config.model)
+        hf_config = load_hf_config(source)
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"speculative_config.model {config.model!r} could not be loaded: {e}") from None
+    if int(hf_config.vocab_size) != target.vocab_size:
+        raise ValueError(f"speculative_config.model must share the target's vocabulary: its vocab_size is "
+                         f"{hf_config.vocab_size}, the target's {target.vocab_size}")
+    draft = ModelConfig(model=config.model, source=source, hf_config=hf_config, dtype=target.dtype,
+                        max_model_len=target.max_model_len, seed=target.seed, load_format=target.load_format,
+                        skip_tokenizer_init=True)
+    return dataclasses.replace(config, draft_model_config=draft)
 
 
 def _observability_config(args: EngineArgs) -> ObservabilityConfig:

@@ -56,7 +56,9 @@ class EngineCore:
         self.cache_config = cache_config
         self.scheduler = Scheduler(config.scheduler_config, cache_config, stop_checker)
         self.structured_output = (
-            StructuredOutputManager(tokenizer, config.model_config.vocab_size) if tokenizer is not None else None
+            StructuredOutputManager(tokenizer, config.model_config.vocab_size,
+                                    jump_forward=config.structured_outputs_config.jump_forward)
+            if tokenizer is not None else None
         )
         self.executor.warm_up()
         # Everything built so far (modules, imports, tables) lives as long as the engine: move it out
@@ -81,7 +83,11 @@ class EngineCore:
     @property
     def runner(self):
         """The model runner of an in-process executor (benchmarks and tests inspect it)."""
-        return self.executor.worker.model_runner
+        worker = getattr(self.executor, "worker", None)
+        if worker is None:
+            raise ValueError("distributed_executor_backend: the model runner is in this process only with 'uni' "
+                             "(one rank); with worker processes it cannot be inspected from here")
+        return worker.model_runner
 
     def prepare_structured_outputs(self, params: StructuredOutputsParams) -> None:
         """Validate a request's constraint (``ValueError`` naming the field) and start compiling it;
@@ -116,7 +122,7 @@ class EngineCore:
             grammars.release(sched_out.finished_req_ids)
             if grammars.has_requests_in(sched_out):
                 return self._step_with_grammar(sched_out, t0, t1)
-            if sched_out.is_empty and self._in_flight is None:
+            if sched_out.is_empty and (self._in_flight is None or self._in_flight[0].is_empty):
                 # Nothing to run but grammars to compile: wait for one rather than spin the loop
                 # (a spinning loop takes the CPU, and the GIL, from the compile threads).
                 grammars.wait_for_compile(timeout_s=0.01)

@@ -16,11 +16,15 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.scheduler import SchedulerStats
+from pagedllm.executor import WorkerFailedError
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the front end reads it without importing the grammar machinery
+    from pagedllm.structured_output.manager import StructuredOutputStats
 
 logger = logging.getLogger("pagedllm")
 
@@ -75,12 +79,14 @@ class Refused:
 class StepReport:
     """One step: its outputs, the scheduler's state after it, ``step_tokens`` ``{request id: (new
     tokens, prompt length)}`` of every request that generated tokens (whatever its output kind),
-    and ``step_time``, the time stamp of those tokens (the one in their ``RequestMetrics``)."""
+    and ``step_time``, the time stamp of those tokens (the one in their ``RequestMetrics``);
+    ``structured_output_stats``: the grammar counters (None when the engine has no tokenizer)."""
 
     outputs: list[RequestOutput]
     scheduler_stats: SchedulerStats
     step_tokens: dict[str, tuple[int, int]] = field(default_factory=dict)
     step_time: float = 0.0
+    structured_output_stats: StructuredOutputStats | None = None
 
 
 @dataclass
@@ -174,6 +180,8 @@ class EngineLoop:
         except Exception as e:
             logger.exception("engine step failed; failing the requests in flight")
             self._fail_live(e)
+            if isinstance(e, WorkerFailedError):
+                raise  # the workers are gone: end the loop, the engine is dead
             return
         for out in outputs:
             if out.finished:

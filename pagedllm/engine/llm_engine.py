@@ -109,8 +109,9 @@ class LLMEngine:
 
     def step_report(self, outputs: list[RequestOutput]) -> StepReport:
         """What the step that returned ``outputs`` did, for ``EngineMetrics.on_step``."""
+        grammars = self.engine_core.structured_output
         return StepReport(outputs, self.get_scheduler_stats(), self.output_processor.take_step_tokens(),
-                          self.output_processor.step_time)
+                          self.output_processor.step_time, grammars.stats() if grammars is not None else None)
 
     def shutdown(self) -> None:
         if self.tracer is not None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -32,6 +32,9 @@ from pagedllm.engine.engine_loop import StepReport
 from pagedllm.engine.metrics_reader import Metric, get_metrics_snapshot
 from pagedllm.outputs import RequestOutput
 
+if TYPE_CHECKING:
+    from pagedllm.structured_output.manager import StructuredOutputStats
+
 logger = logging.getLogger("pagedllm")
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -41,6 +44,8 @@ _ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                     60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+_COMPILE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_BITMASK_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 
 
 @dataclass
@@ -61,6 +66,9 @@ class _Interval:
     generation_tokens: int = 0
     prefix_queries: int = 0
     prefix_hits: int = 0
+    num_drafts: int = 0  # speculative decoding: verified drafts and their accepted tokens
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 class EngineMetrics:
@@ -113,11 +121,31 @@ class EngineMetrics:
         self.request_generation_tokens = histogram("pagedllm:request_generation_tokens",
                                                    "Number of generated tokens per finished request.",
                                                    _TOKEN_BUCKETS)
+        self._add_structured_output_collectors(counter, histogram)
         self._requests: dict[str, _RequestTimes] = {}
         self._last_prefix = (0, 0)
         self._last_preemptions = 0
+        self._spec: _SpecDecodeCounters | None = None  # registered once the engine has drafted
         self._interval = _Interval()
         self._last_stats: SchedulerStats | None = None
+
+    def _add_structured_output_collectors(self, counter, histogram) -> None:
+        """Grammar compiles, cache hits, bitmask CPU time and jump-forward tokens (structured output)."""
+        self.grammar_compile_time = histogram(
+            "pagedllm:structured_output_compile_time_seconds",
+            "Time to compile one grammar (JSON schema, regex, choice, EBNF), on the compile threads.",
+            _COMPILE_BUCKETS)
+        self.grammars_compiled = counter("pagedllm:structured_output_compiled",
+                                         "Grammars compiled (constraints not found in the grammar cache).")
+        self.grammar_cache_hits = counter("pagedllm:structured_output_cache_hits",
+                                          "Constrained requests whose grammar was already compiled or compiling.")
+        self.bitmask_time = histogram("pagedllm:structured_output_bitmask_time_seconds",
+                                      "CPU time filling the token bitmask, per step with constrained requests.",
+                                      _BITMASK_BUCKETS)
+        self.jumped_tokens = counter("pagedllm:structured_output_jump_forward_tokens",
+                                     "Output tokens appended by jump-forward decoding (forced by the grammar, "
+                                     "not sampled).")
+        self._last_structured = (0, 0, 0.0, 0, 0)  # compiled, hits, bitmask s, bitmask steps, jumped
 
     # -- fed by the engine loop's events ------------------------------------------------------
     def on_request_added(self, request_id: str, arrival_time: float) -> None:
@@ -132,6 +160,8 @@ class EngineMetrics:
             if out.finished:
                 self._record_finish(out)
         self._record_scheduler(report.scheduler_stats)
+        if report.structured_output_stats is not None:
+            self._record_structured_output(report.structured_output_stats)
 
     def forget(self, request_id: str) -> None:
         """Drop a request that ended without a final output (engine failure)."""
@@ -202,6 +232,28 @@ class EngineMetrics:
         self._last_preemptions = stats.num_preemptions_total
         if dp:
             self.preemptions.inc(dp)
+        if stats.spec_decoding is not None:
+            if self._spec is None:
+                self._spec = _SpecDecodeCounters(self.registry, self.model_name)
+            self._spec.record(stats.spec_decoding, self._interval)
+
+    def _record_structured_output(self, stats: StructuredOutputStats) -> None:
+        """A histogram sample per new compile and per step that filled bitmasks (the step's CPU time);
+        the counters grow by the change of the manager's cumulative ones."""
+        for seconds in stats.new_compile_times_s:
+            self.grammar_compile_time.observe(seconds)
+        compiled, hits, bitmask_s, bitmask_steps, jumped = self._last_structured
+        if stats.num_compiled > compiled:
+            self.grammars_compiled.inc(stats.num_compiled - compiled)
+        if stats.num_cache_hits > hits:
+            self.grammar_cache_hits.inc(stats.num_cache_hits - hits)
+        if stats.num_jumped_tokens > jumped:
+            self.jumped_tokens.inc(stats.num_jumped_tokens - jumped)
+        new_steps = stats.num_bitmask_steps - bitmask_steps
+        for _ in range(new_steps):  # one per step in practice (a report per step)
+            self.bitmask_time.observe((stats.bitmask_time_s - bitmask_s) / new_steps)
+        self._last_structured = (stats.num_compiled, stats.num_cache_hits, stats.bitmask_time_s,
+                                 stats.num_bitmask_steps, stats.num_jumped_tokens)
 
     # -- periodic log line ---------------------------------------------------------------------
     def maybe_log(self) -> str | None:
@@ -225,6 +277,9 @@ class EngineMetrics:
             f"KV cache usage: {100.0 * (stats.kv_cache_usage if stats else 0.0):.1f}%, "
             f"Prefix cache hit rate: {hit_rate:.1f}%"
         )
+        if iv.num_drafts:
+            line += (f", Spec decode mean acceptance length: {1 + iv.num_accepted_tokens / iv.num_drafts:.2f}, "
+                     f"draft acceptance rate: {100.0 * iv.num_accepted_tokens / iv.num_draft_tokens:.1f}%")
         logger.info(line)
         return line
 
@@ -235,3 +290,43 @@ class EngineMetrics:
     def render(self) -> bytes:
         """The Prometheus text exposition of every collector."""
         return generate_latest(self.registry)
+
+
+class _SpecDecodeCounters:
+    """Speculative decoding's counters (vLLM's ``spec_decode_*``), fed the scheduler's running
+    totals (``SpecDecodingStats``): each is advanced by what the totals grew since the last step.
+    ``num_accepted_tokens_per_pos`` has one series per draft position (label ``position``)."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        labels = ["model_name"]
+        self.model_name = model_name
+        self.num_drafts = Counter("pagedllm:spec_decode_num_drafts", "Number of spec decoding drafts.", labels,
+                                  registry=registry).labels(model_name)
+        self.num_draft_tokens = Counter("pagedllm:spec_decode_num_draft_tokens", "Number of draft tokens.", labels,
+                                        registry=registry).labels(model_name)
+        self.num_accepted_tokens = Counter("pagedllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                                           labels, registry=registry).labels(model_name)
+        self.per_pos = Counter("pagedllm:spec_decode_num_accepted_tokens_per_pos",
+                               "Accepted tokens per draft position.", labels + ["position"], registry=registry)
+        self._last = (0, 0, 0)
+        self._last_per_pos: list[int] = []
+
+    def record(self, totals: Any, interval: _Interval) -> None:
+        now = (totals.num_drafts, totals.num_draft_tokens, totals.num_accepted_tokens)
+        drafts, draft_tokens, accepted = (a - b for a, b in zip(now, self._last))
+        self._last = now
+        if not drafts:
+            return
+        self.num_drafts.inc(drafts)
+        self.num_draft_tokens.inc(draft_tokens)
+        self.num_accepted_tokens.inc(accepted)
+        interval.num_drafts += drafts
+        interval.num_draft_tokens += draft_tokens
+        interval.num_accepted_tokens += accepted
+        per_pos = totals.num_accepted_tokens_per_pos
+        last = self._last_per_pos + [0] * (len(per_pos) - len(self._last_per_pos))
+        for pos, (n, before) in enumerate(zip(per_pos, last)):
+            series = self.per_pos.labels(self.model_name, str(pos))
+            if n > before:
+                series.inc(n - before)
+        self._last_per_pos = list(per_pos)

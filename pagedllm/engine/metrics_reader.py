@@ -30,7 +30,8 @@ class Counter(Metric):
 
 @dataclass
 class Vector(Metric):
-    """An ordered array of counters (vLLM's type for per-position counts; pagedllm exports none yet)."""
+    """An ordered array of counters (vLLM's type for per-position counts: a counter family with a
+    ``position`` label, such as ``spec_decode_num_accepted_tokens_per_pos``)."""
 
     values: list[int]
 
@@ -61,11 +62,24 @@ def get_metrics_snapshot(registry: CollectorRegistry, prefix: str = "pagedllm:")
         if family.type == "gauge":
             collected += [Gauge(family.name, dict(s.labels), s.value) for s in family.samples if s.name == family.name]
         elif family.type == "counter":
-            total = family.name + "_total"
-            collected += [Counter(family.name, dict(s.labels), int(s.value)) for s in family.samples if s.name == total]
+            total = [s for s in family.samples if s.name == family.name + "_total"]
+            if any("position" in s.labels for s in total):
+                collected += _vectors(family.name, total)
+            else:
+                collected += [Counter(family.name, dict(s.labels), int(s.value)) for s in total]
         elif family.type == "histogram":
             collected += _histograms(family)
     return collected
+
+
+def _vectors(name: str, samples: list) -> list[Vector]:
+    """One Vector per label set (``position`` aside) of a per-position counter, in position order."""
+    by_labels: dict[frozenset, dict[int, int]] = {}
+    for s in samples:
+        labels = frozenset((k, v) for k, v in s.labels.items() if k != "position")
+        by_labels.setdefault(labels, {})[int(s.labels["position"])] = int(s.value)
+    return [Vector(name, dict(labels), [counts.get(p, 0) for p in range(max(counts) + 1)])
+            for labels, counts in by_labels.items()]
 
 
 def _histograms(family) -> list[Histogram]:

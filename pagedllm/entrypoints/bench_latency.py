@@ -61,7 +61,8 @@ def main(ns: argparse.Namespace) -> int:
     runner = llm.llm_engine.engine_core.runner
     vocab = llm.llm_engine.model_config.vocab_size
     rng = random.Random(0)
-    shape = ModelShape.from_model(runner.model, llm.llm_engine.model_config.hf_config, runner.dtype.itemsize)
+    shape = ModelShape.from_model(runner.model, llm.llm_engine.model_config.hf_config, runner.dtype.itemsize,
+                                  runner.kv_caches[0].element_size() if runner.kv_caches else None)
     on_gpu = runner.device.type == "cuda"
     bandwidth = measure_copy_bandwidth(runner.device) if on_gpu else None
     _timed(llm, [[1] * 16], 4)  # warm-up

@@ -55,13 +55,14 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     dtype_bytes: int
+    kv_dtype_bytes: int | None = None  # the KV cache's element size (None: dtype_bytes; 1 for fp8)
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * (self.kv_dtype_bytes or self.dtype_bytes)
 
     @classmethod
-    def from_model(cls, model, hf_config, dtype_bytes: int) -> ModelShape:
+    def from_model(cls, model, hf_config, dtype_bytes: int, kv_dtype_bytes: int | None = None) -> ModelShape:
         c = hf_config
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         return cls(
@@ -69,7 +70,7 @@ class ModelShape:
             embedding_params=c.vocab_size * c.hidden_size, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
             num_layers=c.num_hidden_layers, num_heads=c.num_attention_heads,
             num_kv_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads, head_dim=head_dim,
-            dtype_bytes=dtype_bytes,
+            dtype_bytes=dtype_bytes, kv_dtype_bytes=kv_dtype_bytes,
         )
 
 

@@ -152,7 +152,8 @@ def _gpu_floor(llm, wl: Workload, result: dict) -> None:
     )
 
     runner = llm.llm_engine.engine_core.runner
-    shape = ModelShape.from_model(runner.model, llm.llm_engine.model_config.hf_config, runner.dtype.itemsize)
+    shape = ModelShape.from_model(runner.model, llm.llm_engine.model_config.hf_config, runner.dtype.itemsize,
+                                  runner.kv_caches[0].element_size() if runner.kv_caches else None)
     floor = generation_floor(shape, [len(p) for p in wl.prompts], wl.max_tokens,
                              measure_copy_bandwidth(runner.device), measure_matmul_rate(runner.device))
     result.update(device=device_name(runner.device), floor=floor.as_dict(), floor_seconds=floor.seconds,

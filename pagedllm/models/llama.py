@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.distributed import get_pp_group
 from pagedllm.layers import (
     Attention,
     LinearAdd,
@@ -141,25 +142,53 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(self.self_attn(positions, state))
 
 
+class OtherStageLayer(nn.Module):
+    """The place of a decoder layer that lives on another pipeline stage: no parameters, never
+    called (it keeps the stage's layers at their checkpoint indices, ``model.layers.N``)."""
+
+
 class LlamaModel(nn.Module):
     """Embedding -> decoder layers -> final norm. The residual stream travels as a ``ResidualState``
-    whose form ``self.residual`` chooses per forward (``layers/residual.py``)."""
+    whose form ``self.residual`` chooses per forward (``layers/residual.py``).
+
+    Pipeline parallel (``distributed.get_pp_group()``): this stage runs ``layer_range``; a stage
+    after the first takes the residual stream from the previous one instead of the embedding, and
+    a stage before the last sends its stream on and returns None. Every stage holds the embedding,
+    the final norm and the LM head (so a tied head has its table): one vocabulary table of memory
+    per stage, for one code path."""
 
     def __init__(self, cfg: Any) -> None:
         super().__init__()
+        self.pp = get_pp_group()
+        self.layer_range = self.pp.layer_range(cfg.num_hidden_layers)
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         head_dim = head_dim_of(cfg)
         rotary_dim = int(head_dim * get_rope_parameters(cfg).get("partial_rotary_factor", 1.0))
         self.rotary_emb = RotaryEmbedding(cfg, head_dim, cfg.max_position_embeddings, rotary_dim)  # shared
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary_emb) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary_emb) if i in self.layer_range
+                                    else OtherStageLayer() for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.residual = ResidualForm()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        state = self.residual(self.embed_tokens(input_ids))
-        for layer in self.layers:
-            state = layer(positions, state)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        if self.pp.is_first:
+            state = self.residual(self.embed_tokens(input_ids))
+        else:
+            shape = (positions.shape[0], self.embed_tokens.weight.shape[1])
+            state = self.residual(self.pp.recv_prev(shape, self.embed_tokens.weight.dtype, positions.device))
+        for i in self.layer_range:
+            state = self.layers[i](positions, state)
+        if not self.pp.is_last:
+            self.pp.send_next(_residual_stream(state))
+            return None
         return state.normed(self.norm)
+
+
+def _residual_stream(state: ResidualState) -> torch.Tensor:
+    """The running sum of a layer's output and its residual (what the next stage starts from)."""
+    if state.is_stream:
+        return state.stream
+    return state.hidden if state.residual is None else state.hidden + state.residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -179,7 +208,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = LMHead(hf_config.vocab_size, hf_config.hidden_size, self.model.embed_tokens if tied else None)
         self.max_supported_len: int | None = sliding_window_of(hf_config)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """``[T, hidden]`` final hidden states; None on a pipeline stage before the last."""
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
@@ -189,11 +219,12 @@ class LlamaForCausalLM(nn.Module):
     # ---- KV cache -------------------------------------------------------------------------------
     @property
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        """This pipeline stage's attention layers (all of them at one stage), in layer order."""
+        return [self.model.layers[i].self_attn.attn for i in self.model.layer_range]
 
     @property
     def num_attention_layers(self) -> int:
-        return len(self.model.layers)
+        return len(self.model.layer_range)
 
     def kv_cache_shape_per_layer(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return self.attention_layers[0].kv_cache_shape(num_blocks, block_size)
@@ -226,6 +257,8 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if name.endswith(IGNORED_SUFFIXES) or (self.lm_head.tied and name == "lm_head.weight"):
                 continue
+            if name.startswith("model.layers.") and int(name.split(".")[2]) not in self.model.layer_range:
+                continue  # another pipeline stage's layer
             target, shard_id = name, None
             for ckpt_part, our_part, shard in STACKED_PARAMS:
                 if ckpt_part in name:

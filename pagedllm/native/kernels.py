@@ -97,8 +97,8 @@ def load() -> ctypes.CDLL | None:
         return None
     i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
     lib.paged_decode_attention.restype = ctypes.c_int
-    lib.paged_decode_attention.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
-                                           f32, i32]
+    lib.paged_decode_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64,
+                                           i64, f32, i32]
     lib.rms_norm.restype = None
     lib.rms_norm.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, f32, i32]
     lib.silu_and_mul.restype = None
@@ -164,22 +164,39 @@ def rotary_embedding(x: torch.Tensor, positions: torch.Tensor, cos_cache: torch.
     return out
 
 
+_DECODE_CACHE_DTYPES = (torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@functools.cache
+def _byte_values(dtype: torch.dtype) -> torch.Tensor:
+    """float32 ``[256]``: the value of each byte as a ``dtype`` (a float8) number."""
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
+
+
+def decode_applies(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether ``paged_decode_attention`` takes this query and cache (``applies``, with a float8 cache too)."""
+    return kv_cache.dtype in _DECODE_CACHE_DTYPES and kv_cache.device.type == "cpu" and applies(query)
+
+
 def paged_decode_attention(
     query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, block_tables: torch.Tensor,
     query_rows: torch.Tensor, table_rows: torch.Tensor, seq_lens: torch.Tensor, scale: float,
 ) -> None:
     """Single-token attention for the decode requests, written into ``out`` at their query rows.
 
-    ``query``/``out``: float32 ``[T, num_heads, head_dim]`` contiguous; ``kv_cache``: float32
-    ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` contiguous; ``block_tables``: int32
+    ``query``/``out``: float32 ``[T, num_heads, head_dim]`` contiguous; ``kv_cache``: float32, float8_e4m3fn
+    or float8_e5m2 ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` contiguous (float8 is upcast
+    in the kernel, through a table of the 256 byte values); ``block_tables``: int32
     ``[num_reqs, max_blocks]`` with unit inner stride; ``query_rows``/``table_rows``/``seq_lens``:
     int64, one entry per decode request (its query row, its block-table row, its context length).
     Cost: reads each context key and value once; rows not listed are left untouched."""
     lib = load()
     if lib is None:
         raise RuntimeError("the CPU kernels are not available (see the warning logged by native.kernels.load)")
+    if kv_cache.dtype not in _DECODE_CACHE_DTYPES or kv_cache.device.type != "cpu":
+        raise ValueError(f"kv_cache must be a CPU float32 or float8 tensor, got {kv_cache.dtype} on {kv_cache.device}")
     for name, t, dtype in (("query", query, torch.float32), ("out", out, torch.float32),
-                           ("kv_cache", kv_cache, torch.float32), ("block_tables", block_tables, torch.int32),
+                           ("block_tables", block_tables, torch.int32),
                            ("query_rows", query_rows, torch.int64), ("table_rows", table_rows, torch.int64),
                            ("seq_lens", seq_lens, torch.int64)):
         if t.dtype != dtype or t.device.type != "cpu":
@@ -195,8 +212,9 @@ def paged_decode_attention(
     num_heads = query.shape[1]
     if num_heads % num_kv_heads or query.shape[2] != head_dim:
         raise ValueError(f"query heads {tuple(query.shape[1:])} do not fit the cache's {num_kv_heads} KV heads x {head_dim}")
+    lut = _byte_values(kv_cache.dtype) if kv_cache.dtype != torch.float32 else None
     rc = lib.paged_decode_attention(
-        query.data_ptr(), kv_cache.data_ptr(), out.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+        query.data_ptr(), kv_cache.data_ptr(), lut.data_ptr() if lut is not None else None, out.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
         query_rows.data_ptr(), table_rows.data_ptr(), seq_lens.data_ptr(), n,
         num_blocks, block_size, num_heads, num_kv_heads, head_dim, float(scale), torch.get_num_threads())
     if rc != 0:

@@ -25,6 +25,7 @@ import xgrammar as xgr
 
 from pagedllm.cpu_threads import usable_cpus
 from pagedllm.sampling_params import StructuredOutputsParams
+from pagedllm.structured_output.jump_forward import JumpForward
 
 
 class XgrammarBackend:
@@ -40,6 +41,7 @@ class XgrammarBackend:
         self.vocab_size = vocab_size
         self.max_threads = max_threads
         self._compiler: xgr.GrammarCompiler | None = None
+        self._info: xgr.TokenizerInfo | None = None  # built once, under _lock
         self._lock = threading.Lock()
         self._batch: xgr.BatchGrammarMatcher | None = None  # the per-step fill's thread pool
 
@@ -47,9 +49,19 @@ class XgrammarBackend:
     def compiler(self) -> xgr.GrammarCompiler:
         with self._lock:
             if self._compiler is None:
-                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=self.max_threads, cache_enabled=False)
+                self._compiler = xgr.GrammarCompiler(self._tokenizer_info(), max_threads=self.max_threads,
+                                                     cache_enabled=False)
             return self._compiler
+
+    def _tokenizer_info(self) -> xgr.TokenizerInfo:
+        if self._info is None:
+            self._info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
+        return self._info
+
+    def new_jump_forward(self) -> JumpForward:
+        """A ``JumpForward`` for this tokenizer (jump_forward.py): its encoder and token bytes."""
+        with self._lock:
+            return JumpForward.from_tokenizer(self.tokenizer, self._tokenizer_info())
 
     @staticmethod
     def parse(params: StructuredOutputsParams) -> xgr.Grammar:

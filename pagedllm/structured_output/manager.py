@@ -8,7 +8,8 @@ Flow of one constrained request:
    ``StructuredOutputRequest``; the scheduler keeps it waiting (others run) until ``is_ready()``.
 3. Each step that samples for it: ``grammar_bitmask`` fills its bitmask row(s) on the CPU (while
    the GPU runs the forward), the runner applies them to the logits; the scheduler's update
-   advances its matcher by the accepted tokens and stops it when the grammar terminates.
+   advances its matcher by the accepted tokens and stops it when the grammar terminates; with
+   jump-forward on, it then appends the tokens the grammar forces (jump_forward.py).
 4. The step after it finishes or is aborted (``SchedulerOutput.finished_req_ids``): ``release``.
 
 Compiled grammars are cached by ``StructuredOutputsParams.cache_key()`` (kind, spec, options), so
@@ -21,6 +22,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -28,9 +30,24 @@ from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sample.bitmask import GrammarOutput
 from pagedllm.sampling_params import StructuredOutputsParams
+from pagedllm.structured_output.jump_forward import JumpForward
 from pagedllm.structured_output.request import StructuredOutputRequest
 
 _RUNNING = RequestStatus.RUNNING
+
+
+@dataclass
+class StructuredOutputStats:
+    """The manager's counters at one moment (cumulative since the engine started), plus the compile
+    times of the grammars compiled since the previous ``StructuredOutputManager.stats()`` call.
+    Plain data: it crosses from the engine process to the front end inside each ``StepReport``."""
+
+    num_compiled: int
+    num_cache_hits: int
+    new_compile_times_s: list[float]
+    bitmask_time_s: float
+    num_bitmask_steps: int
+    num_jumped_tokens: int
 
 
 class StructuredOutputManager:
@@ -46,11 +63,18 @@ class StructuredOutputManager:
     Counters (the engine's metrics read them): ``num_compiled``, ``compile_time_s`` (summed;
     ``take_compile_times`` gives each), ``num_cache_hits`` (requests whose constraint was already
     compiled or compiling), ``bitmask_time_s`` and ``num_bitmask_steps`` (CPU time spent filling
-    bitmasks, over the steps that had structured requests: their ratio is the time per step).
+    bitmasks, over the steps that had structured requests: their ratio is the time per step),
+    ``num_jumped_tokens`` (tokens appended by jump-forward).
+
+    ``jump_forward``: requests that ask for no logprobs get the shared ``JumpForward``
+    (jump_forward.py), and the scheduler appends the tokens their grammar forces.
     """
 
-    def __init__(self, tokenizer, vocab_size: int, max_compile_threads: int = 2, max_cached_grammars: int = 512) -> None:
+    def __init__(self, tokenizer, vocab_size: int, max_compile_threads: int = 2, max_cached_grammars: int = 512,
+                 jump_forward: bool = False) -> None:
         self._tokenizer = tokenizer
+        self.jump_forward_enabled = jump_forward
+        self._jump_forward: JumpForward | None = None  # built on the first request that may jump
         self._backend = None  # built on the first constraint: importing xgrammar takes a while
         self.vocab_size = vocab_size
         self._pool: ThreadPoolExecutor | None = None  # started on the first constraint
@@ -110,6 +134,13 @@ class StructuredOutputManager:
             times, self._new_compile_times_s = self._new_compile_times_s, []
         return times
 
+    def stats(self) -> StructuredOutputStats:
+        """The counters now, and the compile times since the previous call (the engine's metrics
+        take one per step: a histogram sample per compile)."""
+        times = self.take_compile_times()
+        return StructuredOutputStats(self.num_compiled, self.num_cache_hits, times, self.bitmask_time_s,
+                                     self.num_bitmask_steps, self.num_jumped_tokens)
+
     def attach(self, request: Request) -> None:
         """Give ``request`` (whose constraint went through ``prepare``) its grammar state."""
         params = request.sampling_params.structured_outputs
@@ -119,9 +150,23 @@ class StructuredOutputManager:
         # The grammar's end admits the request's stop tokens (EOS unless ignore_eos, and its
         # stop_token_ids); with none, the tokenizer's EOS.
         stop = sorted(request.stop_token_candidates) or None
-        state = StructuredOutputRequest(self._cache[key], stop, self.backend.new_matcher)
+        state = StructuredOutputRequest(self._cache[key], stop, self.backend.new_matcher, self._jump_forward_for(request))
         request.structured_output_request = state
         self._requests[request.request_id] = state
+
+    def _jump_forward_for(self, request: Request) -> JumpForward | None:
+        """The shared ``JumpForward`` if ``request`` may jump: jump-forward is on and it asks for no
+        logprobs (a jumped token has none: jump_forward.py)."""
+        if not self.jump_forward_enabled or request.sampling_params.logprobs is not None:
+            return None
+        if self._jump_forward is None:
+            self._jump_forward = self.backend.new_jump_forward()
+        return self._jump_forward
+
+    @property
+    def num_jumped_tokens(self) -> int:
+        """Tokens appended by jump-forward (not sampled) so far."""
+        return self._jump_forward.num_jumped_tokens if self._jump_forward is not None else 0
 
     def release(self, req_ids: set[str]) -> None:
         """Drop the grammar state of finished or aborted requests (their matchers)."""

@@ -1,7 +1,8 @@
 """StructuredOutputRequest: one request's grammar state, as the scheduler sees it (pure calls).
 
 The scheduler never imports this module (core/ stays free of xgrammar); it calls ``is_ready()``,
-``failed``, ``accept_tokens`` and ``is_terminated()`` on ``Request.structured_output_request``.
+``failed``, ``accept_tokens``, ``is_terminated()`` and ``jump_forward`` on
+``Request.structured_output_request``.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from concurrent.futures import Future
 
 import numpy as np
 
+from pagedllm.structured_output.jump_forward import JumpForward
+
 logger = logging.getLogger("pagedllm")
 
 
@@ -18,16 +21,18 @@ class StructuredOutputRequest:
     """The compiled grammar (a future from the manager's pool) and the request's matcher.
 
     Invariant: once the future is done and succeeded, ``matcher`` (created on first use) has
-    accepted exactly the request's output tokens so far; draft tokens it is walked over to fill
+    accepted exactly the request's output tokens so far (jumped ones included); draft tokens it is walked over to fill
     their bitmask rows are rolled back before ``fill_bitmask`` returns. Cost: each call is one
     xgrammar call (microseconds) per token.
     """
 
-    def __init__(self, compiled: Future, stop_token_ids: list[int] | None, new_matcher) -> None:
+    def __init__(self, compiled: Future, stop_token_ids: list[int] | None, new_matcher,
+                 jump: JumpForward | None = None) -> None:
         self._compiled = compiled
         self._stop_token_ids = stop_token_ids
         self._new_matcher = new_matcher
         self._matcher = None
+        self._jump = jump  # None: this request samples every token (jump-forward off, or logprobs)
 
     @property
     def compiled(self) -> Future:
@@ -62,6 +67,23 @@ class StructuredOutputRequest:
         """Undo the last ``num_tokens`` accepted tokens (rejected drafts)."""
         if num_tokens:
             self.matcher.rollback(num_tokens)
+
+    def jump_forward(self, max_tokens: int) -> list[int]:
+        """The tokens the grammar forces next, at most ``max_tokens``, already accepted by the
+        matcher (jump_forward.py); [] when none is forced or jump-forward is off for the request."""
+        if self._jump is None or max_tokens <= 0:
+            return []
+        matcher = self.matcher
+        text = matcher.find_jump_forward_string()
+        if not text:
+            return []
+        accepted: list[int] = []
+        for token_id in self._jump.tokenize(text)[:max_tokens]:
+            if not matcher.accept_token(token_id):
+                break
+            accepted.append(token_id)
+        self._jump.record(len(accepted))
+        return accepted
 
     def is_terminated(self) -> bool:
         """The grammar is complete and its stop token was accepted."""

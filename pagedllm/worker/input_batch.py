@@ -67,6 +67,17 @@ class InputBatch:
             self.block_table[row, n : n + len(block_ids)] = block_ids
             self.num_blocks[row] = n + len(block_ids)
 
+    def replace_tokens(self, row: int, start: int, token_ids: list[int]) -> None:
+        """The row's tokens from ``start`` on become ``token_ids`` (structured output jump-forward:
+        the engine appended them without sampling). A token still in flight for the row was
+        sampled at ``start`` and is superseded: the generation bump makes its step's late result
+        skip the row, as it does for a reused row."""
+        end = start + len(token_ids)
+        self.token_ids[row, start:end] = token_ids
+        self.num_tokens[row] = end
+        self.num_pending[row] = 0
+        self.generation[row] += 1
+
     def append_token(self, row: int, token_id: int) -> None:
         self.token_ids[row, self.num_tokens[row]] = token_id
         self.num_tokens[row] += 1

@@ -2,7 +2,9 @@
 
 CPU: the pool is ``kv_cache_memory`` bytes (default: enough for max_num_seqs full-length requests,
 capped at 2 GiB). CUDA: a memory profile — run the largest batch once, then give the KV cache
-``gpu_memory_utilization * total - (peak use during the profile)``.
+``gpu_memory_utilization * total - (peak use during the profile)``. Both divide a byte budget by
+the bytes of one block, which follow the cache's dtype (``kv_cache_dtype``): a float8 cache holds
+twice the blocks of a bf16 one (four times those of float32) in the same memory.
 """
 
 from __future__ import annotations
@@ -43,3 +45,9 @@ def cuda_num_blocks(device: torch.device, gpu_memory_utilization: float, peak_by
 
 def allocate_kv_caches(num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+
+def log_kv_cache(num_blocks: int, block_size: int, dtype: torch.dtype, block_bytes: int) -> None:
+    """The start-up line that states the cache's dtype, its element size and its capacity."""
+    logger.info("KV cache: %d blocks of %d tokens in %s (%d byte(s) an element, %.2f GiB)", num_blocks, block_size,
+                str(dtype).removeprefix("torch."), torch.finfo(dtype).bits // 8, num_blocks * block_bytes / 2**30)

@@ -14,7 +14,8 @@ prepared while step N runs, each token step N samples reaching step N+1 on the d
 Multi-token steps: a request scheduled with d draft tokens (``scheduled_spec_decode_tokens``)
 computes its last known token plus the d drafts; logits are taken at all d + 1 positions, each is
 sampled with the request's own parameters, and the drafts are accepted while they equal the token
-sampled before them (StepHandle). A proposer (worker/proposer.py), when set, drafts the next ones.
+sampled at their positions (StepHandle, spec_decode/rejection_sampler.py). A proposer
+(spec_decode/, built by worker/proposer.py from ``speculative_config``) drafts the next ones.
 """
 
 from __future__ import annotations
@@ -33,14 +34,15 @@ from pagedllm.attention.backend import (
 from pagedllm.attention.backend import forward_context as attention_forward_context
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import SchedulerOutput
+from pagedllm.distributed import get_pp_group
 from pagedllm.sample.bitmask import GrammarOutput, apply_token_bitmask
 from pagedllm.sample.history import TokenHistory
 from pagedllm.sample.logprobs import PromptLogprobs
 from pagedllm.sample.sampler import Sampler, SamplerOutput, build_sampling_metadata
+from pagedllm.spec_decode.interface import Proposer
 from pagedllm.worker.cuda_graph import CUDAGraphRunner
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.input_prep import InputPreparer, PreparedInputs
-from pagedllm.worker.proposer import Proposer
 from pagedllm.worker.step_handle import StepHandle, StepTrace
 from pagedllm.worker.sync_policy import StepSyncPolicy
 
@@ -80,6 +82,7 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         self.max_model_len = mc.max_model_len
         self.sampler = Sampler(seed=mc.seed, device=device)
+        self.pp = get_pp_group()  # this rank's pipeline stage (the only stage at size 1)
         self.kv_caches: list[torch.Tensor] = []
         self.max_blocks_per_req = (self.max_model_len + self.block_size - 1) // self.block_size
         self.input_batch = InputBatch(sc.max_num_seqs, self.max_model_len, self.max_blocks_per_req)
@@ -133,7 +136,8 @@ class ModelRunner:
         else:
             with attention_forward_context(inp.attn_metadata, self.backend):
                 hidden = self.model(inp.input_ids, inp.positions)
-            if inp.sample_req_idx:  # logits in the model dtype: the sampler upcasts where it needs
+            if inp.sample_req_idx and hidden is not None:  # None: a pipeline stage before the last
+                # logits in the model dtype: the sampler upcasts where it needs
                 logits = self.model.compute_logits(hidden[inp.logits_indices], upcast=False)
         self._forward = _LaunchedForward(inp, hidden, logits, so.num_scheduled_tokens, trace_start)
 
@@ -149,12 +153,15 @@ class ModelRunner:
         if inp.sample_req_idx:
             rows = [batch.req_id_to_row[inp.req_ids[i]] for i in inp.sample_req_idx]
             params = [batch.params[r] for r in rows]
-            if grammar_output is not None:
-                self._apply_grammar(fwd.logits, inp, grammar_output)
-            if inp.drafts is None:
-                self._sample_one_per_request(handle, fwd.logits, rows, params)
+            if fwd.logits is None:  # a pipeline stage before the last: it samples nothing itself
+                self._receive_sampled(handle, rows, params, inp.drafts)
             else:
-                self._sample_with_drafts(handle, fwd.logits, rows, params, inp.drafts)
+                if grammar_output is not None:
+                    self._apply_grammar(fwd.logits, inp, grammar_output)
+                if inp.drafts is None:
+                    self._sample_one_per_request(handle, fwd.logits, rows, params)
+                else:
+                    self._sample_with_drafts(handle, fwd.logits, rows, params, inp.drafts)
         # Prompt logprobs come from prefill chunks, which never run as a graph (hidden is set then).
         if fwd.hidden is not None:
             handle.prompt_logprobs = self.prompt_logprobs.compute(
@@ -171,8 +178,21 @@ class ModelRunner:
         # Counts include tokens still in flight (async scheduling) so positions (seeds, min_tokens)
         # are exact; rows that read the ids themselves waited for them (StepSyncPolicy).
         result = self._sample(logits, rows_np, params, batch.num_tokens[rows_np] + batch.num_pending[rows_np])
+        if self.pp.size > 1:  # the earlier stages' input batches need the ids too
+            self.pp.broadcast_sampled(result.token_ids)
         handle.launch_copies(result, rows, params)
         self.prep.sampled(result.token_ids, rows, np.arange(len(rows)))
+        self.sync_policy.launched(None)
+
+    def _receive_sampled(self, handle: StepHandle, rows: list[int], params: list,
+                         drafts: list[list[int]] | None) -> None:
+        """A stage before the last: take the ids the last stage sampled (its broadcast) as if sampled
+        here, so this stage's input batch advances with the others."""
+        if drafts is not None:
+            raise NotImplementedError("draft tokens with pipeline_parallel_size > 1")
+        token_ids = self.pp.broadcast_sampled(torch.empty(len(rows), dtype=torch.int64, device=self.device))
+        handle.launch_copies(SamplerOutput(token_ids), rows, params)
+        self.prep.sampled(token_ids, rows, np.arange(len(rows)))
         self.sync_policy.launched(None)
 
     def _sample_with_drafts(self, handle: StepHandle, logits: torch.Tensor, rows: list[int], params: list,
@@ -213,6 +233,8 @@ class ModelRunner:
         batch = self.input_batch
         for req_id in so.finished_req_ids | so.preempted_req_ids:
             batch.remove(req_id)
+        if self.proposer is not None and (so.finished_req_ids or so.preempted_req_ids):
+            self.proposer.remove_requests(so.finished_req_ids | so.preempted_req_ids)
         for req_id in so.finished_req_ids:
             self.prompt_logprobs.forget(req_id)
         for new in so.scheduled_new_reqs:
@@ -224,3 +246,5 @@ class ModelRunner:
             self.prep.inputs.queue_block_update(row, int(batch.num_blocks[row]), cached.new_block_ids)
             batch.append_blocks(row, cached.new_block_ids)
             batch.num_computed_tokens[row] = cached.num_computed_tokens
+        for req_id, (start, token_ids) in so.jump_forward_tokens.items():
+            batch.replace_tokens(batch.req_id_to_row[req_id], start, token_ids)

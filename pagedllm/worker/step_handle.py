@@ -10,8 +10,9 @@ import torch
 from pagedllm.core.sched_output import ModelRunnerOutput, TokenLogprobs
 from pagedllm.sample.logprobs import sampled_logprobs_rows
 from pagedllm.sample.sampler import SamplerOutput
+from pagedllm.spec_decode.interface import ProposeInput, Proposer
+from pagedllm.spec_decode.rejection_sampler import accept_drafts
 from pagedllm.worker.input_batch import InputBatch
-from pagedllm.worker.proposer import ProposeInput, Proposer
 
 
 class StepHandle:
@@ -103,23 +104,19 @@ class StepHandle:
             sampled[i] = [tok]
 
     def _verify_drafts(self, sampled: list[list[int]], token_ids: list[int]) -> None:
-        """Greedy verification: request i sampled ``len(drafts) + 1`` tokens, one per position; the
-        drafts are accepted while each equals the token sampled at the position before it, and
-        the token sampled after the last accepted draft is appended. The KV of rejected drafts
-        stops counting as computed."""
+        """Request i sampled ``len(drafts) + 1`` tokens, one per position; the drafts are accepted
+        while each equals the token sampled at its position (``accept_drafts``: exact for the
+        point-mass drafts every proposer makes) and the token sampled after the last accepted
+        draft is appended. The KV of rejected drafts stops counting as computed."""
         batch, first = self.batch, 0
         for i, row, gen, drafts in zip(self.sample_req_idx, self._rows, self._gens, self._drafts):
-            here = token_ids[first : first + len(drafts) + 1]
+            accepted = accept_drafts(token_ids[first : first + len(drafts) + 1], drafts)
             first += len(drafts) + 1
-            num_accepted = 0
-            while num_accepted < len(drafts) and here[num_accepted] == drafts[num_accepted]:
-                num_accepted += 1
-            accepted = here[: num_accepted + 1]
             if batch.generation[row] == gen and batch.num_pending[row] > 0:
                 batch.num_pending[row] -= 1
                 for tok in accepted:
                     batch.append_token(row, tok)
-                batch.num_computed_tokens[row] -= len(drafts) - num_accepted
+                batch.num_computed_tokens[row] -= len(drafts) + 1 - len(accepted)
             sampled[i] = accepted
 
     def _logprobs(self, sampled: list[list[int]]) -> list[list[TokenLogprobs] | None]:

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from pagedllm.attention.backend import forward_context
+from pagedllm.attention.kv_dtype import kv_cache_torch_dtype
 from pagedllm.attention.registry import get_attention_backend
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import SchedulerOutput
@@ -38,6 +39,7 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker import kv_cache as kvc
 from pagedllm.worker.cuda_graph import CUDAGraphRunner
 from pagedllm.worker.model_runner import ModelRunner, StepHandle
+from pagedllm.worker.proposer import build_proposer, draft_bytes_per_block, load_draft_model
 
 logger = logging.getLogger("pagedllm")
 
@@ -71,12 +73,19 @@ class Worker:
             self.model = load_model(mc.source, mc.hf_config, self.dtype, self.device, mc.quant_config)
         self.model.eval()
         self._prepare_model_kernels()
+        self.draft_model = load_draft_model(config, self.device, self.dtype)  # speculative decoding
         logger.info("model loaded in %.1f s", time.perf_counter() - t0)
         self.backend = get_attention_backend(config.attention_backend, self.device)
-        self.kv_cache_spec = self.backend.kv_cache_spec(mc.num_kv_heads, mc.head_dim, self.dtype, self.block_size)
+        # This rank's KV heads (all of them at one tensor-parallel rank).
+        num_kv_heads = self.model.attention_layers[0].num_kv_heads
+        self.kv_cache_dtype = kv_cache_torch_dtype(config.cache_config.cache_dtype, self.dtype, self.device)
+        self.kv_cache_spec = self.backend.kv_cache_spec(num_kv_heads, mc.head_dim, self.kv_cache_dtype,
+                                                        self.block_size)
         self.model_runner = ModelRunner(config, self.model, self.backend, self.device, self.dtype)
         self._graphs: CUDAGraphRunner | None = None
-        if self.device.type == "cuda" and not config.enforce_eager and self.backend.supports_decode_graphs:
+        # No graphs across pipeline stages: a captured forward cannot hold the stage's send / receive.
+        if (self.device.type == "cuda" and not config.enforce_eager and self.backend.supports_decode_graphs
+                and config.parallel_config.pipeline_parallel_size == 1):
             self._graphs = CUDAGraphRunner(self.model, self.backend, self.model_runner.prep.inputs,
                                            config.scheduler_config.max_num_seqs, self.device,
                                            allow_pdl=config.kernel_config.pdl)
@@ -106,7 +115,8 @@ class Worker:
         logger.info("start-up stage %r done in %.1f s", name, seconds)
 
     def bytes_per_block(self) -> int:
-        return self.kv_cache_spec.bytes_per_block * self.model.num_attention_layers
+        return (self.kv_cache_spec.bytes_per_block * self.model.num_attention_layers
+                + draft_bytes_per_block(self.draft_model, self.block_size, self.dtype))
 
     def determine_num_blocks(self) -> int:
         """How many KV blocks to allocate: the override, a byte budget on the CPU, or the memory
@@ -135,15 +145,16 @@ class Worker:
             lens.append(min(self.max_model_len, sc.max_num_batched_tokens - sum(lens)))
         dummy_cache = self.model.kv_cache_shape_per_layer(1, self.block_size)
         self.model.bind_kv_caches(kvc.allocate_kv_caches(self.model.num_attention_layers, dummy_cache,
-                                                         self.dtype, self.device))
+                                                         self.kv_cache_dtype, self.device))
         with self._stage("compile"):
             self._compile_in_parallel(lens)
         with self._stage("profile"):
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-            hidden = self._dummy_forward(lens, num_cached=0)
-            logits = self.model.compute_logits(hidden[: sc.max_num_seqs])
-            torch.softmax(logits, dim=-1).sort(dim=-1)
+            hidden = logits = self._dummy_forward(lens, num_cached=0)
+            if hidden is not None:  # None: a pipeline stage before the last
+                logits = self.model.compute_logits(hidden[: sc.max_num_seqs])
+                torch.softmax(logits, dim=-1).sort(dim=-1)
             torch.cuda.synchronize(self.device)
             peak = torch.cuda.max_memory_allocated(self.device)
             del hidden, logits
@@ -167,8 +178,10 @@ class Worker:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         shape = self.model.kv_cache_shape_per_layer(num_blocks, self.block_size)
         assert shape == self.kv_cache_spec.shape(num_blocks), "the model's KV layout is not the backend's"
-        caches = kvc.allocate_kv_caches(self.model.num_attention_layers, shape, self.dtype, self.device)
+        caches = kvc.allocate_kv_caches(self.model.num_attention_layers, shape, self.kv_cache_dtype, self.device)
+        kvc.log_kv_cache(num_blocks, self.block_size, self.kv_cache_dtype, self.bytes_per_block())
         self.model_runner.bind_kv_caches(caches)
+        self.model_runner.proposer = build_proposer(self.config, self.draft_model, num_blocks, self.device, self.dtype)
 
     def warm_up(self) -> None:
         """The stages after the KV cache exists (CUDA only): ``warm up``, ``tune``, ``capture``."""
@@ -192,7 +205,7 @@ class Worker:
         hidden = None
         for query_lens in self.backend.warmup_query_lens(self.max_model_len - 2):
             hidden = self._dummy_forward(query_lens, num_cached=2)
-        if hidden is None:
+        if hidden is None:  # no warm-up shapes, or a pipeline stage before the last
             return
         logits = self.model.compute_logits(hidden[[0, hidden.shape[0] - 1]], upcast=False)
         for temperature in (0.0, 1.0):

@@ -53,7 +53,7 @@ def test_kernel_writes_only_the_listed_rows():
 @needs_kernel
 @pytest.mark.parametrize("field,change,message", [
     ("query", lambda a: a.update(query=a["query"].double()), "query must be a CPU torch.float32"),
-    ("kv_cache", lambda a: a.update(kv_cache=a["kv_cache"].bfloat16()), "kv_cache must be a CPU torch.float32"),
+    ("kv_cache", lambda a: a.update(kv_cache=a["kv_cache"].bfloat16()), "kv_cache must be a CPU float32 or float8"),
     ("seq_lens", lambda a: a.update(seq_lens=a["seq_lens"].int()), "seq_lens must be a CPU torch.int64"),
     ("table_rows", lambda a: a.update(table_rows=a["table_rows"][:1]), "one entry per decode request"),
     ("query", lambda a: a.update(query=a["query"][:, :3]), "must be contiguous"),

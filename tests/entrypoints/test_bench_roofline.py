@@ -22,3 +22,11 @@ def test_commit_marks_a_tree_that_differs_from_head(monkeypatch, tmp_path):
     assert bench_roofline.git_commit() == head
     (tmp_path / "f.txt").write_text("two")
     assert bench_roofline.git_commit() == f"{head}+dirty"
+
+
+def test_the_floor_reads_the_kv_cache_in_its_own_element_size():
+    shape = dict(num_params=10, embedding_params=2, vocab_size=4, hidden_size=8, num_layers=2, num_heads=4,
+                 num_kv_heads=2, head_dim=16, dtype_bytes=2)
+    bf16 = bench_roofline.ModelShape(**shape)
+    fp8 = bench_roofline.ModelShape(**shape, kv_dtype_bytes=1)
+    assert bf16.kv_bytes_per_token == 2 * fp8.kv_bytes_per_token == 2 * 2 * 2 * 16 * 2

@@ -1,11 +1,15 @@
 """Accuracy of ``quantization="fp8"`` on the embedded SmolLM2 (fp32 on the CPU): teacher-forced
 perplexity (prompt_logprobs) of a fixed English text near the unquantized model's.
 
-The bound is 8%, not the issue's 2%: on this 135M model, whose weights are themselves a 4-bit
-grid (Q4_1), rounding each weight to e4m3 (3 mantissa bits: about 2.6% relative error per weight,
-whatever the scale) and each activation per token moves the perplexity by more than 2%; the
-down_proj and gate_up weights account for most of it. The tiny-model tests check that the FP8
-path computes exactly its dequantized model; this one that the scheme stays usable."""
+The bound is 7%, not the issue's 2%: on this 135M model, whose weights are themselves a 4-bit
+grid (Q4_1), the change is rounding noise of e4m3's 3 mantissa bits (about 2.6% relative error per
+weight, whatever the scale), not a systematic error: it is +6.4% with the per-channel scales
+here, -0.8% to +2.7% with those scales 3-13% larger, +1.1% with vLLM's per-tensor weight scales
+and +2.6% to +4.2% with those 3-13% larger; weight-only (float activations) gives +3.8%. The
+down_proj layers carry most of it (with them left in float: +1.1%; with only the last layer left
+in float: +2.1%).
+The embedding and the tied lm_head are not quantized (as vLLM). The tiny-model tests check that
+the FP8 path computes exactly its dequantized model; this one that the scheme stays usable."""
 
 from __future__ import annotations
 
@@ -55,5 +59,5 @@ def test_fp8_weights_keep_the_perplexity_near_the_unquantized_models():
     llm = LLM(quantization="fp8", **args)
     fp8, _ = perplexity(llm)
     assert n > 250
-    assert abs(fp8 - plain) / plain < 0.08, (plain, fp8)
+    assert abs(fp8 - plain) / plain < 0.07, (plain, fp8)  # +6.4% today
     assert fp8 != plain, "the quantization must show"

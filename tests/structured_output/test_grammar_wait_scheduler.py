@@ -37,6 +37,9 @@ class FakeGrammar:
     def is_terminated(self) -> bool:
         return len(self.accepted) >= self.length
 
+    def jump_forward(self, max_tokens: int) -> list[int]:
+        return []  # jump-forward: test_jump_forward_scheduler.py
+
 
 def constrained(req_id: str, grammar: FakeGrammar, **kwargs):
     request = make_request(req_id, 6, **kwargs)

@@ -17,7 +17,7 @@ from pagedllm import EngineArgs, SamplingParams
 from pagedllm.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
 from pagedllm.engine.config_builder import create_engine_config
 from pagedllm.sample.bitmask import GrammarOutput
-from pagedllm.worker.proposer import ProposeInput
+from pagedllm.spec_decode.interface import ProposeInput
 from pagedllm.worker.sync_policy import StepSyncPolicy
 from pagedllm.worker.worker import Worker
 from tests.helpers import make_tiny_model
@@ -98,6 +98,9 @@ class OracleProposer:
         self.reference, self.k, self.corrupt = reference, k, corrupt
         self.calls = 0
 
+    def remove_requests(self, req_ids) -> None:
+        pass
+
     def propose(self, requests: list[ProposeInput]) -> dict[str, list[int]]:
         self.calls += 1
         out = {}
@@ -114,6 +117,9 @@ class OracleProposer:
 class JunkProposer:
     def __init__(self, k: int = 4, seed: int = 0) -> None:
         self.k, self.rng = k, random.Random(seed)
+
+    def remove_requests(self, req_ids) -> None:
+        pass
 
     def propose(self, requests: list[ProposeInput]) -> dict[str, list[int]]:
         return {r.req_id: [self.rng.randrange(1000) for _ in range(self.rng.randint(0, self.k))] for r in requests}

@@ -1,7 +1,9 @@
 """KV store ("reshape and cache"): scatter each token's K/V rows into the paged cache.
 
 Cost: one program per token, each reads and writes ``2 * num_kv_heads * head_dim`` elements once;
-the launch grid is ``num_tokens`` (a host shape), so the store is CUDA-graph capturable.
+the launch grid is ``num_tokens`` (a host shape), so the store is CUDA-graph capturable. A float8
+cache (``kv_cache_dtype="fp8*"``) stores each value cast as it is (scale 1.0), clamped to the
+format's largest finite value first (``attention/kv_dtype.py``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ def _store_kv_kernel(
     HEADS_PAD: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    SATURATE_AT: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -50,6 +53,9 @@ def _store_kv_kernel(
     mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
     k = tl.load(key_ptr + token * stride_k_tok + heads[:, None] * stride_k_head + dims[None, :], mask=mask)
     v = tl.load(value_ptr + token * stride_v_tok + heads[:, None] * stride_v_head + dims[None, :], mask=mask)
+    if SATURATE_AT > 0:  # a float8 cache: saturate rather than overflow to NaN
+        k = tl.clamp(k.to(tl.float32), -SATURATE_AT, SATURATE_AT)
+        v = tl.clamp(v.to(tl.float32), -SATURATE_AT, SATURATE_AT)
     dst = (
         block * stride_c_blk
         + offset_in_block * stride_c_slot
@@ -92,5 +98,6 @@ def store_kv_cache(
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size,
+        SATURATE_AT=torch.finfo(kv_cache.dtype).max if kv_cache.element_size() == 1 else 0.0,
         num_warps=1 if num_kv_heads * head_dim <= 512 else 4,
     )

@@ -1,0 +1,123 @@
+"""The body of one worker process of the multiprocess executor: join the world, build a ``Worker``,
+then serve the driver's calls from a pipe until told to stop, the pipe closes or the driver dies.
+
+Messages from the driver are pickled ``(method, args)`` tuples (``execute_model``'s argument in
+the wire form of ``step_codec.py``). Replies are ``("ok", value)`` or
+``("error", rank, traceback)``; after an error the process exits (its peers may be stuck in a
+collective it will never join, so the driver tears the whole world down). Which calls reply:
+
+- start-up calls (``determine_num_blocks``, ``bytes_per_block``, ``initialize_kv_cache``,
+  ``warm_up``, and the implicit ``ready`` after the model is built): every rank;
+- ``execute_model``: none (the step's forward is launched; a failure is reported with the step's
+  sample reply, or by the error message the driver finds while it waits);
+- ``sample_tokens``: only the output rank, with the step's ``ModelRunnerOutput``. Every rank calls
+  ``result()`` on its own step handle, which applies the sampled tokens to its ``InputBatch`` (the
+  ranks sample the same tokens from the same gathered logits with the same seeds).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+from pagedllm.config import EngineConfig
+from pagedllm.executor.step_codec import decode_scheduler_output
+
+# Start-up and per-step calls a worker serves (the executor's interface, by name).
+WORKER_CALLS = ("determine_num_blocks", "bytes_per_block", "initialize_kv_cache", "warm_up", "execute_model",
+                "sample_tokens")
+
+
+def _exit_with_parent(parent_pid: int, period_s: float = 0.5) -> None:
+    """Exit this process when the driver is gone (its pid is no longer our parent): a driver killed
+    without running its shutdown must not leave workers behind, even ones stuck in a collective."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(period_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="pagedllm-parent-watch", daemon=True).start()
+
+
+def _rank_config(config: EngineConfig, rank: int) -> EngineConfig:
+    """The config a rank runs with: on CUDA, device ``cuda:rank`` (one GPU per rank on this host)."""
+    if not config.device.startswith("cuda"):
+        return config
+    return dataclasses.replace(config, device=f"cuda:{rank}")
+
+
+def _build_worker(config: EngineConfig, rank: int, init_method: str) -> Any:
+    import torch
+
+    from pagedllm.cpu_threads import intra_op_threads
+    from pagedllm.distributed import init_distributed
+    from pagedllm.worker.worker import Worker
+
+    pc = config.parallel_config
+    config = _rank_config(config, rank)
+    if config.device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(config.device))
+        backend = "nccl"
+    else:  # the ranks share the host's CPUs
+        torch.set_num_threads(max(1, intra_op_threads(for_server=False) // pc.world_size))
+        backend = "gloo"
+    init_distributed(rank, pc.world_size, pc.tensor_parallel_size, init_method, backend)
+    return Worker(config)
+
+
+def _serve(worker: Any, rank: int, is_output_rank: bool, conn: Connection) -> None:
+    """Answer the driver's calls until ``shutdown`` or a closed pipe; raise on a failed call."""
+    while True:
+        try:
+            method, args = conn.recv()
+        except EOFError:  # the driver is gone
+            return
+        if method == "shutdown":
+            return
+        if method not in WORKER_CALLS:
+            raise ValueError(f"unknown worker call {method!r}")
+        if method == "execute_model":
+            worker.execute_model(decode_scheduler_output(*args))
+            continue
+        result = getattr(worker, method)(*args)
+        if method == "sample_tokens":
+            result = result.result()
+            if not is_output_rank:
+                continue
+        conn.send(("ok", result))
+
+
+def worker_main(config: EngineConfig, rank: int, init_method: str, conn: Connection, parent_pid: int) -> None:
+    """Entry point of worker process ``rank`` (spawned by ``MultiprocExecutor``). Ends the process
+    itself once its resources are released: the interpreter's own teardown of torch and the model
+    takes seconds and frees nothing the exit does not."""
+    _exit_with_parent(parent_pid)
+    worker = None
+    exit_code = 0
+    try:
+        worker = _build_worker(config, rank, init_method)
+        conn.send(("ok", None))
+        _serve(worker, rank, rank == config.parallel_config.output_rank, conn)
+    except BaseException:  # noqa: BLE001 - every failure goes to the driver, with its traceback
+        exit_code = 1
+        try:
+            conn.send(("error", rank, traceback.format_exc()))
+        except (OSError, EOFError):
+            pass
+    finally:
+        from pagedllm.distributed import destroy_distributed
+
+        if worker is not None:
+            worker.shutdown()
+        destroy_distributed()
+        conn.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code)
