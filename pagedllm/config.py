@@ -270,7 +270,8 @@ class EngineArgs:
     disable_log_stats: bool = arg(False, "no periodic stats log line (LLM(...) turns it on unless given, "
                                    "as vLLM)")
     num_gpu_blocks_override: int | None = arg(None, "a fixed number of KV-cache blocks (tests, benchmarks)")
-    load_format: str = arg("auto", "auto (the checkpoint's weights) or dummy (random weights, benchmarks)")
+    load_format: str = arg("auto", "auto (the checkpoint's weights; a GGUF file's stay packed), dummy (random "
+                           "weights, benchmarks), gguf, or gguf_dequantized (a GGUF file's weights as float)")
     skip_tokenizer_init: bool = arg(False, "no tokenizer: prompts must be token ids, outputs have no text")
     # Overlap the CPU side of a step with the GPU's previous step (default: on for CUDA).
     async_scheduling: bool | None = arg(None, "schedule the next step while the GPU runs this one "
@@ -342,8 +343,8 @@ class EngineArgs:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.attention_backend not in ("auto", "cpu", "torch_ref", "triton"):
             raise ValueError(f"attention_backend must be 'auto', 'cpu', 'torch_ref' or 'triton', got {self.attention_backend!r}")
-        if self.load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.load_format not in ("auto", "dummy", "gguf", "gguf_dequantized"):
+            raise ValueError(f"load_format must be 'auto', 'dummy', 'gguf' or 'gguf_dequantized', got {self.load_format!r}")
         self._validate_parallel()
         if self.quantization is not None and not isinstance(self.quantization, str):
             raise ValueError(f"quantization must be a string or None, got {self.quantization!r}")

@@ -136,7 +136,7 @@ class PagedTestRunner:
     """
 
     def __init__(self, model, num_blocks: int = 512, block_size: int = 4, seed: int = 0, backend=None) -> None:
-        param = next(model.parameters())
+        param = next(p for p in model.parameters() if p.is_floating_point())  # not a packed GGUF table
         self.model, self.block_size, self.device = model, block_size, param.device
         shape = model.kv_cache_shape_per_layer(num_blocks, block_size)
         self.kv_caches = [torch.zeros(shape, dtype=param.dtype, device=param.device)

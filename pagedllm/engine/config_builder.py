@@ -58,7 +58,7 @@ def create_engine_config(args: EngineArgs, usage_context: str = "ENGINE_CONTEXT"
 
     source = resolve_model(args.model)
     hf_config = load_hf_config(source)
-    quant_config = get_quantization_config(args.quantization, hf_config)
+    quant_config = get_quantization_config(args.quantization, hf_config, source.kind, args.load_format)
     if quant_config is not None:
         logger.info("quantization: %s", quant_config.describe())
     parallel_config = ParallelConfig(

@@ -35,9 +35,25 @@ class VocabEmbedding(CustomOp):
         self.vocab_start, local = shard_range(vocab_size, self.tp.rank, self.tp.size, "vocab_size")
         self.weight = nn.Parameter(torch.empty(local, hidden_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.quant_method = None  # a ``pagedllm.quantization`` method (GGUF), or None: the float table
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         default_weight_loader(param, loaded_weight.narrow(0, self.vocab_start, param.shape[0]))
+
+    def set_quant_method(self, method) -> None:
+        """Hold the table in a quantized form (``pagedllm.quantization``, as ``Linear.set_quant_method``):
+        ``method.create_weights`` makes the parameter, and every call runs ``forward_quantized``."""
+        self.quant_method = method
+        self.fuses_kernels = False
+        self.gemm_tunable = False
+        method.create_weights(self)
+        self.use_impl("quantized")
+
+    def choose_impl(self, plan: KernelPlan) -> str:
+        return "quantized" if self.quant_method is not None else super().choose_impl(plan)
+
+    def forward_quantized(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.quant_method.embedding(self, input_ids)
 
     def forward_native(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -77,8 +93,20 @@ class LMHead(CustomOp):
             self.weight.weight_loader = self.weight_loader
         self.cpu_packed_weight: torch.Tensor | None = None  # as in ``Linear``: the oneDNN-blocked copy
         self.gemms: GemmLibrary | None = None
+        self.quant_method = None  # a ``pagedllm.quantization`` method (GGUF), or None: the float head
+
+    def set_quant_method(self, method) -> None:
+        """Hold the table in a quantized form (``pagedllm.quantization``, as ``Linear.set_quant_method``):
+        ``method.create_weights`` makes the parameter, and every call runs ``forward_quantized``."""
+        self.quant_method = method
+        self.fuses_kernels = False
+        self.gemm_tunable = False
+        method.create_weights(self)
+        self.use_impl("quantized")
 
     def choose_impl(self, plan: KernelPlan) -> str:
+        if self.quant_method is not None:
+            return "quantized"
         if plan.device.type == "cuda":
             self.gemms = plan.gemms
             return "cuda" if plan.fused_kernels else "cublas"
@@ -86,6 +114,8 @@ class LMHead(CustomOp):
 
     def pack_cpu_weight(self) -> bool:
         """Prepack the head for the CPU (``cpu_gemm``): a tied head gets its own packed copy."""
+        if self.quant_method is not None:
+            return False
         self.cpu_packed_weight = cpu_gemm.pack_weight(self.weight)
         return self.cpu_packed_weight is not None
 
@@ -98,6 +128,9 @@ class LMHead(CustomOp):
 
     def forward_native(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.weight)
+
+    def forward_quantized(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.quant_method.apply(self, hidden, None)
 
     def forward_cpu(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.cpu_packed_weight is not None and hidden.device.type == "cpu" and hidden.dtype == self.weight.dtype:

@@ -5,9 +5,15 @@ architecture (Llama, Mistral, SmolLM2), permutes the rows of Q and K so that its
 rotate adjacent pairs (GPT-J style) instead of the two halves of a head (NeoX style, which HF and we
 use). ``unpermute_qk`` undoes that. Qwen2/Qwen3 GGUFs are stored NeoX style and need nothing.
 
-Cost: parsing the file with ``GGUFReader`` (~2 s for SmolLM2, mostly its tokenizer fields) plus
-dequantization (~1 s for 135M params). Small models' dequantized weights are cached as one
-float32 safetensors file (see ``iter_gguf_weights``).
+Two ways to read the weights:
+
+- ``iter_gguf_weights``: every tensor dequantized to float32 (the dequantized-float path). Cost:
+  parsing the file with ``GGUFReader`` (~2 s for SmolLM2, mostly its tokenizer fields) plus
+  dequantization (~1 s for 135M params). Small models' dequantized weights are cached as one
+  float32 safetensors file.
+- ``iter_gguf_packed_weights``: the 2-D tensors of any other type than F32 come as ``GGUFTensor``
+  (their blocks, unchanged apart from the Q/K row order); the F32 ones (norms, biases) as float32
+  tensors. Cost: the parse and one copy of the packed bytes (no cache needed).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -84,8 +91,30 @@ def read_field(reader: Any, key: str, default: Any = None) -> Any:
     return part.tolist()[0]
 
 
-def _read_gguf(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    from gguf import GGUFReader
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One GGUF matrix kept in its blocks. ``data``: uint8 ``[rows, row_bytes]``, each row the
+    ``cols // block_elems`` blocks of llama.cpp's layout for ``qtype`` (a ``GGMLQuantizationType``
+    value; F16 rows are 2 bytes a weight); ``shape``: ``(rows, cols)`` of the weights it holds.
+    Invariant: ``data.shape[0] == rows`` and the rows are in Hugging Face order (Q/K unpermuted)."""
+
+    qtype: int
+    shape: tuple[int, int]
+    data: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        """Float32 ``shape``, as ``gguf.quants.dequantize`` computes it."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        array = dequantize(self.data.numpy(), GGMLQuantizationType(self.qtype))
+        return torch.from_numpy(np.ascontiguousarray(array)).reshape(self.shape)
+
+
+def _read_gguf(path: Path, packed: bool = False) -> Iterator[tuple[str, torch.Tensor | GGUFTensor]]:
+    """(HF name, tensor) for every tensor: float32, or with ``packed`` a ``GGUFTensor`` for every
+    2-D tensor that is not F32."""
+    from gguf import GGMLQuantizationType, GGUFReader
     from gguf.quants import dequantize
 
     reader = GGUFReader(str(path))
@@ -97,7 +126,10 @@ def _read_gguf(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         name = gguf_to_hf_name(t.name)
         if name is None:
             continue
-        array = dequantize(t.data, t.tensor_type)  # float32, HF shape [out, in]
+        keep = packed and t.tensor_type != GGMLQuantizationType.F32 and len(t.shape) == 2
+        # Packed: the blocks as bytes [rows, row_bytes]; else float32 in HF shape [out, in].
+        array = np.asarray(t.data).view(np.uint8).reshape(int(t.shape[1]), -1) if keep else \
+            dequantize(t.data, t.tensor_type)
         if not array.flags.writeable:  # a view into the memory-mapped file
             array = np.array(array)
         w = torch.from_numpy(array)
@@ -105,7 +137,14 @@ def _read_gguf(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
             w = unpermute_qk(w, num_heads)
         elif permuted and ".self_attn.k_proj." in name:
             w = unpermute_qk(w, num_kv_heads)
-        yield name, w.contiguous()
+        w = w.contiguous()
+        yield name, GGUFTensor(int(t.tensor_type), (int(t.shape[1]), int(t.shape[0])), w) if keep else w
+
+
+def iter_gguf_packed_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor | GGUFTensor]]:
+    """(HF name, weight) for every weight of a GGUF file: a ``GGUFTensor`` for each quantized (or
+    F16 / BF16) matrix, a float32 tensor for the rest (norms, biases)."""
+    return _read_gguf(Path(path), packed=True)
 
 
 def iter_gguf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:

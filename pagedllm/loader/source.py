@@ -35,13 +35,15 @@ class ModelSource:
         if self.kind not in ("hf", "gguf"):
             raise ValueError(f"ModelSource.kind must be 'hf' or 'gguf', got {self.kind!r}")
 
-    def iter_weights(self) -> Iterator[tuple[str, Any]]:
+    def iter_weights(self, gguf_packed: bool = False) -> Iterator[tuple[str, Any]]:
         """(Hugging Face parameter name, tensor) pairs, one tensor at a time. A method so that
-        ``models`` can load a source without importing ``loader`` (the two stay independent)."""
+        ``models`` can load a source without importing ``loader`` (the two stay independent).
+        ``gguf_packed``: a GGUF file's quantized matrices come as ``gguf_file.GGUFTensor`` (their
+        blocks) instead of float32 tensors."""
         if self.kind == "gguf":
-            from pagedllm.loader.gguf_file import iter_gguf_weights
+            from pagedllm.loader.gguf_file import iter_gguf_packed_weights, iter_gguf_weights
 
-            return iter_gguf_weights(self.path)
+            return iter_gguf_packed_weights(self.path) if gguf_packed else iter_gguf_weights(self.path)
         from pagedllm.loader.weights import iter_safetensors_weights
 
         return iter_safetensors_weights(self.path)

@@ -85,7 +85,7 @@ def load_model(source: Any, hf_config: Any, dtype: torch.dtype, device: torch.de
     """``build_model`` + the checkpoint's weights. ``source`` is a ``pagedllm.loader.ModelSource`` (used
     through its ``iter_weights()`` method: models and loader do not import each other)."""
     model = build_model(hf_config, dtype, device, quant_config)
-    model.load_weights(source.iter_weights())
+    model.load_weights(source.iter_weights() if quant_config is None else quant_config.weight_iterator(source))
     process_quantized_weights(model)
     return model
 

@@ -5,6 +5,9 @@
   once (``csrc/paged_decode_attention.c``).
 - ``rms_norm`` (with the residual add), ``silu_and_mul`` and ``rotary_embedding``: one pass over
   memory and one call each, where the torch reference takes 3-6 ops (``csrc/elementwise.c``).
+- ``gguf_matmul``, ``gguf_dequantize_rows``, ``gguf_dequantize_gather``: GGUF block formats kept
+  packed (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, F16, F32 rows), multiplied in place or dequantized
+  exactly (``csrc/gguf_matmul.c``).
 
 Each takes float32 CPU tensors; ``applies(*tensors)`` says whether a call can go native at all.
 
@@ -37,7 +40,7 @@ from pagedllm import envs
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / "paged_decode_attention.c", CSRC / "elementwise.c"]
+SOURCES = [CSRC / "paged_decode_attention.c", CSRC / "elementwise.c", CSRC / "gguf_matmul.c"]
 HEADERS = [CSRC / "vec_math.h"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-shared",
          "-fPIC", "-std=gnu11"]
@@ -102,6 +105,12 @@ def load() -> ctypes.CDLL | None:
     lib.silu_and_mul.argtypes = [ptr, ptr, i64, i64, i32]
     lib.rotary_embedding.restype = None
     lib.rotary_embedding.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32]
+    lib.gguf_dequantize_rows.restype = ctypes.c_int
+    lib.gguf_dequantize_rows.argtypes = [i32, ptr, i64, i64, i64, ptr, i32]
+    lib.gguf_dequantize_gather.restype = ctypes.c_int
+    lib.gguf_dequantize_gather.argtypes = [i32, ptr, i64, ptr, i64, i64, ptr, i32]
+    lib.gguf_matmul.restype = ctypes.c_int
+    lib.gguf_matmul.argtypes = [i32, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, i32]
     return lib
 
 
@@ -210,3 +219,65 @@ def paged_decode_attention(
         num_blocks, block_size, num_heads, num_kv_heads, head_dim, float(scale), torch.get_num_threads())
     if rc != 0:
         raise MemoryError("paged_decode_attention could not allocate its scratch buffers")
+
+
+# GGML type -> (weights, bytes) of one block, for the types csrc/gguf_matmul.c knows.
+GGUF_BLOCK_SHAPES = {0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 13: (256, 176),
+                     14: (256, 210)}
+
+
+def _gguf_check(packed: torch.Tensor, qtype: int, k: int) -> int:
+    """Row stride in bytes of a packed GGUF matrix ``[rows, row_bytes]`` of ``k`` weights a row
+    (ValueError for an unknown type, a bad shape or a non-contiguous tensor)."""
+    if load() is None:
+        raise RuntimeError("the CPU kernels are not available (see the warning logged by native.kernels.load)")
+    shape = GGUF_BLOCK_SHAPES.get(qtype)
+    if shape is None:
+        raise ValueError(f"GGUF type {qtype} has no CPU kernel")
+    if packed.dtype != torch.uint8 or packed.device.type != "cpu" or packed.dim() != 2 or not packed.is_contiguous():
+        raise ValueError("packed must be a contiguous CPU uint8 tensor [rows, row_bytes]")
+    if k % shape[0] or packed.shape[1] != k // shape[0] * shape[1]:
+        raise ValueError(f"packed rows of {packed.shape[1]} bytes do not hold {k} weights of GGUF type {qtype}")
+    return packed.shape[1]
+
+
+def gguf_dequantize_rows(packed: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    """Float32 ``[rows, k]``: the rows of a packed GGUF matrix, equal to ``gguf.quants.dequantize``
+    bit for bit."""
+    row_bytes = _gguf_check(packed, qtype, k)
+    out = torch.empty((packed.shape[0], k), dtype=torch.float32)
+    load().gguf_dequantize_rows(qtype, packed.data_ptr(), row_bytes, packed.shape[0], k, out.data_ptr(),
+                                torch.get_num_threads())
+    return out
+
+
+def gguf_dequantize_gather(packed: torch.Tensor, qtype: int, k: int, ids: torch.Tensor) -> torch.Tensor:
+    """Float32 ``[len(ids), k]``: rows ``ids`` of a packed GGUF matrix, dequantized (an embedding
+    lookup). An id outside the rows raises IndexError."""
+    row_bytes = _gguf_check(packed, qtype, k)
+    ids = ids.reshape(-1).to(torch.int64).contiguous()
+    if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < packed.shape[0]):
+        raise IndexError(f"ids must lie in [0, {packed.shape[0]})")
+    out = torch.empty((ids.numel(), k), dtype=torch.float32)
+    load().gguf_dequantize_gather(qtype, packed.data_ptr(), row_bytes, ids.data_ptr(), ids.numel(), k,
+                                  out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def gguf_matmul(x: torch.Tensor, packed: torch.Tensor, qtype: int, out: torch.Tensor) -> torch.Tensor:
+    """``out[:, :N] = x @ W^T`` for float32 ``x [M, K]`` (unit inner stride) and a packed GGUF ``W [N,
+    K]``; ``out`` float32 ``[M, >= N]`` with unit inner stride (a column slice of a wider output is
+    fine: merged layers with shards of different types). Cost: reads W once; M rows share each
+    decoded block four at a time."""
+    m, k = x.shape
+    row_bytes = _gguf_check(packed, qtype, k)
+    n = packed.shape[0]
+    if x.dtype != torch.float32 or out.dtype != torch.float32 or x.stride(-1) != 1 or out.stride(-1) != 1:
+        raise ValueError("x and out must be float32 with a unit inner stride")
+    if out.shape[0] != m or out.shape[1] < n:
+        raise ValueError(f"out {tuple(out.shape)} cannot hold [{m}, {n}]")
+    rc = load().gguf_matmul(qtype, packed.data_ptr(), row_bytes, n, k, x.data_ptr(), x.stride(0), m,
+                            out.data_ptr(), out.stride(0), torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("gguf_matmul could not allocate its scratch buffer")
+    return out

@@ -7,7 +7,8 @@
 
 Schemes (``QUANTIZATION_METHODS``): ``fp8`` (online on a float checkpoint, or an FP8 checkpoint),
 ``compressed-tensors`` (FP8 checkpoints), ``gptq`` and ``awq`` (int4 checkpoints, served in the
-form of ``int4.py``). ``base.py`` has the two interfaces.
+form of ``int4.py``) and ``gguf`` (a GGUF file's blocks kept packed; implied by a GGUF model file).
+``base.py`` has the two interfaces.
 """
 
 from pagedllm.quantization.base import QuantizationConfig, QuantizeMethodBase

@@ -63,6 +63,11 @@ class QuantizationConfig(ABC):
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
         """The method for the linear ``layer`` named ``prefix`` (our module name), or None (unquantized)."""
 
+    def weight_iterator(self, source: Any) -> Any:
+        """The checkpoint's (name, tensor) pairs as this scheme loads them (a
+        ``loader.ModelSource``'s; a GGUF scheme asks for the packed blocks)."""
+        return source.iter_weights()
+
     def describe(self) -> str:
         """One line for the start-up log."""
         return self.name

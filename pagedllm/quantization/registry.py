@@ -7,16 +7,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.layers.embedding import LMHead, VocabEmbedding
 from pagedllm.layers.linear import Linear
 from pagedllm.quantization.awq import AWQConfig
 from pagedllm.quantization.base import QuantizationConfig
 from pagedllm.quantization.compressed_tensors import CompressedTensorsConfig
 from pagedllm.quantization.fp8 import Fp8Config
+from pagedllm.quantization.gguf import GGUFConfig, gguf_quantization
 from pagedllm.quantization.gptq import GPTQConfig
 from pagedllm.quantization.int4 import Int4LinearMethod
 
 QUANTIZATION_METHODS: dict[str, type[QuantizationConfig]] = {
-    cls.name: cls for cls in (Fp8Config, CompressedTensorsConfig, GPTQConfig, AWQConfig)
+    cls.name: cls for cls in (Fp8Config, CompressedTensorsConfig, GPTQConfig, AWQConfig, GGUFConfig)
 }
 
 
@@ -28,12 +30,17 @@ def checkpoint_quantization_config(hf_config: Any) -> dict[str, Any] | None:
     return raw.to_dict()
 
 
-def get_quantization_config(quantization: str | None, hf_config: Any) -> QuantizationConfig | None:
+def get_quantization_config(quantization: str | None, hf_config: Any, source_kind: str | None = None,
+                            load_format: str = "auto") -> QuantizationConfig | None:
     """The scheme the engine serves with: the checkpoint's (``quantization_config``), which a given
     ``quantization`` must name, else the requested one applied at load, else None. ValueErrors
-    name ``quantization``: an unknown name, a checkpoint scheme not supported, or a conflict."""
+    name ``quantization``: an unknown name, a checkpoint scheme not supported, or a conflict. A
+    GGUF file (``source_kind`` "gguf") implies "gguf" unless told otherwise (``gguf.gguf_quantization``)."""
     if quantization is not None and quantization not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be one of {sorted(QUANTIZATION_METHODS)} or None, got {quantization!r}")
+    quantization = gguf_quantization(quantization, source_kind, load_format)
+    if quantization == "gguf":
+        return GGUFConfig()
     checkpoint = checkpoint_quantization_config(hf_config)
     if checkpoint is None:
         return QUANTIZATION_METHODS[quantization].online() if quantization is not None else None
@@ -56,7 +63,7 @@ def quantize_model(model: nn.Module, quant_config: QuantizationConfig | None) ->
     quant_config.packed_modules_mapping = dict(getattr(model, "packed_modules_mapping", {}))
     count = 0
     for name, module in model.named_modules():
-        if isinstance(module, Linear):
+        if isinstance(module, (Linear, VocabEmbedding, LMHead)):
             method = quant_config.get_quant_method(module, name)
             if method is not None:
                 module.set_quant_method(method)

@@ -21,7 +21,7 @@ def ckpt(qcfg) -> SimpleNamespace:
 
 
 def test_names_and_no_quantization():
-    assert sorted(QUANTIZATION_METHODS) == ["awq", "compressed-tensors", "fp8", "gptq"]
+    assert sorted(QUANTIZATION_METHODS) == ["awq", "compressed-tensors", "fp8", "gguf", "gptq"]
     assert get_quantization_config(None, FLOAT) is None
     online = get_quantization_config("fp8", FLOAT)
     assert isinstance(online, Fp8Config) and not online.scheme.serialized and online.scheme.activations == "token"
@@ -30,7 +30,7 @@ def test_names_and_no_quantization():
 @pytest.mark.parametrize("name", ["int3", "FP8", "", "GPTQ"])
 def test_unknown_names_are_refused_with_the_supported_list(name):
     with pytest.raises(ValueError, match=r"^quantization must be one of \['awq', 'compressed-tensors', 'fp8', "
-                                         r"'gptq'\] or None"):
+                                         r"'gguf', 'gptq'\] or None"):
         get_quantization_config(name, FLOAT)
 
 
