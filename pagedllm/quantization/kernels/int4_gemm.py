@@ -8,13 +8,13 @@ dequantized inside the kernel: the packed codes are read from memory once.
   as ``[BLOCK_N, words, 8]`` (``WORD_TILES``), else as eight strided dot products over the words.
   The zero point and the scale are applied once per word:
   ``sum_k x_k (q_k - z) s = sum_words s (sum_j x q - z sum_j x)``. Grid ``cdiv(N, BLOCK_N)``.
-- ``_int4_gemm_kernel`` (more rows): a tiled ``tl.dot`` GEMM whose B tile ``[BLOCK_K, BLOCK_N]`` is
-  dequantized from the packed words in registers (each word is loaded for its eight codes: L1 hits,
-  one DRAM read); with ``BLOCK_K`` dividing the group size a tile has one scale and zero point per
-  column. Grid ``cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N)``.
+- more rows: ``_int4_dequant_kernel`` writes W in x's dtype, then cuBLAS multiplies (a tiled
+  GEMM dequantizing in registers measured 18-51x slower than bf16 at 16-64 rows on an H100: the
+  row-packed codes do not load coalesced as a ``[BLOCK_K, BLOCK_N]`` tile).
 
-Both accumulate in float32 and round once to the output dtype. No host sync and no allocation
-besides the output: both can be captured in a CUDA graph. Requirements (``fits``): a 2-D contiguous
+The GEMV accumulates in float32 and rounds once to the output dtype; W is rounded to x's dtype
+before cuBLAS, as a fused kernel's ``tl.dot`` would. No host sync; the only allocations are the
+output and W (from the caching allocator, so a CUDA graph can capture them). Requirements (``fits``): a 2-D contiguous
 float input, K a multiple of 8, the group size a multiple of 8.
 """
 
@@ -94,40 +94,36 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, b_ptr, out_ptr, M, 
 
 
 @triton.jit
-def _int4_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, b_ptr, out_ptr, M, N, K, GROUP_SIZE,
-                      stride_xm, stride_qn, stride_sn, stride_om,
-                      HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, ONE_GROUP: tl.constexpr,
-                      IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid = tl.program_id(0)
-    grid_n = tl.cdiv(N, BLOCK_N)
-    rm = (pid // grid_n) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = (pid % grid_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask, n_mask = rm < M, rn < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        k_mask = rk < K
-        a = _x_columns(x_ptr, perm_ptr, rm, m_mask, stride_xm, rk, k_mask, HAS_PERM)
-        b_mask = k_mask[:, None] & n_mask[None, :]
-        packed = tl.load(qw_ptr + rn[None, :] * stride_qn + (rk // 8)[:, None], mask=b_mask, other=0)
-        q = _codes_to_float(packed, ((rk % 8) * 4)[:, None])
-        if ONE_GROUP:
-            g = k0 // GROUP_SIZE
-            s = tl.load(s_ptr + rn * stride_sn + g, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-            z = tl.load(z_ptr + rn * stride_sn + g, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        else:
-            g = (rk // GROUP_SIZE)[:, None]
-            s = tl.load(s_ptr + rn[None, :] * stride_sn + g, mask=b_mask, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + rn[None, :] * stride_sn + g, mask=b_mask, other=0.0).to(tl.float32)
-        w = (q - z) * s
-        if IEEE:
-            acc += tl.dot(a, w, input_precision="ieee")
-        else:
-            acc += tl.dot(a.to(x_ptr.dtype.element_ty), w.to(x_ptr.dtype.element_ty))
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    out_ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+def _int4_dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, GROUP_SIZE, stride_qn, stride_sn,
+                         BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+    """``W[n, k] = (q[n, k] - z[n, g]) * s[n, g]`` for a ``[BLOCK_N, 8 * BLOCK_W]`` tile, in W's
+    dtype. A word's eight codes share one group (the group size is a multiple of 8)."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rw = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    mask = (rn < N)[:, None] & (rw < K // 8)[None, :]
+    words = tl.load(qw_ptr + rn[:, None] * stride_qn + rw[None, :], mask=mask, other=0)
+    g = (rw * 8) // GROUP_SIZE
+    s = tl.load(s_ptr + rn[:, None] * stride_sn + g[None, :], mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + rn[:, None] * stride_sn + g[None, :], mask=mask, other=0.0).to(tl.float32)
+    shifts = tl.arange(0, 8) * 4
+    codes = _codes_to_float(words[:, :, None], shifts[None, None, :])
+    w = tl.reshape((codes - z[:, :, None]) * s[:, :, None], (BLOCK_N, BLOCK_W * 8))
+    cols = tl.program_id(1) * BLOCK_W * 8 + tl.arange(0, BLOCK_W * 8)
+    w_mask = (rn < N)[:, None] & (cols < K)[None, :]
+    tl.store(w_ptr + rn[:, None] * K + cols[None, :], w.to(w_ptr.dtype.element_ty), mask=w_mask)
+
+
+def int4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """The ``[N, K]`` weight in ``dtype`` (its columns in the serving form's order: apply ``perm``
+    to the input). One read of the codes, one write of the weight."""
+    n, k = qweight.shape[0], qweight.shape[1] * PACK
+    w = torch.empty(n, k, dtype=dtype, device=qweight.device)
+    block_n, block_w = 16, 64
+    grid = (triton.cdiv(n, block_n), triton.cdiv(k // PACK, block_w))
+    _int4_dequant_kernel[grid](qweight, scales, zeros, w, n, k, group_size, qweight.stride(0), scales.stride(0),
+                               BLOCK_N=block_n, BLOCK_W=block_w, num_warps=4)
+    return w
 
 
 def fits(x: torch.Tensor, qweight: torch.Tensor, group_size: int) -> bool:
@@ -147,21 +143,11 @@ def gemv_config(m: int, n: int, k: int) -> tuple[int, int, int, bool]:
     return 16, min(512, triton.next_power_of_2(k)), 4, False
 
 
-def gemm_config(m: int, group_size: int) -> tuple[int, int, int, int]:
-    """``(block_m, block_n, block_k, num_warps)`` of the tiled GEMM: 64-wide K steps (32 where the
-    group size is not a multiple of 64, so that a step stays in one group when it can), 64x64 tiles
-    up to 128 rows, else 128x128 with 8 warps."""
-    block_k = 64 if group_size % 64 == 0 else 32
-    if m <= 128:
-        return 64, 64, block_k, 4
-    return 128, 128, block_k, 8
-
-
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                 perm: torch.Tensor | None, group_size: int, bias: torch.Tensor | None,
                 out: torch.Tensor | None = None, config: tuple[int, ...] | None = None) -> torch.Tensor:
     """``[M, N]`` in x's dtype (``out`` if given); ``config``: the launch sizes of the kernel that
-    runs (``gemv_config`` / ``gemm_config`` shapes; default theirs). Precondition: ``fits``."""
+    runs (the GEMV's, ``gemv_config``'s shape; default its). Precondition: ``fits``."""
     m, k = x.shape
     n = qweight.shape[0]
     if out is None:
@@ -174,9 +160,12 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
             *common, HAS_PERM=perm is not None, HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(m),
             BLOCK_N=block_n, BLOCK_K=block_k, WORD_TILES=word_tiles and m == 1, num_warps=num_warps)
         return out
-    block_m, block_n, block_k, num_warps = config or gemm_config(m, group_size)
-    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
-    _int4_gemm_kernel[grid](
-        *common, HAS_PERM=perm is not None, HAS_BIAS=bias is not None, ONE_GROUP=group_size % block_k == 0,
-        IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
+    # More rows: dequantize once and let cuBLAS multiply. W is written and read back in x's dtype
+    # (about twice a bf16 GEMM's bytes), far cheaper at 16+ rows than a fused tiled kernel whose
+    # tiles cannot load the row-packed codes coalesced.
+    w = int4_dequantize(qweight, scales, zeros, group_size, x.dtype)
+    xp = x if perm is None else x.index_select(1, perm)
+    torch.matmul(xp, w.t(), out=out)
+    if bias is not None:
+        out += bias
     return out
