@@ -353,6 +353,9 @@ class EngineArgs:
                              f"got {self.structured_outputs_jump_forward!r}")
         if self.speculative_config is not None:
             SpeculativeConfig.from_dict(self.speculative_config)  # raises naming the key
+            if self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+                raise ValueError("speculative_config is not supported with tensor_parallel_size or "
+                                 "pipeline_parallel_size above 1 yet (drafts run in one process)")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if (

@@ -188,8 +188,7 @@ class ModelRunner:
                          drafts: list[list[int]] | None) -> None:
         """A stage before the last: take the ids the last stage sampled (its broadcast) as if sampled
         here, so this stage's input batch advances with the others."""
-        if drafts is not None:
-            raise NotImplementedError("draft tokens with pipeline_parallel_size > 1")
+        assert drafts is None, "EngineArgs refuses speculative_config with pipeline parallelism"
         token_ids = self.pp.broadcast_sampled(torch.empty(len(rows), dtype=torch.int64, device=self.device))
         handle.launch_copies(SamplerOutput(token_ids), rows, params)
         self.prep.sampled(token_ids, rows, np.arange(len(rows)))

@@ -47,6 +47,12 @@ def test_bad_configs_are_refused_at_engine_args_naming_the_key(spec, key):
     assert str(e.value).startswith(key)
 
 
+@pytest.mark.parametrize("sizes", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
+def test_speculation_with_several_ranks_is_refused_naming_the_key(sizes):
+    with pytest.raises(ValueError, match=r"^speculative_config is not supported with tensor_parallel_size"):
+        EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 2}, **sizes)
+
+
 def test_cli_flag_takes_vllm_json():
     import argparse
 
