@@ -69,6 +69,7 @@ def create_engine_config(args: EngineArgs, usage_context: str = "ENGINE_CONTEXT"
             "mp" if args.tensor_parallel_size * args.pipeline_parallel_size > 1 else "uni"),
     )
     parallel_config.verify_model(hf_config)
+    _check_quantization_under_tp(quant_config, parallel_config)
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -199,3 +200,15 @@ def _resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
     if derived is not None and requested > derived:
         raise ValueError(f"max_model_len ({requested}) exceeds the model's maximum context ({derived})")
     return requested
+
+
+# Schemes whose packed weights are not sharded across tensor-parallel ranks (fp8's are).
+_UNSHARDED_SCHEMES = ("gguf", "gptq", "awq")
+
+
+def _check_quantization_under_tp(quant_config, parallel_config: ParallelConfig) -> None:
+    """Refuse, at start-up, a packed scheme that the tensor-parallel layers cannot shard."""
+    name = getattr(quant_config, "name", None)
+    if name in _UNSHARDED_SCHEMES and parallel_config.tensor_parallel_size > 1:
+        hint = " (load_format='gguf_dequantized' serves a GGUF file as float weights)" if name == "gguf" else ""
+        raise ValueError(f"quantization={name!r} with tensor_parallel_size > 1 is not supported yet{hint}")
