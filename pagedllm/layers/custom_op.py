@@ -66,6 +66,17 @@ class CustomOp(nn.Module):
         self.impl = impl
         self._forward = getattr(self, f"forward_{impl}")
 
+    def set_quant_method(self, method) -> None:
+        """Hold this layer's weights in ``method``'s scheme (a ``pagedllm.quantization`` method),
+        before they load: its parameters become the scheme's (``create_weights``) and every call
+        runs ``forward_quantized``, which the layer defines; the fused kernels, which read
+        ``weight`` as a float matrix, and GEMM tuning are off for it."""
+        self.quant_method = method
+        self.fuses_kernels = False
+        self.gemm_tunable = False
+        method.create_weights(self)
+        self.use_impl("quantized")
+
     def select(self, plan: KernelPlan) -> str:
         """Choose this op's implementation for ``plan``'s device and kernel config; returns its name."""
         self.tuning = plan.tuning

@@ -40,15 +40,6 @@ class VocabEmbedding(CustomOp):
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         default_weight_loader(param, loaded_weight.narrow(0, self.vocab_start, param.shape[0]))
 
-    def set_quant_method(self, method) -> None:
-        """Hold the table in a quantized form (``pagedllm.quantization``, as ``Linear.set_quant_method``):
-        ``method.create_weights`` makes the parameter, and every call runs ``forward_quantized``."""
-        self.quant_method = method
-        self.fuses_kernels = False
-        self.gemm_tunable = False
-        method.create_weights(self)
-        self.use_impl("quantized")
-
     def choose_impl(self, plan: KernelPlan) -> str:
         return "quantized" if self.quant_method is not None else super().choose_impl(plan)
 
@@ -94,15 +85,6 @@ class LMHead(CustomOp):
         self.cpu_packed_weight: torch.Tensor | None = None  # as in ``Linear``: the oneDNN-blocked copy
         self.gemms: GemmLibrary | None = None
         self.quant_method = None  # a ``pagedllm.quantization`` method (GGUF), or None: the float head
-
-    def set_quant_method(self, method) -> None:
-        """Hold the table in a quantized form (``pagedllm.quantization``, as ``Linear.set_quant_method``):
-        ``method.create_weights`` makes the parameter, and every call runs ``forward_quantized``."""
-        self.quant_method = method
-        self.fuses_kernels = False
-        self.gemm_tunable = False
-        method.create_weights(self)
-        self.use_impl("quantized")
 
     def choose_impl(self, plan: KernelPlan) -> str:
         if self.quant_method is not None:

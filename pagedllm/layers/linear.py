@@ -77,16 +77,6 @@ class Linear(CustomOp):
         # layers and imports them), or None: the plain layer.
         self.quant_method = None
 
-    def set_quant_method(self, method) -> None:
-        """Quantize this layer with ``method`` (a ``QuantizeMethodBase``), before its weights load: its
-        parameters become the scheme's (``create_weights``) and every forward goes through
-        ``method.apply``."""
-        self.quant_method = method
-        self.fuses_kernels = False  # the fused kernels read ``weight`` as the float matrix
-        self.gemm_tunable = False
-        method.create_weights(self)
-        self.use_impl("quantized")
-
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         default_weight_loader(param, loaded_weight)
 

@@ -10,7 +10,7 @@
   (quantize, expand scales: the layer's final form), then ``apply(layer, x, bias)`` per forward.
 
 The model code never sees either: ``quantization.apply.quantize_model`` hands each linear its method
-after the model is built (``Linear.set_quant_method``).
+after the model is built (``CustomOp.set_quant_method``).
 """
 
 from __future__ import annotations

