@@ -179,3 +179,29 @@ class PagedTestRunner:
             hidden = self.model(ids, pos)
         logits = self.model.compute_logits(hidden)
         return list(logits.split(query_lens))
+
+
+def capture_batch1_decode(model, backend, before_capture=None):
+    """A batch-1 decode step of ``model`` (11 tokens cached in blocks of 4, then one more) run eagerly
+    and captured in a CUDA graph, not yet replayed: ``(graph, graph output, eager output)``.
+    ``before_capture`` runs between the two (e.g. to reset a call counter)."""
+    runner = PagedTestRunner(model, num_blocks=64, block_size=4, backend=backend)
+    runner.step([(0, list(range(3, 14)))])
+    meta = build_metadata([12], [1], [runner.block_tables[0]], 4, "cuda", backend=backend)
+    ids, positions = torch.tensor([100], device="cuda"), torch.tensor([11], device="cuda")
+
+    def forward() -> torch.Tensor:
+        with forward_context(meta, backend):
+            return model(ids, positions)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        eager = forward().clone()
+    torch.cuda.current_stream().wait_stream(stream)
+    if before_capture is not None:
+        before_capture()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = forward()
+    return graph, out, eager

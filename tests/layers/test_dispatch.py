@@ -178,28 +178,9 @@ def test_wrapped_linear_is_called_on_every_path_on_cuda(arch):
     assert_every_linear_called_once_per_step(steps, names)
     assert all(torch.isfinite(s[2]).all() for s in steps)
     # A batch-1 decode forward, captured in a CUDA graph: the wrapped linears are in the graph.
-    from pagedllm.attention.backend import forward_context
-    from tests.helpers import build_metadata
+    from tests.helpers import capture_batch1_decode
 
-    backend = TritonBackend()
-    runner = PagedTestRunner(model, num_blocks=64, block_size=4, backend=backend)
-    runner.step([(0, list(range(3, 14)))])  # 11 tokens in 3 blocks of 4
-    meta = build_metadata([12], [1], [runner.block_tables[0]], 4, "cuda", backend=backend)
-    ids, positions = torch.tensor([100], device="cuda"), torch.tensor([11], device="cuda")
-
-    def forward() -> torch.Tensor:
-        with forward_context(meta, backend):
-            return model(ids, positions)
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        eager = forward().clone()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    CALLS.clear()
-    with torch.cuda.graph(graph):
-        out = forward()
+    graph, out, eager = capture_batch1_decode(model, TritonBackend(), before_capture=CALLS.clear)
     assert CALLS == Counter(dict.fromkeys(names, 1))
     graph.replay()
     torch.cuda.synchronize()

@@ -126,9 +126,8 @@ def test_unquantized_linears_are_untouched():
 def test_quantized_linears_are_called_on_every_path_on_cuda(arch):
     """bf16 on CUDA with the fused kernels on: batch 1, 2 and 3+ rows, then a captured batch-1
     decode graph whose replay equals the eager step; the FP8 logits stay near the float model's."""
-    from pagedllm.attention.backend import forward_context
     from pagedllm.attention.triton_backend import TritonBackend
-    from tests.helpers import build_metadata
+    from tests.helpers import capture_batch1_decode
 
     model, names = fp8_model(arch, torch.bfloat16, "cuda")
     prepare_model_kernels(model, torch.device("cuda"), KernelConfig())
@@ -143,25 +142,7 @@ def test_quantized_linears_are_called_on_every_path_on_cuda(arch):
         assert torch.isfinite(got).all()
         assert float((got.float() - want.float()).abs().mean()) < 0.25 * float(want.float().abs().mean())
 
-    backend = TritonBackend()
-    runner = PagedTestRunner(model, num_blocks=64, block_size=4, backend=backend)
-    runner.step([(0, list(range(3, 14)))])
-    meta = build_metadata([12], [1], [runner.block_tables[0]], 4, "cuda", backend=backend)
-    ids, positions = torch.tensor([100], device="cuda"), torch.tensor([11], device="cuda")
-
-    def forward() -> torch.Tensor:
-        with forward_context(meta, backend):
-            return model(ids, positions)
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        eager = forward().clone()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    CALLS.clear()
-    with torch.cuda.graph(graph):
-        out = forward()
+    graph, out, eager = capture_batch1_decode(model, TritonBackend(), before_capture=CALLS.clear)
     assert CALLS == Counter(dict.fromkeys(names, 1))
     graph.replay()
     torch.cuda.synchronize()
