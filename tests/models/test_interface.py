@@ -7,6 +7,7 @@ import torch
 from pagedllm.loader.architectures import ARCHITECTURES, architecture_for, gguf_permutes_qk
 from pagedllm.models import LlamaForCausalLM, build_model, get_model_class, supported_architectures
 from pagedllm.models.interface import CausalLM, check_model, check_model_class
+from pagedllm.models.registry import model_class_of
 from tests.helpers import tiny_config
 
 
@@ -34,7 +35,10 @@ def test_one_table_serves_registry_and_loader():
     for arch in ARCHITECTURES.values():
         cfg = tiny_config(arch.model_type)
         cfg.architectures = [arch.hf_class]
-        assert get_model_class(cfg) is LlamaForCausalLM
+        cls = get_model_class(cfg)
+        assert cls is model_class_of(arch) and cls.__name__ == arch.hf_class.replace("Mistral", "Llama").replace(
+            "Qwen2", "Llama").replace("Qwen3", "Llama")
+        assert issubclass(cls, LlamaForCausalLM)  # every family shares its interface and loader
         assert architecture_for(None, arch.model_type) is arch  # GGUF configs: model_type only
     assert architecture_for(["NopeForCausalLM"], "nope") is None
     assert gguf_permutes_qk("llama") and not gguf_permutes_qk("qwen2") and not gguf_permutes_qk("unknown")

@@ -129,3 +129,19 @@ def test_sliding_kv_freeing_bounds_a_long_request(tmp_path):
     assert most_held["prefill"] <= (8 + 32) // 4 + 1, most_held
     assert_greedy_match(hf, prompt, ours, ref, "mistral_sliding/long")
     assert kv.get_num_free_blocks() == kv.num_blocks
+
+
+def test_longrope_factors_are_fixed_by_the_model_context():
+    """Long factors when max_position_embeddings exceeds the original context (vLLM's rule at its
+    default max_model_len), else the short ones; HF's own functions compute both."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from pagedllm.layers.rotary import compute_inv_freq
+
+    cfg = tiny_config("phi3")
+    long_ref, _ = ROPE_INIT_FUNCTIONS["longrope"](cfg, None, seq_len=17)
+    assert torch.equal(compute_inv_freq(cfg, 16)[0], long_ref.float())
+    cfg.max_position_embeddings = 16
+    short_ref, _ = ROPE_INIT_FUNCTIONS["longrope"](cfg, None)
+    assert torch.equal(compute_inv_freq(cfg, 16)[0], short_ref.float())
+    assert not torch.equal(long_ref, short_ref)
