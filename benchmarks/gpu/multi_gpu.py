@@ -3,8 +3,9 @@ model too big for one GPU. Each phase runs in its own process under a time limit
 collective costs that phase, not the run) and appends its figures to ``$OUT/multi_gpu.json``.
 
 Phases (run in the order given):
-  allreduce            NCCL all-reduce latency of one decode step's activation ([bs, hidden] bf16,
-                       the size a row-parallel projection reduces), eager and inside a CUDA graph
+  allreduce            all-reduce latency of one decode step's activation ([bs, hidden] bf16, the
+                       size a row-parallel projection reduces): NCCL against the symmetric-memory
+                       one-shot kernel (pagedllm/distributed/symm_all_reduce.py), eager
   correct:MODEL        a random bf16 checkpoint of MODEL (a benchmarks/configs folder) written once,
                        then TP=1, TP=2 and PP=2 on the same weights: teacher-forced prompt logprobs
                        of a ragged batch against TP=1, and greedy agreement over 32 tokens
@@ -86,40 +87,34 @@ def _allreduce_rank(rank: int, world: int, port: int, queue) -> None:
     import torch
     import torch.distributed as dist
 
+    from pagedllm.distributed.symm_all_reduce import SymmMemAllReduce
+
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    rows = {}
-    for bs, hidden in [(1, 4096), (64, 4096), (1, 8192), (64, 8192)]:
-        x = torch.ones(bs, hidden, dtype=torch.bfloat16, device="cuda")
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))
+    group = dist.new_group(list(range(world)))
+    symm = SymmMemAllReduce(group, torch.device("cuda", rank), 2 * 2**20, torch.bfloat16)
+
+    def time_us(fn, x, n=200) -> float:
         for _ in range(20):
-            dist.all_reduce(x)
+            fn(x)
         torch.cuda.synchronize()
-        n = 200
         t0 = time.perf_counter()
         for _ in range(n):
-            dist.all_reduce(x)
+            fn(x)
         torch.cuda.synchronize()
-        eager_us = (time.perf_counter() - t0) / n * 1e6
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            dist.all_reduce(x)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(64):
-                dist.all_reduce(x)
-        graph.replay()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(5):
-            graph.replay()
-        torch.cuda.synchronize()
-        graph_us = (time.perf_counter() - t0) / (5 * 64) * 1e6
-        rows[f"{bs}x{hidden}"] = {"eager_us": round(eager_us, 2), "graph_us": round(graph_us, 2)}
-    if rank == 0:
-        queue.put(rows)
-    dist.barrier()
+        return (time.perf_counter() - t0) / n * 1e6
+
+    rows = {}
+    for bs, hidden in [(1, 4096), (64, 4096), (1, 8192), (64, 8192)]:
+        x = torch.full((bs, hidden), float(rank + 1), dtype=torch.bfloat16, device="cuda")
+        expected = world * (world + 1) / 2
+        y = x.clone()
+        symm(y)
+        assert torch.all(y == expected), "symmetric-memory all-reduce gave a wrong sum"
+        rows[f"{bs}x{hidden}"] = {"nccl_us": round(time_us(lambda t: dist.all_reduce(t, group=group), x.clone()), 2),
+                                  "symm_one_shot_us": round(time_us(symm, x.clone()), 2)}
+    queue.put((rank, rows))
     dist.destroy_process_group()
 
 
@@ -132,9 +127,9 @@ def phase_allreduce(world: int) -> None:
     procs = [ctx.Process(target=_allreduce_rank, args=(r, world, port, queue)) for r in range(world)]
     for p in procs:
         p.start()
-    rows = queue.get(timeout=240)
+    rows = dict(queue.get(timeout=120) for _ in procs)[0]
     for p in procs:
-        p.join()
+        p.join(timeout=30)
     _record({"phase": "allreduce", "world": world, "per_call": rows})
 
 
@@ -230,6 +225,8 @@ def _decode_step_ms(llm, batch: int, input_len: int, out_len: int, vocab: int) -
 
 
 def phase_scale(model: str, tp: int, pp: int, throughput: bool = True, batches: tuple[int, ...] = (1,)) -> None:
+    """With ``PAGEDLLM_SYMM_MEM_ALL_REDUCE=0`` in the environment the ranks all-reduce through NCCL
+    only (the record says which)."""
     from pagedllm import LLM
     from pagedllm.entrypoints.bench_throughput import run_pagedllm
     from pagedllm.entrypoints.bench_workload import make_workload
@@ -240,7 +237,8 @@ def phase_scale(model: str, tp: int, pp: int, throughput: bool = True, batches: 
     llm = LLM(model=_config_dir(model), load_format="dummy", skip_tokenizer_init=True, max_model_len=4096,
               tensor_parallel_size=tp, pipeline_parallel_size=pp)
     entry = {"phase": "scale" if throughput else "decode", "model": model, "tp": tp, "pp": pp,
-             "startup_s": time.perf_counter() - t0, "copy_bytes_per_s": bandwidth}
+             "startup_s": time.perf_counter() - t0, "copy_bytes_per_s": bandwidth,
+             "symm_all_reduce": os.environ.get("PAGEDLLM_SYMM_MEM_ALL_REDUCE", "1") not in ("0", "false")}
     if throughput:
         wl = make_workload("nano", 256, (100, 1024), (100, 1024), cfg["vocab_size"], 0)
         run_pagedllm(llm, make_workload("random", 16, (64, 64), (8, 8), 10000, 1), 0.6)  # warm-up
