@@ -187,14 +187,28 @@ def _teacher_forced(folder: str, tp: int, pp: int, prompts: list[list[int]]) -> 
     return result
 
 
-def phase_correct(model: str) -> None:
-    folder = write_random_checkpoint(model)
+def _correct_prompts() -> list[list[int]]:
     rng = random.Random(1)
-    prompts = [[rng.randrange(0, 10000) for _ in range(n)] for n in (7, 33, 128, 257, 600, 1000)]
+    return [[rng.randrange(0, 10000) for _ in range(n)] for n in (7, 33, 128, 257, 600, 1000)]
+
+
+def phase_correct_run(model: str, tp: int, pp: int, path: str) -> None:
+    """One layout's outputs on the shared checkpoint, written to ``path`` (its own process, so
+    that the previous layout's GPU memory is gone)."""
+    with open(path, "w") as f:
+        json.dump(_teacher_forced(write_random_checkpoint(model), tp, pp, _correct_prompts()), f)
+
+
+def phase_correct(model: str) -> None:
+    import tempfile
+
+    write_random_checkpoint(model)
     runs = {}
     for tp, pp in [(1, 1), (2, 1), (1, 2)]:
         t0 = time.perf_counter()
-        runs[(tp, pp)] = _teacher_forced(folder, tp, pp, prompts)
+        path = tempfile.mktemp(suffix=".json")
+        subprocess.run([sys.executable, __file__, "--one", f"correct-run:{model}:{tp}:{pp}:{path}"], check=True)
+        runs[(tp, pp)] = json.load(open(path))
         print(f"{model} tp={tp} pp={pp}: {time.perf_counter() - t0:.1f} s", flush=True)
     base = runs[(1, 1)]
     for (tp, pp), run in runs.items():
@@ -259,6 +273,8 @@ def run_phase(spec: str) -> None:
         phase_allreduce(int(rest[0]) if rest else 2)
     elif kind == "correct":
         phase_correct(rest[0])
+    elif kind == "correct-run":
+        phase_correct_run(rest[0], int(rest[1]), int(rest[2]), rest[3])
     elif kind == "scale":
         phase_scale(rest[0], int(rest[1]), int(rest[2]))
     elif kind == "decode":
