@@ -37,6 +37,16 @@ _RUNNING = RequestStatus.RUNNING
 
 
 @dataclass
+class BitmaskJob:
+    """A step's bitmask being filled on the manager's fill thread (``start_bitmask``).
+    ``future`` gives the fill's seconds; the rows are ``bitmask[:num_rows]``, ``req_ids`` in order."""
+
+    req_ids: list[str]
+    num_rows: int
+    future: Future
+
+
+@dataclass
 class StructuredOutputStats:
     """The manager's counters at one moment (cumulative since the engine started), plus the compile
     times of the grammars compiled since the previous ``StructuredOutputManager.stats()`` call.
@@ -78,6 +88,7 @@ class StructuredOutputManager:
         self._backend = None  # built on the first constraint: importing xgrammar takes a while
         self.vocab_size = vocab_size
         self._pool: ThreadPoolExecutor | None = None  # started on the first constraint
+        self._fill_thread: ThreadPoolExecutor | None = None  # one worker: the bitmask fills, in order
         self._max_compile_threads = max_compile_threads
         # Least recently used first; requests hold their own future, so evicting one is safe.
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
@@ -191,56 +202,83 @@ class StructuredOutputManager:
         return bool(live) and any(req_id in live for req_id in scheduler_output.num_scheduled_tokens)
 
     def grammar_bitmask(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]) -> GrammarOutput | None:
-        """The bitmask rows of the step's structured requests that sample in it (their matchers
-        have accepted every token before the step), or None if there are none.
+        """The bitmask rows of the step's structured requests that sample in it, filled before
+        returning (``start_bitmask`` then ``finish_bitmask``), or None if there are none."""
+        job = self.start_bitmask(scheduler_output, requests)
+        return self.finish_bitmask(job) if job is not None else None
+
+    def start_bitmask(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]) -> BitmaskJob | None:
+        """Choose the rows of the step's structured requests that sample in it (their matchers have
+        accepted every token before the step) and start filling them on the fill thread; None if
+        there are none. Until ``finish_bitmask(job)`` the chosen requests' matchers belong to the
+        fill thread: the caller may schedule, add and abort requests, not advance those matchers.
 
         A request samples in the step iff it still has placeholders once the previous step's
         tokens are applied (1 + its drafts); a partial prefill has none."""
-        t0 = time.perf_counter()
-        chosen: list[tuple[str, StructuredOutputRequest, list[int]]] = []
+        if self._fill_thread is None:
+            self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-bitmask")
+        req_ids: list[str] = []
+        matchers, rows = [], []  # the rows the fill thread fills
         num_rows = 0
         drafts_of = scheduler_output.scheduled_spec_decode_tokens
+        live = self._requests
         for req_id in scheduler_output.num_scheduled_tokens:
-            state = self._requests.get(req_id)
-            request = requests.get(req_id) if state is not None else None
+            state = live.get(req_id)
+            if state is None:
+                continue
+            request = requests.get(req_id)
             if request is None or request.status != _RUNNING or not request.num_output_placeholders:
                 continue
-            drafts = drafts_of.get(req_id, []) if drafts_of else []
-            chosen.append((req_id, state, drafts))
-            num_rows += len(drafts) + 1
-        if not chosen:
-            return None
-        if self._bitmask.shape[0] < num_rows:
-            self._bitmask = np.zeros((max(num_rows, 2 * self._bitmask.shape[0]), self._bitmask.shape[1]), np.int32)
-        self._fill_rows(chosen)
-        # The runner copies the rows before sample_tokens returns, so the buffer is reused next step.
-        output = GrammarOutput([req_id for req_id, _, _ in chosen], self._bitmask[:num_rows])
-        self.bitmask_time_s += time.perf_counter() - t0
-        self.num_bitmask_steps += 1
-        return output
-
-    def _fill_rows(self, chosen: list[tuple[str, StructuredOutputRequest, list[int]]]) -> None:
-        """Fill each chosen request's rows, in order. Requests without drafts (the common case)
-        are filled by one batched xgrammar call on its own threads, outside the GIL: the fill is
-        the step's largest CPU cost (tens of microseconds per request for a JSON schema), and it
-        overlaps the GPU's forward only if it ends before the forward does."""
-        bitmask = self._bitmask
-        matchers, rows = [], []
-        row = 0
-        for _, state, drafts in chosen:
-            if drafts:
-                state.fill_bitmask(bitmask, row, drafts)
-            elif state.is_terminated():
-                bitmask[row] = -1
+            drafts = drafts_of.get(req_id) if drafts_of else None
+            if num_rows + 1 + len(drafts or ()) > self._bitmask.shape[0]:
+                self._grow_bitmask(num_rows + 1 + len(drafts or ()))
+            req_ids.append(req_id)
+            if drafts:  # rare (speculative decoding): walked here, on this thread
+                state.fill_bitmask(self._bitmask, num_rows, drafts)
+                num_rows += len(drafts) + 1
+                continue
+            if state.is_terminated():
+                self._bitmask[num_rows] = -1
             else:
                 matchers.append(state.matcher)
-                rows.append(row)
-            row += len(drafts) + 1
+                rows.append(num_rows)
+            num_rows += 1
+        if not req_ids:
+            return None
+        started = threading.Event()
+        future = self._fill_thread.submit(self._fill_rows, matchers, rows, started)
+        # Hand the GIL to the fill thread until it is inside xgrammar (which releases it): left to
+        # the interpreter, a thread waiting for the GIL gets it only after the switch interval.
+        started.wait()
+        return BitmaskJob(req_ids, num_rows, future)
+
+    def _grow_bitmask(self, num_rows: int) -> None:
+        """Make the buffer at least ``num_rows`` rows (keeping the rows filled so far)."""
+        bigger = np.zeros((max(num_rows, 2 * self._bitmask.shape[0]), self._bitmask.shape[1]), np.int32)
+        bigger[: self._bitmask.shape[0]] = self._bitmask
+        self._bitmask = bigger
+
+    def finish_bitmask(self, job: BitmaskJob) -> GrammarOutput:
+        """Wait for ``job``'s fill; its rows, in the order of ``job.req_ids``."""
+        self.bitmask_time_s += job.future.result()  # re-raises the fill's error, if any
+        self.num_bitmask_steps += 1
+        # The runner copies the rows before sample_tokens returns, so the buffer is reused next step.
+        return GrammarOutput(job.req_ids, self._bitmask[:job.num_rows])
+
+    def _fill_rows(self, matchers: list, rows: list[int], started: threading.Event) -> float:
+        """Fill ``bitmask[rows[i]]`` from ``matchers[i]`` (on the fill thread); returns the seconds
+        it took. One batched xgrammar call on its own threads, outside the GIL: the fill is the
+        step's largest CPU cost (tens of microseconds per request for a JSON schema), so the
+        engine thread does other work meanwhile."""
+        t0 = time.perf_counter()
+        started.set()
         if len(matchers) == 1:
-            matchers[0].fill_next_token_bitmask(bitmask, rows[0])
+            matchers[0].fill_next_token_bitmask(self._bitmask, rows[0])
         elif matchers:
-            self.backend.batch_fill_bitmask(matchers, bitmask, rows)
+            self.backend.batch_fill_bitmask(matchers, self._bitmask, rows)
+        return time.perf_counter() - t0
 
     def shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._pool, self._fill_thread):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
