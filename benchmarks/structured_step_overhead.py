@@ -22,6 +22,8 @@ in microseconds:
 - bitmask: the engine thread's time in the manager's per-step bitmask calls (choosing rows,
   starting the fill, waiting for it);
 - fill: time xgrammar spent filling bitmasks (on whichever thread ran it);
+- fill_wait: the part of ``fill`` the engine thread waited for (0 when it is fully hidden behind
+  the engine thread's own work; absent before the fill thread existed);
 - gpu_idle: time the simulated GPU had nothing queued while requests were running.
 
     python benchmarks/structured_step_overhead.py                       # N = 64, 256; both schemas
@@ -56,7 +58,7 @@ from pagedllm.engine.engine_core import EngineCore  # noqa: E402
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
 from pagedllm.structured_output import StructuredOutputManager  # noqa: E402
 
-PHASES = ("step", "engine_cpu", "schedule", "update", "output", "bitmask", "fill", "gpu_idle")
+PHASES = ("step", "engine_cpu", "schedule", "update", "output", "bitmask", "fill", "fill_wait", "gpu_idle")
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
          "quebec romeo sierra tango uniform victor whiskey xray yankee zulu street city river road house "
          "Rome Paris Berlin Madrid Lisbon Vienna the of and to in is was for on with as by at from").split()
@@ -219,6 +221,7 @@ def run_once(engine, streams: list[list[int]], schema: dict | None, args, profil
     timer.wrap(engine.output_processor, "process_outputs", "output")
     seconds = timer.seconds
     bitmask_before = manager.bitmask_time_s
+    wait_before = getattr(manager, "bitmask_wait_s", 0.0)
     bitmask_wait = _wrap_bitmask_calls(manager, seconds)
     num_steps, num_tokens = 0, 0
     if profile is not None:
@@ -240,6 +243,7 @@ def run_once(engine, streams: list[list[int]], schema: dict | None, args, profil
     result["step"] = elapsed / num_steps * 1e6
     result["engine_cpu"] = engine_cpu / num_steps * 1e6
     result["fill"] = (manager.bitmask_time_s - bitmask_before) / num_steps * 1e6
+    result["fill_wait"] = (getattr(manager, "bitmask_wait_s", 0.0) - wait_before) / num_steps * 1e6
     result["gpu_idle"] = core.executor.idle_s / num_steps * 1e6
     result.update(steps=num_steps, tokens=num_tokens, tok_s=num_tokens / elapsed, checked=core.executor.num_checked)
     return result

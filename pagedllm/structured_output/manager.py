@@ -6,8 +6,10 @@ Flow of one constrained request:
    for the request yet, so a refused request leaves no state anywhere.
 2. ``EngineCore.add_request`` -> ``attach(request)``: the request gets its
    ``StructuredOutputRequest``; the scheduler keeps it waiting (others run) until ``is_ready()``.
-3. Each step that samples for it: ``grammar_bitmask`` fills its bitmask row(s) on the CPU (while
-   the GPU runs the forward), the runner applies them to the logits; the scheduler's update
+3. Each step that samples for it: ``start_bitmask`` starts filling its bitmask row(s) on the fill
+   thread and ``finish_bitmask`` waits for them (``grammar_bitmask`` does both; the engine core
+   does its own work in between: engine_core.py), the runner applies them to the logits; the
+   scheduler's update
    advances its matcher by the accepted tokens and stops it when the grammar terminates; with
    jump-forward on, it then appends the tokens the grammar forces (jump_forward.py).
 4. The step after it finishes or is aborted (``SchedulerOutput.finished_req_ids``): ``release``.
@@ -68,12 +70,14 @@ class StructuredOutputManager:
     enters it only after its constraint parsed; at most ``max_cached_grammars`` keys are kept
     (least recently used dropped). Cost: ``prepare`` is a dict lookup on a hit, a parse (about a
     millisecond) on a miss; ``grammar_bitmask`` is O(structured requests of the step) matcher
-    calls into one reused int32 buffer, the fills batched into one multi-threaded call.
+    calls into one reused int32 buffer, the fills batched into one multi-threaded call on the fill
+    thread (one fill in flight at a time: the engine core finishes a job before it starts another).
 
     Counters (the engine's metrics read them): ``num_compiled``, ``compile_time_s`` (summed;
     ``take_compile_times`` gives each), ``num_cache_hits`` (requests whose constraint was already
-    compiled or compiling), ``bitmask_time_s`` and ``num_bitmask_steps`` (CPU time spent filling
+    compiled or compiling), ``bitmask_time_s`` and ``num_bitmask_steps`` (time spent filling
     bitmasks, over the steps that had structured requests: their ratio is the time per step),
+    ``bitmask_wait_s`` (the part of it the engine thread waited for: the rest overlapped its work),
     ``num_jumped_tokens`` (tokens appended by jump-forward).
 
     ``jump_forward``: requests that ask for no logprobs get the shared ``JumpForward``
@@ -101,6 +105,7 @@ class StructuredOutputManager:
         self._new_compile_times_s: list[float] = []  # since the last take_compile_times()
         self.num_cache_hits = 0
         self.bitmask_time_s = 0.0
+        self.bitmask_wait_s = 0.0
         self.num_bitmask_steps = 0
 
     @property
@@ -215,36 +220,43 @@ class StructuredOutputManager:
 
         A request samples in the step iff it still has placeholders once the previous step's
         tokens are applied (1 + its drafts); a partial prefill has none."""
-        if self._fill_thread is None:
-            self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-bitmask")
+        scheduled = scheduler_output.num_scheduled_tokens
+        drafts_of = scheduler_output.scheduled_spec_decode_tokens
+        max_rows = len(scheduled) + (sum(map(len, drafts_of.values())) if drafts_of else 0)
+        if self._bitmask.shape[0] < max_rows:
+            self._bitmask = np.zeros((max(max_rows, 2 * self._bitmask.shape[0]), self._bitmask.shape[1]), np.int32)
+        bitmask = self._bitmask
         req_ids: list[str] = []
         matchers, rows = [], []  # the rows the fill thread fills
         num_rows = 0
-        drafts_of = scheduler_output.scheduled_spec_decode_tokens
         live = self._requests
-        for req_id in scheduler_output.num_scheduled_tokens:
+        for req_id in scheduled:
             state = live.get(req_id)
             if state is None:
                 continue
             request = requests.get(req_id)
             if request is None or request.status != _RUNNING or not request.num_output_placeholders:
                 continue
-            drafts = drafts_of.get(req_id) if drafts_of else None
-            if num_rows + 1 + len(drafts or ()) > self._bitmask.shape[0]:
-                self._grow_bitmask(num_rows + 1 + len(drafts or ()))
             req_ids.append(req_id)
+            drafts = drafts_of.get(req_id) if drafts_of else None
             if drafts:  # rare (speculative decoding): walked here, on this thread
-                state.fill_bitmask(self._bitmask, num_rows, drafts)
+                state.fill_bitmask(bitmask, num_rows, drafts)
                 num_rows += len(drafts) + 1
                 continue
             if state.is_terminated():
-                self._bitmask[num_rows] = -1
+                bitmask[num_rows] = -1
             else:
                 matchers.append(state.matcher)
                 rows.append(num_rows)
             num_rows += 1
         if not req_ids:
             return None
+        if not matchers:  # every row already written (terminated grammars, drafts)
+            future: Future = Future()
+            future.set_result(0.0)
+            return BitmaskJob(req_ids, num_rows, future)
+        if self._fill_thread is None:
+            self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-bitmask")
         started = threading.Event()
         future = self._fill_thread.submit(self._fill_rows, matchers, rows, started)
         # Hand the GIL to the fill thread until it is inside xgrammar (which releases it): left to
@@ -252,15 +264,11 @@ class StructuredOutputManager:
         started.wait()
         return BitmaskJob(req_ids, num_rows, future)
 
-    def _grow_bitmask(self, num_rows: int) -> None:
-        """Make the buffer at least ``num_rows`` rows (keeping the rows filled so far)."""
-        bigger = np.zeros((max(num_rows, 2 * self._bitmask.shape[0]), self._bitmask.shape[1]), np.int32)
-        bigger[: self._bitmask.shape[0]] = self._bitmask
-        self._bitmask = bigger
-
     def finish_bitmask(self, job: BitmaskJob) -> GrammarOutput:
         """Wait for ``job``'s fill; its rows, in the order of ``job.req_ids``."""
+        t0 = time.perf_counter()
         self.bitmask_time_s += job.future.result()  # re-raises the fill's error, if any
+        self.bitmask_wait_s += time.perf_counter() - t0
         self.num_bitmask_steps += 1
         # The runner copies the rows before sample_tokens returns, so the buffer is reused next step.
         return GrammarOutput(job.req_ids, self._bitmask[:job.num_rows])
