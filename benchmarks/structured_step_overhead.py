@@ -11,16 +11,15 @@ constrained runs checks that the step's bitmask allows it (a refused token fails
 streams run once free (no grammar) and once constrained, alternately, so the difference is the
 cost of the grammar.
 
-Reported per (N, schema, mode), per decode step of the whole run (N requests x up to 256 tokens),
-in microseconds:
+Reported per (N, schema, mode), per step of the whole run (N requests x up to 256 tokens), in
+microseconds; the phases are the engine thread's CPU time in them (``time.thread_time``: waits
+excluded, and robust to a loaded machine, unlike the wall times):
 - step: wall time per step (with the simulated GPU: what throughput sees);
-- engine_cpu: CPU time of the engine thread (``time.thread_time``: not its waits, nor the fill
-  thread's work), the cost that decides the step time once the engine thread is the bottleneck
-  (robust to a loaded machine, unlike the wall times);
+- engine_cpu: all the engine thread's CPU time (not the fill thread's work): the cost that decides
+  the step time once the engine thread is the bottleneck;
 - schedule / update / output: ``Scheduler.schedule``, ``Scheduler.update_from_output`` (where the
   matchers accept the tokens), ``OutputProcessor.process_outputs``;
-- bitmask: the engine thread's time in the manager's per-step bitmask calls (choosing rows,
-  starting the fill, waiting for it);
+- bitmask: the manager's per-step bitmask calls (choosing the rows, starting the fill);
 - fill: time xgrammar spent filling bitmasks (on whichever thread ran it);
 - fill_wait: the part of ``fill`` the engine thread waited for (0 when it is fully hidden behind
   the engine thread's own work; absent before the fill thread existed);
@@ -48,7 +47,7 @@ from pathlib import Path
 _HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(_HERE.parent), str(_HERE), str(_HERE / "gpu")]  # this checkout's pagedllm first
 
-from host_overhead import PhaseTimer, make_config  # noqa: E402
+from host_overhead import make_config  # noqa: E402
 from structured_output_bench import SCHEMAS  # noqa: E402
 
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput  # noqa: E402
@@ -215,14 +214,14 @@ def run_once(engine, streams: list[list[int]], schema: dict | None, args, profil
     manager = core.structured_output
     if schema is not None:  # compile before timing (the GPU bench's warm-up does the same)
         manager.wait_for_compile(timeout_s=60)
-    timer = PhaseTimer()
-    timer.wrap(core.scheduler, "schedule", "schedule")
-    timer.wrap(core.scheduler, "update_from_output", "update")
-    timer.wrap(engine.output_processor, "process_outputs", "output")
-    seconds = timer.seconds
+    seconds: dict[str, float] = {}
+    unwrap = [_time_calls(core.scheduler, "schedule", "schedule", seconds),
+              _time_calls(core.scheduler, "update_from_output", "update", seconds),
+              _time_calls(engine.output_processor, "process_outputs", "output", seconds)]
     bitmask_before = manager.bitmask_time_s
     wait_before = getattr(manager, "bitmask_wait_s", 0.0)
-    bitmask_wait = _wrap_bitmask_calls(manager, seconds)
+    for name in ("start_bitmask", "finish_bitmask") if hasattr(manager, "start_bitmask") else ("grammar_bitmask",):
+        unwrap.append(_time_calls(manager, name, "bitmask", seconds))
     num_steps, num_tokens = 0, 0
     if profile is not None:
         profile.enable()
@@ -235,10 +234,8 @@ def run_once(engine, streams: list[list[int]], schema: dict | None, args, profil
     elapsed, engine_cpu = time.perf_counter() - t0, time.thread_time() - cpu0
     if profile is not None:
         profile.disable()
-    bitmask_wait()
-    for name in ("schedule", "update_from_output"):
-        vars(core.scheduler).pop(name, None)
-    vars(engine.output_processor).pop("process_outputs", None)
+    for undo in unwrap:
+        undo()
     result = {phase: seconds.get(phase, 0.0) / num_steps * 1e6 for phase in PHASES}
     result["step"] = elapsed / num_steps * 1e6
     result["engine_cpu"] = engine_cpu / num_steps * 1e6
@@ -252,23 +249,21 @@ def run_once(engine, streams: list[list[int]], schema: dict | None, args, profil
 run_once.counter = 0
 
 
-def _wrap_bitmask_calls(manager, seconds: dict[str, float]):
-    """Time the engine thread's calls into the manager's per-step bitmask methods under 'bitmask';
-    returns the function that unwraps them."""
-    names = ["start_bitmask", "finish_bitmask"] if hasattr(manager, "start_bitmask") else ["grammar_bitmask"]
-    seconds["bitmask"] = 0.0
-    for name in names:
-        fn = getattr(manager, name)
+def _time_calls(obj, name: str, phase: str, seconds: dict[str, float]):
+    """Add the engine thread's CPU time (``time.thread_time``: waits excluded) in ``obj.name`` to
+    ``seconds[phase]``; returns the function that unwraps it."""
+    fn = getattr(obj, name)
+    seconds.setdefault(phase, 0.0)
 
-        def timed(*a, _fn=fn, **kw):
-            t0 = time.perf_counter()
-            try:
-                return _fn(*a, **kw)
-            finally:
-                seconds["bitmask"] += time.perf_counter() - t0
+    def timed(*args, **kwargs):
+        t0 = time.thread_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            seconds[phase] += time.thread_time() - t0
 
-        setattr(manager, name, timed)
-    return lambda: [vars(manager).pop(n, None) for n in names]
+    setattr(obj, name, timed)
+    return lambda: vars(obj).pop(name, None)
 
 
 def load_tokenizer(path: str):
