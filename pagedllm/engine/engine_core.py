@@ -17,16 +17,17 @@ With it, a constrained step N runs
 
     schedule(N) -> sample(N-1) -> execute(N) -> wait(N-1) -> apply(N-1) -> start fill(N) -> return
 
-and the next step samples N (after waiting for the fill) before it executes N+1. The fill runs on
-the manager's fill thread (xgrammar's batched fill, outside the GIL, on its own threads) while
-the engine thread processes the outputs of N-1 and schedules N+1, so those, the fill and the
-GPU's forward of N all overlap; and forward N+1 is launched right behind sample(N), so the GPU
-runs it while the engine thread applies N (the matchers accept its tokens) and fills nothing.
-A step is then as long as the unconstrained one unless the fill outlasts output processing plus
-scheduling. ``_unsampled`` holds the step between its fill's start and its sample; the runner
-never sees the difference (execute and sample still alternate). A step without constrained
-requests keeps the plain order (no cost). ``benchmarks/structured_step_overhead.py`` measures
-both orders against a simulated GPU.
+and the next step samples N before it executes N+1. The fill runs on the manager's fill thread
+(xgrammar's batched fill, outside the GIL, on its own threads) while the engine thread returns,
+the outputs of N-1 are processed and N+1 is scheduled, and while the GPU runs forward N. The next
+step then waits for what is left of the fill, samples N and launches forward N+1 right behind
+it, so the GPU computes N+1 while the engine thread applies N. Against the unconstrained order
+the engine thread adds only the matchers' accepts in the update, the choice of the rows, and the
+part of the fill that outlasts output processing plus scheduling
+(``StructuredOutputManager.bitmask_wait_s``). ``_unsampled`` holds the step between its fill's
+start and its sample; the runner never sees the difference (execute and sample still alternate).
+A step without constrained requests keeps the plain order (no cost).
+``benchmarks/structured_step_overhead.py`` measures the cost against a simulated GPU.
 """
 
 from __future__ import annotations

@@ -220,6 +220,7 @@ class StructuredOutputManager:
 
         A request samples in the step iff it still has placeholders once the previous step's
         tokens are applied (1 + its drafts); a partial prefill has none."""
+        t0 = time.perf_counter()
         scheduled = scheduler_output.num_scheduled_tokens
         drafts_of = scheduler_output.scheduled_spec_decode_tokens
         max_rows = len(scheduled) + (sum(map(len, drafts_of.values())) if drafts_of else 0)
@@ -251,6 +252,7 @@ class StructuredOutputManager:
             num_rows += 1
         if not req_ids:
             return None
+        self.bitmask_time_s += time.perf_counter() - t0  # choosing the rows, walking the drafts
         if not matchers:  # every row already written (terminated grammars, drafts)
             future: Future = Future()
             future.set_result(0.0)
@@ -282,7 +284,7 @@ class StructuredOutputManager:
         started.set()
         if len(matchers) == 1:
             matchers[0].fill_next_token_bitmask(self._bitmask, rows[0])
-        elif matchers:
+        else:
             self.backend.batch_fill_bitmask(matchers, self._bitmask, rows)
         return time.perf_counter() - t0
 
