@@ -26,6 +26,9 @@ class TensorParallelGroup:
     rank: int = 0
     size: int = 1
     group: Any = None  # a torch.distributed ProcessGroup when size > 1
+    # MoE layers split their experts over the ranks (E/size whole experts each) instead of each
+    # expert's intermediate dim (vLLM's ``enable_expert_parallel``; layers/fused_moe.py).
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
@@ -129,12 +132,13 @@ def shard_range(total: int, rank: int, size: int, name: str) -> tuple[int, int]:
 
 
 def init_distributed(rank: int, world_size: int, tensor_parallel_size: int, init_method: str,
-                     backend: str) -> TensorParallelGroup:
+                     backend: str, enable_expert_parallel: bool = False) -> TensorParallelGroup:
     """Join the ``torch.distributed`` world of ``world_size`` ranks (``backend``: "gloo" on the CPU,
     "nccl" on CUDA) and make this process's tensor-parallel group: the ``tensor_parallel_size``
     consecutive ranks ``rank`` belongs to (one group per pipeline stage; every rank creates every
     group, as ``torch.distributed.new_group`` requires) and its pipeline stage (``rank //
-    tensor_parallel_size``). Returns the tensor-parallel group it set."""
+    tensor_parallel_size``); ``enable_expert_parallel``: its MoE layers split experts over the group.
+    Returns the tensor-parallel group it set."""
     import datetime
 
     torch.distributed.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
@@ -146,7 +150,7 @@ def init_distributed(rank: int, world_size: int, tensor_parallel_size: int, init
         made = torch.distributed.new_group(ranks) if tp > 1 else None
         if rank in ranks:
             group = made
-    tp_group = TensorParallelGroup(rank % tp, tp, group)
+    tp_group = TensorParallelGroup(rank % tp, tp, group, enable_expert_parallel)
     set_tp_group(tp_group)
     set_pp_group(PipelineParallelGroup(rank // tp, world_size // tp, rank, tp))
     return tp_group

@@ -68,7 +68,8 @@ def _build_worker(config: EngineConfig, rank: int, init_method: str) -> Any:
     else:  # the ranks share the host's CPUs
         torch.set_num_threads(max(1, intra_op_threads(for_server=False) // pc.world_size))
         backend = "gloo"
-    init_distributed(rank, pc.world_size, pc.tensor_parallel_size, init_method, backend)
+    init_distributed(rank, pc.world_size, pc.tensor_parallel_size, init_method, backend,
+                     pc.enable_expert_parallel)
     return Worker(config)
 
 
