@@ -26,7 +26,15 @@ import torch
 from torch import nn
 
 from pagedllm.config import moe_sizes
-from pagedllm.layers import Linear, MergedLinear, ResidualState, RMSNorm, RotaryEmbedding, RowParallelLinear, SiluAndMul
+from pagedllm.layers import (
+    Linear,
+    MergedLinear,
+    ResidualState,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    SiluAndMul,
+)
 from pagedllm.layers.fused_moe import FusedMoE
 from pagedllm.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel
 
