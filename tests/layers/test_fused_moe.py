@@ -104,7 +104,7 @@ def load_layer(layer: FusedMoE, w13: torch.Tensor, w2: torch.Tensor) -> None:
 
 
 def build_rank(rank, size, expert_parallel, **kwargs) -> FusedMoE:
-    previous = set_tp_group(LocalRank(rank, size, None, expert_parallel))
+    previous = set_tp_group(LocalRank(rank, size, expert_parallel=expert_parallel))
     try:
         return FusedMoE(**kwargs)
     finally:
