@@ -195,3 +195,32 @@ def test_expert_parallel_is_refused_for_a_dense_model():
         ParallelConfig(tensor_parallel_size=2, enable_expert_parallel=True).verify_model(tiny_config("llama"))
     with pytest.raises(ValueError, match="^enable_expert_parallel must be a boolean"):
         EngineArgs(enable_expert_parallel="yes")
+
+
+# ---- CUDA (the lead runs these on a GPU) --------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_cuda_engine_greedy_ids_equal_generate(arch, tmp_path):
+    """The fused-MoE Triton path in the engine on CUDA (decode steps replayed from CUDA graphs),
+    float32, against transformers on the CPU."""
+    from transformers import AutoModelForCausalLM
+
+    folder = make_tiny_moe(arch, tmp_path / arch)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    prompts, max_tokens = make_prompts()
+    engine = LLMEngine.from_engine_args(EngineArgs(model=folder, dtype="float32", skip_tokenizer_init=True,
+                                                   device="cuda"))
+    worker = engine.engine_core.executor.worker
+    assert {worker.kernel_plan.impls[n] for n, m in worker.model.named_modules() if isinstance(m, FusedMoE)} == {"cuda"}
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", {"prompt_token_ids": p}, SamplingParams(temperature=0.0, max_tokens=max_tokens[i],
+                                                                             ignore_eos=True, detokenize=False))
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+    for i, (p, m) in enumerate(zip(prompts, max_tokens)):
+        assert_greedy_match(hf, p, done[f"r{i}"], hf_greedy(hf, p, m), f"{arch}/cuda/r{i}")
