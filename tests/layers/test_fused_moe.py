@@ -144,6 +144,16 @@ def test_sizes_that_do_not_split_are_refused_naming_the_field():
 
 # ---- the Triton grouped GEMM --------------------------------------------------------------------
 
+def test_launch_parameters_follow_the_mean_assignments_per_expert():
+    from pagedllm.layers.tuning import HOPPER
+
+    narrow, small, large = (config for _, config in HOPPER.moe_gemm_configs)
+    assert HOPPER.moe_gemm_config(8, 128) == narrow  # Qwen3-30B-A3B decode at batch 1
+    assert HOPPER.moe_gemm_config(64 * 8, 128) == small  # batch 64: 4 assignments per expert
+    assert HOPPER.moe_gemm_config(4096 * 8, 128) == large  # a prefill chunk
+    assert narrow[1] < small[1] and small[0] < large[0]
+
+
 # (tokens, hidden, intermediate, experts, top_k, dtype, launch config, expert-parallel (first, count) or None):
 # one token; ragged K / N tails; more tokens than one block per expert; grouped program order; fp16;
 # a rank holding experts 2..5 of 8.
@@ -213,7 +223,7 @@ def test_grouped_gemm_matches_the_cpu_loop_on_cuda(shape):
         config = HOPPER.moe_gemm_config(tokens * top_k, experts)
         err = check_kernel_case((tokens, hidden, inter, experts, top_k, torch.bfloat16, config, None), "cuda")
         assert err < 2e-2, (tokens, err)
-    err = check_kernel_case((64, hidden, inter, experts, top_k, torch.bfloat16, HOPPER.moe_large_config,
+    err = check_kernel_case((64, hidden, inter, experts, top_k, torch.bfloat16, HOPPER.moe_gemm_configs[-1][1],
                              (experts // 2, experts // 2)), "cuda")
     assert err < 2e-2, err
 
