@@ -98,7 +98,6 @@ class ParallelConfig:
         if layers % pp:
             raise ValueError(f"pipeline_parallel_size ({pp}) must divide the model's num_hidden_layers ({layers})")
 
-
     def _verify_experts(self, hf_config: Any) -> None:
         tp, sizes = self.tensor_parallel_size, moe_sizes(hf_config)
         if sizes is None:
