@@ -90,8 +90,9 @@ class FusedMoE(CustomOp):
     I_local]``, loaded per checkpoint expert through ``weight_loader(param, tensor, (expert,
     role))`` with ``role`` in ``EXPERT_ROLES``; each parameter's ``shard_ids`` lists the
     ``(expert, role)`` pairs it must receive (the model's completeness check). A checkpoint expert
-    held by another rank is skipped. Invariant: ``first_expert .. first_expert + num_local_experts - 1``
-    are this rank's experts; every rank holds the same intermediate slice of each of them.
+    held by another rank is skipped. Invariant: this rank holds experts ``first_expert ..
+    first_expert + num_local_experts - 1``, of each the intermediate rows ``intermediate_start ..
+    intermediate_start + intermediate_size - 1`` (all of them under expert parallel).
     Implementations: ``cuda`` (Triton, any CUDA device with Triton: the MoE has no other graph-safe
     form), ``cpu`` and ``native`` (``grouped_experts``)."""
 
