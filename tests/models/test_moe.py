@@ -1,7 +1,7 @@
 """Mixtral, Qwen3-MoE and Qwen2-MoE (models/moe.py) against transformers on the same tiny random
 weights, in float32 on the CPU: logits of single, ragged, chunked, prefix-hit and decode steps; the
-residual-stream form; greedy ids of the engine (chunked prefill, prefix caching) equal to
-``generate``; what the loader and the config refuse."""
+residual-stream form; greedy ids of the engine (chunked prefill, prefix caching, preemption) equal
+to ``generate``; what the loader and the config refuse."""
 
 from __future__ import annotations
 
@@ -128,8 +128,8 @@ def make_prompts(n: int = 8) -> tuple[list[list[int]], list[int]]:
     return prompts, [rng.randint(4, 12) for _ in range(n)]
 
 
-def test_engine_greedy_ids_equal_generate_under_chunked_prefill_and_prefix_caching(tiny):
-    engine_config = dict(max_num_batched_tokens=16, max_num_seqs=4, block_size=4)
+def test_engine_greedy_ids_equal_generate_under_chunks_prefix_hits_and_preemption(tiny):
+    engine_config = dict(max_num_batched_tokens=16, max_num_seqs=4, block_size=4, num_gpu_blocks_override=24)
     prompts, max_tokens = make_prompts()
     refs = [hf_greedy(tiny.hf, p, m) for p, m in zip(prompts, max_tokens)]
     engine = LLMEngine.from_engine_args(EngineArgs(model=tiny.folder, dtype="float32", skip_tokenizer_init=True,
@@ -150,7 +150,8 @@ def test_engine_greedy_ids_equal_generate_under_chunked_prefill_and_prefix_cachi
             if out.finished:
                 done[out.request_id] = list(out.outputs[0].token_ids)
         engine.engine_core.scheduler.check_integrity()
-    assert engine.engine_core.scheduler.stats().prefix_cache_hits > 0
+    stats = engine.engine_core.scheduler.stats()
+    assert stats.prefix_cache_hits > 0 and stats.num_preemptions_total > 0
     for i, (p, r) in enumerate(zip(prompts, refs)):
         assert_greedy_match(tiny.hf, p, done[f"r{i}"], r, f"{tiny.arch}/r{i}")
 
