@@ -15,9 +15,14 @@ Two parts, each in its own process (one 61 GB model in GPU memory at a time):
    100-1024 prompt and output tokens) on the same architecture; its printed floor counts every
    expert (an upper bound of the bytes and the FLOPs of an MoE model).
 
-Prints a table and writes ``$OUT/moe-qwen3-30b-a3b.json`` (``--out`` to change). From the repo root:
+Prints a table and writes ``$OUT/moe-qwen3-30b-a3b.json`` (one part: ``...-engine.json`` /
+``...-throughput.json``; ``--out`` to change). From the repo root:
 
-    python benchmarks/gpu/moe_bench.py          # about 10 minutes on an H200 (80 GB H100: tight)
+    python benchmarks/gpu/moe_bench.py                      # both parts: about 10 minutes on an H200
+    python benchmarks/gpu/moe_bench.py --part engine        # one part (each a few minutes)
+    python benchmarks/gpu/moe_bench.py --part throughput
+
+(an 80 GB H100 holds the 61 GB of weights with little room for the KV cache: use an H200).
 """
 
 from __future__ import annotations
@@ -167,7 +172,15 @@ def run_part(part: str, ns: argparse.Namespace) -> dict:
 
 
 def print_table(result: dict) -> None:
-    engine = result["engine"]
+    engine = result.get("engine")
+    if engine:
+        print_engine_table(engine)
+    tp = result.get("throughput")
+    if tp:
+        print(f"nano-bench: {tp['output_tokens']} tokens in {tp['seconds']:.1f} s = {tp['output_tokens_per_s']:,.0f} tok/s")
+
+
+def print_engine_table(engine: dict) -> None:
     print(f"\n{engine['device']}: copy {engine['copy_gb_per_s']:.0f} GB/s; dense weights {engine['dense_gb']:.2f} GB; "
           f"one expert {engine['expert_mb']:.2f} MB x {engine['moe_layers']} MoE layers")
     print(f"{'batch':>5} {'step ms':>8} {'floor ms':>8} {'of floor':>8} {'experts':>7} {'moe us':>7} "
@@ -176,9 +189,6 @@ def print_table(result: dict) -> None:
         print(f"{r['batch']:>5} {r['step_ms']:>8.2f} {r['floor_ms']:>8.2f} {r['fraction_of_floor']:>8.0%} "
               f"{r['active_experts_per_layer']:>7.1f} {r['moe_block_us']:>7.0f} {r['moe_block_floor_us']:>9.0f} "
               f"{r['moe_share_of_step']:>9.0%}")
-    tp = result.get("throughput")
-    if tp:
-        print(f"nano-bench: {tp['output_tokens']} tokens in {tp['seconds']:.1f} s = {tp['output_tokens_per_s']:,.0f} tok/s")
 
 
 def main() -> None:
@@ -188,16 +198,17 @@ def main() -> None:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 1])
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"), "moe-qwen3-30b-a3b.json"))
+    p.add_argument("--out", default=None, help="default: $OUT/moe-qwen3-30b-a3b[-PART].json")
     ns = p.parse_args()
-    if ns.part == "engine":
-        Path(ns.part_out).write_text(json.dumps(engine_part(ns.batch_sizes, ns.input_len, ns.output_len)))
+    suffix = "" if ns.part == "all" else f"-{ns.part}"
+    ns.out = ns.out or os.path.join(os.environ.get("OUT", "benchmarks/results"), f"moe-qwen3-30b-a3b{suffix}.json")
+    if ns.part_out:  # one part, for ``run_part``
+        out = (engine_part(ns.batch_sizes, ns.input_len, ns.output_len) if ns.part == "engine"
+               else throughput_part(ns.part_out + ".bench.json"))
+        Path(ns.part_out).write_text(json.dumps(out))
         return
-    if ns.part == "throughput":
-        Path(ns.part_out).write_text(json.dumps(throughput_part(ns.part_out + ".bench.json")))
-        return
-    result = {"model": "qwen3-30b-a3b (random bf16)", "engine": run_part("engine", ns)}
-    result["throughput"] = run_part("throughput", ns)
+    parts = ["engine", "throughput"] if ns.part == "all" else [ns.part]
+    result = {"model": "qwen3-30b-a3b (random bf16)", **{part: run_part(part, ns) for part in parts}}
     print_table(result)
     os.makedirs(os.path.dirname(ns.out) or ".", exist_ok=True)
     Path(ns.out).write_text(json.dumps(result, indent=2))
