@@ -1,6 +1,7 @@
 """pagedllm: a readable LLM inference and serving engine (paged KV cache, continuous batching)."""
 
 from pagedllm.config import EngineArgs
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from pagedllm.version import __version__
@@ -10,6 +11,7 @@ __all__ = [
     "LLMEngine",
     "AsyncLLMEngine",
     "EngineArgs",
+    "LoRARequest",
     "SamplingParams",
     "StructuredOutputsParams",
     "RequestOutputKind",

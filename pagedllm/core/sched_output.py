@@ -9,6 +9,7 @@ per-request records are slotted dataclasses: one of each is built per request pe
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -26,6 +27,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    lora_request: Any = None  # a pagedllm.lora LoRARequest, or None: the base model
 
 
 @dataclass(slots=True)

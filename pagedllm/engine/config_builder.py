@@ -127,6 +127,7 @@ def create_engine_config(args: EngineArgs, usage_context: str = "ENGINE_CONTEXT"
             scheduling_policy=args.scheduling_policy,
             preemption_mode=args.preemption_mode,
             timeout_s=args.timeout_s,
+            max_loras=args.max_loras if args.enable_lora else None,
         ),
         device=device,
         enforce_eager=args.enforce_eager or not on_gpu,
@@ -138,6 +139,7 @@ def create_engine_config(args: EngineArgs, usage_context: str = "ENGINE_CONTEXT"
         structured_outputs_config=StructuredOutputsConfig(jump_forward=args.structured_outputs_jump_forward),
         async_scheduling=on_gpu if args.async_scheduling is None else args.async_scheduling,
         speculative_config=_speculative_config(args.speculative_config, model_config),
+        lora_config=args.lora_config(),
     )
 
 

@@ -26,6 +26,8 @@ from pagedllm.engine.input_processor import tokenize_prompt, validate_prompt
 from pagedllm.engine.metrics import EngineMetrics
 from pagedllm.engine.metrics_reader import Metric
 from pagedllm.engine.output_processor import OutputProcessor, ParentRequest, RequestState
+from pagedllm.lora.peft_config import read_adapter_spec
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
@@ -48,6 +50,7 @@ class LLMEngine:
         self.engine_core = EngineCore(config, stop_checker=self.output_processor.check_stop_strings,
                                       tokenizer=self.tokenizer)
         self._pending_abort_outputs: list[RequestOutput] = []
+        self._lora_paths: dict[int, str] = {}  # lora_int_id -> its checked adapter folder
         self.eos_token_id = self._eos_token_id()
         self.stat_logger: EngineMetrics | None = None
         if config.log_stats:
@@ -137,7 +140,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         if lora_request is not None:
-            raise ValueError("lora_request is not supported: this engine serves base models only")
+            self.check_lora_request(lora_request)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise TypeError(f"priority must be an integer, got {priority!r}")
         if trace_headers is not None:
@@ -160,7 +163,8 @@ class LLMEngine:
         requests = []
         for index, child_id in enumerate(child_ids):
             child_params = params if num_seqs == 1 else self._child_params(params, index)
-            request = Request(child_id, prompt_ids, child_params, self.eos_token_id, arrival, priority, max_tokens)
+            request = Request(child_id, prompt_ids, child_params, self.eos_token_id, arrival, priority, max_tokens,
+                              lora_request)
             state = RequestState(child_id, parent.request_id if parent else None, index, prompt_text, prompt_ids,
                                  child_params, self.tokenizer, params.output_kind,
                                  hide_logprobs=params.logprobs is None, request=request)
@@ -172,6 +176,25 @@ class LLMEngine:
             self.stat_logger.on_request_added(request_id, arrival)
         if self.tracer is not None:
             self._traced[request_id] = (params, trace_headers)
+
+    def check_lora_request(self, lora_request: Any) -> None:
+        """Refuse a ``lora_request`` the engine cannot run (``ValueError`` / ``TypeError`` naming the
+        field): LoRA off, not a ``LoRARequest``, an id already naming another folder, or an adapter
+        folder that ``lora.peft_config`` refuses (rank, targets, shapes). A folder is checked once."""
+        if self.config.lora_config is None:
+            raise ValueError("lora_request needs LoRA, which is off: start the engine with enable_lora=True "
+                             "(--enable-lora)")
+        if not isinstance(lora_request, LoRARequest):
+            raise TypeError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        known = self._lora_paths.get(lora_request.lora_int_id)
+        if known == lora_request.lora_path:
+            return
+        if known is not None:
+            raise ValueError(f"lora_request: lora_int_id {lora_request.lora_int_id} already names the adapter at "
+                             f"{known!r}, not {lora_request.lora_path!r}: give each adapter its own id")
+        read_adapter_spec(lora_request.lora_path, self.config.lora_config.max_lora_rank,
+                          self.model_config.hf_config)
+        self._lora_paths[lora_request.lora_int_id] = lora_request.lora_path
 
     def _check_trace_headers(self, trace_headers: Any) -> None:
         if self.tracer is None:

@@ -44,13 +44,15 @@ class LLM:
         lora_request: Any = None,
         priority: list[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for one prompt or a list; outputs come back in input order."""
+        """Generate for one prompt or a list; outputs come back in input order. ``lora_request``: one
+        ``LoRARequest`` for every prompt, or a list with one per prompt (None: the base model)."""
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
         prompts = list(prompts)
         params = _per_prompt(sampling_params, len(prompts))
+        loras = _loras_per_prompt(lora_request, len(prompts))
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority must have one entry per prompt ({len(prompts)}), got {len(priority)}")
         ids = []
@@ -59,7 +61,7 @@ class LLM:
                 p = p.clone()
                 p.output_kind = RequestOutputKind.FINAL_ONLY
                 rid = f"offline-{next(self._counter)}"
-                self.llm_engine.add_request(rid, prompt, p, lora_request=lora_request,
+                self.llm_engine.add_request(rid, prompt, p, lora_request=loras[i],
                                             priority=priority[i] if priority else 0)
                 ids.append(rid)
         except Exception:
@@ -137,3 +139,11 @@ def _per_prompt(sampling_params, n: int) -> list[SamplingParams]:
     if len(params) != n:
         raise ValueError(f"sampling_params must be one SamplingParams or one per prompt ({n}), got {len(params)}")
     return params
+
+
+def _loras_per_prompt(lora_request: Any, n: int) -> list:
+    if isinstance(lora_request, (list, tuple)):
+        if len(lora_request) != n:
+            raise ValueError(f"lora_request must be one LoRARequest or one per prompt ({n}), got {len(lora_request)}")
+        return list(lora_request)
+    return [lora_request] * n
