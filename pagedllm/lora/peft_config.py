@@ -79,6 +79,8 @@ def read_adapter_spec(path: str, max_lora_rank: int, hf_config: Any = None, fiel
     weights = next((os.path.join(path, n) for n in WEIGHTS_NAMES if os.path.isfile(os.path.join(path, n))), None)
     if weights is None:
         raise ValueError(f"{field}: adapter {path!r} has no weights file (one of {list(WEIGHTS_NAMES)})")
+    if not isinstance(config.get("target_modules"), str):  # a list (a regex string is judged by the tensors)
+        _config_targets(config, path, field)
     if weights.endswith(".safetensors"):
         targets = _check_tensors(_safetensors_shapes(weights, field), rank, hf_config, path, field)
     else:

@@ -70,11 +70,13 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
 
 def add_lora_torch(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                    mapping: LoRABatchMapping) -> torch.Tensor:
-    """The grouped matmuls (the reference of the Triton kernels): per active slot, gather its
-    tokens, shrink and expand in float32, and add the delta into their rows of ``y``."""
-    starts, ids = mapping.starts, mapping.sorted_token_ids
+    """The grouped matmuls (the reference of the Triton kernels): gather the adapter tokens' rows in
+    group order once, shrink and expand each group's contiguous rows in float32, and add the
+    deltas into their rows of ``y`` with one scatter. Ops: 2 per step + 2 per active adapter."""
+    ids, starts = mapping.sorted_token_ids, mapping.starts
+    rows = x.index_select(0, ids).float()
+    delta = torch.empty(len(ids), y.shape[-1], dtype=torch.float32, device=y.device)
     for g, slot in enumerate(mapping.active_slots):
-        idx = ids[starts[g] : starts[g + 1]]
-        shrunk = x.index_select(0, idx).float() @ lora_a[slot].float().t()
-        y.index_add_(0, idx, (shrunk @ lora_b[slot].float().t()).to(y.dtype))
-    return y
+        lo, hi = starts[g], starts[g + 1]
+        torch.mm(rows[lo:hi] @ lora_a[slot].float().t(), lora_b[slot].float().t(), out=delta[lo:hi])
+    return y.index_add_(0, ids, delta.to(y.dtype))

@@ -1,5 +1,6 @@
-"""Tiny PEFT LoRA adapters over the tiny random Llama of ``tests/helpers.py``, and the
-transformers + PEFT reference they are compared with."""
+"""Tiny PEFT LoRA adapters over a tiny random Llama, and the transformers + PEFT reference that
+checks our outputs (one teacher-forced forward per sequence: every generated token must be the
+reference's argmax after the tokens before it, with the same logprob)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,23 @@ import os
 
 import torch
 
+from tests.helpers import TINY_INIT_STD, tiny_config
+
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def make_base_model(folder: str | os.PathLike, seed: int = 0) -> str:
+    """The tiny random Llama of ``tests/helpers.py`` without a tokenizer (engines run with
+    ``skip_tokenizer_init`` on token ids): quicker to write than ``make_tiny_model``."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"), dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(1.0, 0.1) if "norm" in name else param.normal_(0.0, TINY_INIT_STD)
+    model.save_pretrained(str(folder))
+    return str(folder)
 
 
 def make_adapter(base: str, folder: str | os.PathLike, seed: int, rank: int = 8, alpha: int = 16,
@@ -30,25 +47,36 @@ def make_adapter(base: str, folder: str | os.PathLike, seed: int, rank: int = 8,
     return str(folder)
 
 
-def peft_greedy(base: str, adapter: str | None, prompts: list[list[int]], max_tokens: int,
-                ) -> list[tuple[list[int], list[float]]]:
-    """transformers (+ PEFT ``adapter``; None: the base model) greedy ids and each chosen token's
-    logprob, one prompt at a time, float32."""
-    from transformers import AutoModelForCausalLM
+class PeftReference:
+    """transformers' model of ``base`` with PEFT ``adapters`` (name -> folder) loaded side by side."""
 
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    if adapter is not None:
+    def __init__(self, base: str, adapters: dict[str, str]) -> None:
         from peft import PeftModel
+        from transformers import AutoModelForCausalLM
 
-        model = PeftModel.from_pretrained(model, adapter)
-    model.eval()
-    results = []
-    for prompt in prompts:
-        with torch.no_grad():
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                                 do_sample=False, output_scores=True, return_dict_in_generate=True,
-                                 pad_token_id=0)
-        ids = out.sequences[0, len(prompt):].tolist()
-        logprobs = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.scores, ids)]
-        results.append((ids, logprobs))
-    return results
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        names = list(adapters)
+        self.model = PeftModel.from_pretrained(model, adapters[names[0]], adapter_name=names[0])
+        for name in names[1:]:
+            self.model.load_adapter(adapters[name], adapter_name=name)
+        self.model.eval()
+
+    @torch.no_grad()
+    def logprobs(self, adapter: str | None, token_ids: list[int]) -> torch.Tensor:
+        """``[len - 1, vocab]`` log-probabilities of each next token (None: the base model)."""
+        inputs = torch.tensor([token_ids])
+        if adapter is None:
+            with self.model.disable_adapter():
+                logits = self.model(inputs).logits[0]
+        else:
+            self.model.set_adapter(adapter)
+            logits = self.model(inputs).logits[0]
+        return torch.log_softmax(logits[:-1].float(), dim=-1)
+
+    def check(self, adapter: str | None, prompt: list[int], output_ids: list[int], output_logprobs: list[float],
+              atol: float = 1e-3) -> None:
+        """Every output token is the reference's greedy choice, with the reference's logprob."""
+        ref = self.logprobs(adapter, prompt + output_ids)[len(prompt) - 1 :]
+        assert ref.argmax(-1).tolist() == output_ids, (adapter, prompt)
+        chosen = ref[torch.arange(len(output_ids)), torch.tensor(output_ids)]
+        assert torch.allclose(chosen, torch.tensor(output_logprobs), atol=atol), (adapter, chosen, output_logprobs)
