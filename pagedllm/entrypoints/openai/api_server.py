@@ -54,7 +54,11 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat, render_chat
 from pagedllm.entrypoints.openai.serving_common import ServingContext, cancel_on_disconnect, parse_body
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pagedllm.entrypoints.openai.serving_lora import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, parse_lora_module
+from pagedllm.entrypoints.openai.serving_lora import (
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+    parse_lora_module,
+)
 from pagedllm.entrypoints.openai.serving_tools import ToolConfig
 from pagedllm.entrypoints.openai.tool_parsers import ToolParserManager, validate_tools
 from pagedllm.version import __version__
