@@ -82,17 +82,17 @@ class LoRAModelManager:
             self.targets[f"{prefix}.{p}" if prefix else p] = (weights, i)
 
     def _record_norm_weights(self, model: nn.Module) -> None:
-        """Keep each norm's weight that ``fold_norms`` may fold into a LoRA layer (called before the
-        kernels are prepared); ``use_folded_norms`` then keeps or drops them."""
-        for pair in model.modules():
-            if isinstance(pair, NormLinear) and getattr(pair.linear, "lora", None) is not None:
-                pair.linear.lora.input_scale = pair.norm.weight.detach().clone()
+        """Keep the weight of each norm that ``fold_norms`` may fold into a LoRA layer (call before
+        the kernels are prepared); ``use_folded_norms`` then applies or drops them."""
+        self._norm_weights = [(pair.linear.lora, pair.norm.weight.detach().clone()) for pair in model.modules()
+                              if isinstance(pair, NormLinear) and getattr(pair.linear, "lora", None) is not None]
 
     def use_folded_norms(self, folded: bool) -> None:
-        """Whether the kernel preparation folded the norms into the layers (their A are then scaled)."""
-        if not folded:
-            for weights in self.layers.values():
-                weights.input_scale = None
+        """Whether the kernel preparation folded the norms into the layers: their A are then scaled
+        by the recorded norm weights when a slot is written (before any adapter is loaded)."""
+        for weights, norm_weight in self._norm_weights if folded else ():
+            weights.input_scale = norm_weight
+        self._norm_weights = []
 
     # -- adapters ---------------------------------------------------------------------------
     def add_request(self, lora_request: LoRARequest | None) -> None:
