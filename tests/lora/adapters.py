@@ -73,6 +73,13 @@ class PeftReference:
             logits = self.model(inputs).logits[0]
         return torch.log_softmax(logits[:-1].float(), dim=-1)
 
+    def greedy(self, adapter: str | None, prompt: list[int], num_tokens: int) -> list[int]:
+        """The reference's greedy continuation of ``prompt`` (one forward per token)."""
+        ids = list(prompt)
+        for _ in range(num_tokens):
+            ids.append(int(self.logprobs(adapter, ids + [0])[-1].argmax()))
+        return ids[len(prompt):]
+
     def check(self, adapter: str | None, prompt: list[int], output_ids: list[int], output_logprobs: list[float],
               atol: float = 1e-3) -> None:
         """Every output token is the reference's greedy choice, with the reference's logprob."""
