@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.lora.punica import LoRABatchMapping
+from pagedllm.lora.mapping import LoRABatchMapping
 
 
 @triton.jit

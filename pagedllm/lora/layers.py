@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.lora.punica import LoRABatchMapping, add_lora
+from pagedllm.lora.mapping import LoRABatchMapping
+from pagedllm.lora.punica import add_lora
 
 
 @dataclass

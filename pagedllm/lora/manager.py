@@ -31,8 +31,8 @@ from pagedllm.layers.compound import NormLinear
 from pagedllm.layers.linear import Linear, MergedLinear
 from pagedllm.lora.adapter import LoRAAdapterWeights, load_adapter
 from pagedllm.lora.layers import LoRALinearWeights, LoRAStepState
+from pagedllm.lora.mapping import LoRABatchMapping, build_mapping
 from pagedllm.lora.peft_config import SUPPORTED_TARGETS, read_adapter_spec
-from pagedllm.lora.punica import LoRABatchMapping, build_mapping
 from pagedllm.lora.request import LoRARequest
 
 

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from pagedllm.lora.punica import add_lora_torch, build_mapping
+from pagedllm.lora.mapping import build_mapping
+from pagedllm.lora.punica import add_lora_torch
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
