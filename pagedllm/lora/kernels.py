@@ -3,7 +3,8 @@
 Both kernels take the step's ``LoRABatchMapping``: program axis 1 is an active adapter group, axis 0
 a tile of its tokens (rows gathered through ``sorted_token_ids``) times a tile of output columns;
 a program past its group's last token returns at once. So one launch serves every adapter of the
-step, and the grid's extent follows the largest group.
+step, and the grid's extent follows the largest group (in a CUDA graph: the graph's token count
+and ``max_loras`` groups, ``mapping.GraphMapping``, whatever the step writes into them).
 
 - shrink: ``shrunk[t, :] = x[t, :] @ A[s]^T`` into a float32 ``[T, R]`` buffer, with split-K (each
   program sums a K range and adds it atomically: R is small, so the K loop is the whole work).
@@ -103,10 +104,10 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, mapping: LoRABatchMapping
     num_n = triton.cdiv(r, block_n)
     # Few token tiles (decode): split K so that enough programs stream A; many: none needed.
     num_m = triton.cdiv(mapping.max_group_size, block_m)
-    split_k = max(1, min(16, triton.cdiv(k, 4 * block_k), 64 // max(1, num_m * len(mapping.active_slots))))
+    split_k = max(1, min(16, triton.cdiv(k, 4 * block_k), 64 // max(1, num_m * mapping.num_groups)))
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_per_split)
-    grid = (num_m * num_n * split_k, len(mapping.active_slots))
+    grid = (num_m * num_n * split_k, mapping.num_groups)
     _shrink_kernel[grid](x, lora_a, out, mapping.sorted_token_ids, mapping.starts_dev, mapping.active_slots_dev,
                          k, r, k_per_split, x.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(0),
                          BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_N=num_n, SPLIT_K=split_k)
@@ -118,7 +119,7 @@ def lora_expand_(y: torch.Tensor, shrunk: torch.Tensor, lora_b: torch.Tensor, ma
     n, r = lora_b.shape[1], lora_b.shape[2]
     block_m, block_n, block_r = _block_m(mapping.max_group_size), 64, max(16, min(64, triton.next_power_of_2(r)))
     num_n = triton.cdiv(n, block_n)
-    grid = (triton.cdiv(mapping.max_group_size, block_m) * num_n, len(mapping.active_slots))
+    grid = (triton.cdiv(mapping.max_group_size, block_m) * num_n, mapping.num_groups)
     _expand_kernel[grid](shrunk, lora_b, y, mapping.sorted_token_ids, mapping.starts_dev, mapping.active_slots_dev,
                          n, r, shrunk.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0),
                          BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, NUM_N=num_n)

@@ -12,7 +12,9 @@ Two caches, both least-recently-used:
 The layers add their delta only while ``step`` runs a forward with adapters: they are switched to
 the LoRA implementation (``Linear.set_lora_active``) when a step with adapters follows one
 without, and back at the next step without, so a batch of the base model alone runs exactly the
-code (fused kernels, CUDA graphs) of an engine without LoRA.
+code (fused kernels, CUDA graphs) of an engine without LoRA. A decode step with adapters replays
+a graph of its own, captured with the delta (``graph_step``), after ``stage_graph`` wrote its
+grouping into the graph's fixed mapping.
 Cost per step with adapters: O(scheduled tokens) numpy for the mapping, plus, per adapter that
 enters a slot, one copy of its matrices into every LoRA layer.
 """
@@ -31,7 +33,7 @@ from pagedllm.layers.compound import NormLinear
 from pagedllm.layers.linear import Linear, MergedLinear
 from pagedllm.lora.adapter import LoRAAdapterWeights, load_adapter
 from pagedllm.lora.layers import LoRALinearWeights, LoRAStepState
-from pagedllm.lora.mapping import LoRABatchMapping, build_mapping
+from pagedllm.lora.mapping import GraphMapping, LoRABatchMapping, build_mapping
 from pagedllm.lora.peft_config import SUPPORTED_TARGETS, read_adapter_spec
 from pagedllm.lora.request import LoRARequest
 
@@ -63,6 +65,7 @@ class LoRAModelManager:
         self.cpu_cache: OrderedDict[int, LoRAAdapterWeights] = OrderedDict()
         self.requests: dict[int, LoRARequest] = {}
         self.active = False
+        self.graph_mapping: GraphMapping | None = None  # set once decode graphs with LoRA are captured
 
     def _add_layer(self, name: str, linear: Linear, packed: dict[str, list[str]], dtype: torch.dtype) -> None:
         prefix, short = name.rsplit(".", 1) if "." in name else ("", name)
@@ -150,16 +153,34 @@ class LoRAModelManager:
         self.requests.pop(lora_int_id, None)
 
     # -- steps ------------------------------------------------------------------------------
-    def prepare_step(self, lora_ids: np.ndarray, num_scheduled: np.ndarray) -> LoRABatchMapping | None:
-        """The mapping of a step whose request ``i`` runs adapter ``lora_ids[i]`` (0: none) over
-        ``num_scheduled[i]`` tokens, with every adapter it needs in a slot; None without adapters."""
+    def prepare_step(self, lora_ids: np.ndarray, num_scheduled: np.ndarray) -> np.ndarray | None:
+        """The slot of each token of a step whose request ``i`` runs adapter ``lora_ids[i]`` (0:
+        none) over ``num_scheduled[i]`` tokens (-1: none), with every adapter it needs in a slot;
+        None when no request has an adapter."""
         if not lora_ids.any():
             return None
         needed = {int(i) for i in np.unique(lora_ids) if i > 0}
         assert len(needed) <= self.max_loras, "the scheduler scheduled more adapters than max_loras"
         slot_by_id = {i: self._slot_for(i, needed) for i in needed}
         slots = np.fromiter((slot_by_id.get(int(i), -1) for i in lora_ids), dtype=np.int64, count=len(lora_ids))
-        return build_mapping(np.repeat(slots, num_scheduled), self.device)
+        return np.repeat(slots, num_scheduled)
+
+    def eager_mapping(self, token_slots: np.ndarray) -> LoRABatchMapping | None:
+        return build_mapping(token_slots, self.device)
+
+    # -- CUDA graphs --------------------------------------------------------------------------
+    def enable_graphs(self, max_tokens: int) -> None:
+        """Allocate the fixed mapping that decode graphs with LoRA read (``mapping.GraphMapping``)."""
+        self.graph_mapping = GraphMapping(max_tokens, self.max_loras, self.device)
+
+    def graph_step(self, num_tokens: int):
+        """The context a decode graph of ``num_tokens`` tokens is captured in: the layers add the
+        delta of whatever grouping ``stage_graph`` wrote last (all groups empty at capture)."""
+        return self.step(self.graph_mapping.for_size(num_tokens))
+
+    def stage_graph(self, token_slots: np.ndarray) -> None:
+        """Write a decode step's grouping where its graph reads it (before the replay)."""
+        self.graph_mapping.stage(token_slots)
 
     @contextlib.contextmanager
     def step(self, mapping: LoRABatchMapping | None) -> Iterator[None]:

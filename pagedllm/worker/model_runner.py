@@ -131,18 +131,26 @@ class ModelRunner:
             self._last_handle.result()
         trace_start = self.trace.begin() if self.trace is not None else None
         t0 = time.perf_counter()
-        lora_step, graph_runner = contextlib.nullcontext(), self.graph_runner
-        if self.lora_manager is not None:  # a step with adapters runs eagerly (the graphs have no delta)
-            mapping = self.lora_manager.prepare_step(batch.lora_int_id[rows], np.fromiter(
+        lora_slots, graph_runner = None, self.graph_runner
+        if self.lora_manager is not None:
+            lora_slots = self.lora_manager.prepare_step(batch.lora_int_id[rows], np.fromiter(
                 so.num_scheduled_tokens.values(), dtype=np.int64, count=len(rows)))
-            lora_step = self.lora_manager.step(mapping)
-            graph_runner = graph_runner if mapping is None else None
+            if lora_slots is not None and (graph_runner is None or not graph_runner.lora_graphs):
+                graph_runner = None  # no graphs with the delta: a step with adapters runs eagerly
         inp = self.prep.prepare(so, rows, graph_runner)
         self.timings["prepare"] += time.perf_counter() - t0
         hidden = logits = None
         if inp.graph_size is not None:  # the graph ends with the LM head (a pure decode step)
-            logits = self.graph_runner.replay(inp.graph_size)[inp.logits_indices]
+            if lora_slots is None:
+                logits = self.graph_runner.replay(inp.graph_size)[inp.logits_indices]
+            else:
+                self.lora_manager.stage_graph(lora_slots)
+                logits = self.graph_runner.replay_lora(inp.graph_size)[inp.logits_indices]
         else:
+            lora_step = contextlib.nullcontext()
+            if self.lora_manager is not None:  # None: the layers run without a delta
+                lora_step = self.lora_manager.step(None if lora_slots is None
+                                                   else self.lora_manager.eager_mapping(lora_slots))
             with attention_forward_context(inp.attn_metadata, self.backend), lora_step:
                 hidden = self.model(inp.input_ids, inp.positions)
             if inp.sample_req_idx and hidden is not None:  # None: a pipeline stage before the last

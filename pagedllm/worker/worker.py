@@ -210,6 +210,9 @@ class Worker:
             self._tune_gemms(self._graphs.sizes)
         with self._stage("capture"):
             self._graphs.capture_all()
+        if self.lora_manager is not None:
+            with self._stage("capture lora"):
+                self._graphs.capture_lora(self.lora_manager)
         self.model_runner.graph_runner = self._graphs
 
     @torch.inference_mode()

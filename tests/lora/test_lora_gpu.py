@@ -1,7 +1,7 @@
 """Multi-LoRA on CUDA (skipped without it): the whole engine (Triton SGMV kernels, folded norms
-and the residual-stream form, async scheduling, CUDA graphs for the base-only steps) against
-transformers + PEFT in float32 on the CPU, and base-only batches of a LoRA engine equal to an
-engine without LoRA, token for token and logprob for logprob."""
+and the residual-stream form, async scheduling, decode CUDA graphs with and without the delta)
+against transformers + PEFT in float32 on the CPU; the graphs with LoRA equal eager steps; and
+base-only batches of a LoRA engine equal an engine without LoRA, token for token."""
 
 from __future__ import annotations
 
@@ -64,10 +64,22 @@ def test_mixed_batch_on_cuda_matches_peft(setup):
                                                    max_num_seqs=16, gpu_memory_utilization=0.3))
     loras = {None: None, "all": LoRARequest("all", 1, adapters["all"]), "some": LoRARequest("some", 2, adapters["some"])}
     names = [[None, "all", "some"][i % 3] for i in range(len(prompts))]
+    assert engine.engine_core.runner.graph_runner.lora_graphs  # decode steps with adapters replay graphs
     results = run(engine, prompts, [loras[n] for n in names])
     reference = PeftReference(base, adapters)
     for name, prompt, (ids, logprobs) in zip(names, prompts, results):
         check_close(reference, name, prompt, ids, logprobs)
+
+
+def test_lora_graphs_equal_eager_steps(setup):
+    base, adapters, prompts = setup
+    args = dict(model=base, dtype="bfloat16", skip_tokenizer_init=True, enable_lora=True, max_loras=2,
+                max_lora_rank=16, max_num_seqs=16, gpu_memory_utilization=0.3)
+    loras = [[None, LoRARequest("all", 1, adapters["all"]), LoRARequest("some", 2, adapters["some"])][i % 3]
+             for i in range(len(prompts))]
+    graphs = run(LLMEngine.from_engine_args(EngineArgs(**args)), prompts, loras)
+    eager = run(LLMEngine.from_engine_args(EngineArgs(**args, enforce_eager=True)), prompts, loras)
+    assert [ids for ids, _ in graphs] == [ids for ids, _ in eager]
 
 
 def test_base_batches_of_a_lora_engine_equal_a_plain_engine(setup):

@@ -42,8 +42,8 @@ def logits(model, manager, slots: list[int] | None) -> list[torch.Tensor]:
     chunks = list(enumerate(PROMPTS))
     if slots is None:
         return runner.step(chunks)
-    mapping = manager.prepare_step(np.array(slots), np.array([len(p) for p in PROMPTS]))
-    with manager.step(mapping):
+    token_slots = manager.prepare_step(np.array(slots), np.array([len(p) for p in PROMPTS]))
+    with manager.step(None if token_slots is None else manager.eager_mapping(token_slots)):
         return runner.step(chunks)
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedllm.lora.mapping import build_mapping
+from pagedllm.lora.mapping import GraphMapping, build_mapping
 from pagedllm.lora.punica import add_lora_torch
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -49,10 +49,21 @@ def per_token(y, x, lora_a, lora_b, token_slots):
 def test_mapping_groups_tokens_by_slot():
     slots = np.array([2, -1, 0, 2, 2, -1, 0])
     m = build_mapping(slots, torch.device("cpu"))
-    assert m.active_slots == [0, 2] and m.starts == [0, 2, 5] and m.max_group_size == 3
+    assert m.active_slots == [0, 2] and m.starts == [0, 2, 5] and m.max_group_size == 3 and m.num_groups == 2
     assert m.sorted_token_ids.tolist() == [2, 6, 0, 3, 4]
     assert m.starts_dev.tolist() == [0, 2, 5] and m.active_slots_dev.tolist() == [0, 2]
     assert build_mapping(np.array([-1, -1]), torch.device("cpu")) is None
+
+
+def test_graph_mapping_has_fixed_regions_and_empty_spare_groups():
+    graph = GraphMapping(max_tokens=8, max_groups=3, device=torch.device("cpu"))
+    graph.stage(np.array([2, -1, 0, 2, 2, -1, 0]))
+    m = graph.for_size(8)
+    assert m.num_groups == 3 and m.max_group_size == 8
+    assert m.sorted_token_ids[:5].tolist() == [2, 6, 0, 3, 4]
+    assert m.starts_dev.tolist() == [0, 2, 5, 5] and m.active_slots_dev[:2].tolist() == [0, 2]
+    graph.stage(np.array([-1, -1]))  # a step without adapters leaves every group empty
+    assert m.starts_dev.tolist() == [0, 0, 0, 0]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -75,13 +86,28 @@ def check_triton(case, device: str, seed: int = 0) -> float:
     return (got.float() - want.float()).abs().max().item()
 
 
+def check_triton_graph_mapping(case, seed: int = 0) -> float:
+    """As ``check_triton``, through a ``GraphMapping`` (the fixed grid of a CUDA graph: spare
+    groups and rows beyond the step's tokens)."""
+    from pagedllm.lora import kernels
+
+    x, lora_a, lora_b, y, token_slots = make_case(*case, seed=seed)
+    want = add_lora_torch(y.clone(), x, lora_a, lora_b, build_mapping(token_slots, torch.device("cpu")))
+    graph = GraphMapping(max_tokens=len(token_slots) + 9, max_groups=lora_a.shape[0] + 2, device=torch.device("cpu"))
+    graph.stage(token_slots)
+    got = kernels.add_lora_triton(y.clone(), x, lora_a, lora_b, graph.for_size(len(token_slots) + 3))
+    return (got.float() - want.float()).abs().max().item()
+
+
 _INTERPRETER_SCRIPT = """
 import torch
-from tests.lora.test_punica import CASES, check_triton
+from tests.lora.test_punica import CASES, check_triton, check_triton_graph_mapping
 for case in CASES:
-    err = check_triton(case, "cpu")
     limit = 1e-4 if case[-1] == torch.float32 else 1e-2
+    err = check_triton(case, "cpu")
     assert err < limit, (case, err)
+    err = check_triton_graph_mapping(case)
+    assert err < limit, ("graph", case, err)
 print("ok", len(CASES))
 """
 
