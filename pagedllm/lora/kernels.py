@@ -6,8 +6,9 @@ a program past its group's last token returns at once. So one launch serves ever
 step, and the grid's extent follows the largest group (in a CUDA graph: the graph's token count
 and ``max_loras`` groups, ``mapping.GraphMapping``, whatever the step writes into them).
 
-- shrink: ``shrunk[t, :] = x[t, :] @ A[s]^T`` into a float32 ``[T, R]`` buffer, with split-K (each
-  program sums a K range and adds it atomically: R is small, so the K loop is the whole work).
+- shrink: ``shrunk[t, :] = x[t, :] @ A[s]^T`` into a zeroed float32 ``[T, R]`` buffer, with split-K
+  (each program sums a K range and adds it atomically: R is small, so the K loop is the whole
+  work; the split count is a runtime argument, so it adds no compiled variant).
 - expand: ``y[t, :] += shrunk[t, :] @ B[s]^T`` (B's dtype on the tensor cores, float32
   accumulation, one rounding into ``y``); each token is in one group, so its rows of ``y`` have one
   writer.
@@ -23,15 +24,14 @@ from pagedllm.lora.mapping import LoRABatchMapping
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, a_ptr, out_ptr, token_ids_ptr, starts_ptr, slots_ptr, K, R, k_per_split,
+def _shrink_kernel(x_ptr, a_ptr, out_ptr, token_ids_ptr, starts_ptr, slots_ptr, K, R, k_per_split, split_k,
                    stride_xm, stride_as, stride_ar, stride_om,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_N: tl.constexpr,
-                   SPLIT_K: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_N: tl.constexpr):
     pid = tl.program_id(0)
     group = tl.program_id(1)
-    pid_k = pid % SPLIT_K
-    pid_n = (pid // SPLIT_K) % NUM_N
-    pid_m = pid // (SPLIT_K * NUM_N)
+    pid_k = pid % split_k
+    pid_n = (pid // split_k) % NUM_N
+    pid_m = pid // (split_k * NUM_N)
     start = tl.load(starts_ptr + group)
     end = tl.load(starts_ptr + group + 1)
     row0 = start + pid_m * BLOCK_M
@@ -51,11 +51,7 @@ def _shrink_kernel(x_ptr, a_ptr, out_ptr, token_ids_ptr, starts_ptr, slots_ptr, 
                     mask=(offs_n[None, :] < R) & (offs_k[:, None] < K), other=0.0)
         acc += tl.dot(x, a.to(x.dtype))
     mask = (rows[:, None] < end) & (offs_n[None, :] < R)
-    out = out_ptr + tokens[:, None] * stride_om + offs_n[None, :]
-    if SPLIT_K == 1:
-        tl.store(out, acc, mask=mask)
-    else:
-        tl.atomic_add(out, acc, mask=mask)
+    tl.atomic_add(out_ptr + tokens[:, None] * stride_om + offs_n[None, :], acc, mask=mask)
 
 
 @triton.jit
@@ -91,7 +87,9 @@ def _expand_kernel(s_ptr, b_ptr, y_ptr, token_ids_ptr, starts_ptr, slots_ptr, N,
 
 
 def _block_m(max_group_size: int) -> int:
-    return 16 if max_group_size <= 16 else (32 if max_group_size <= 32 else 64)
+    # Two tile heights only, so that the decode graphs' captures compile every variant that
+    # eager steps use (nothing compiles while serving).
+    return 16 if max_group_size <= 16 else 64
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, mapping: LoRABatchMapping) -> torch.Tensor:
@@ -109,8 +107,8 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, mapping: LoRABatchMapping
     split_k = triton.cdiv(k, k_per_split)
     grid = (num_m * num_n * split_k, mapping.num_groups)
     _shrink_kernel[grid](x, lora_a, out, mapping.sorted_token_ids, mapping.starts_dev, mapping.active_slots_dev,
-                         k, r, k_per_split, x.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(0),
-                         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_N=num_n, SPLIT_K=split_k)
+                         k, r, k_per_split, split_k, x.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(0),
+                         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_N=num_n)
     return out
 
 

@@ -1,7 +1,8 @@
 """LoRABatchMapping: one step's tokens grouped by their adapter slot (what the batched LoRA ops
 of ``punica.py`` and ``kernels.py`` read), for an eager step or for a CUDA graph.
 
-One int64 device tensor holds ``[token ids in group order | group starts | group slots]``. An
+One int64 device tensor holds ``[token ids in group order | group starts | group slots]``, each
+region starting on 16 bytes (Triton specializes its kernels on pointer alignment: one variant). An
 eager step's mapping has exactly its groups; a graph's mapping (``GraphMapping``) has fixed-size
 regions (room for ``max_tokens`` ids and ``max_groups`` groups; unused groups are empty, so their
 programs return at once), so that a captured graph reads whatever a later step writes there.
@@ -54,12 +55,19 @@ def build_mapping(token_slots: np.ndarray, device: torch.device) -> LoRABatchMap
     if groups is None:
         return None
     order, starts, slots = groups
-    packed = torch.from_numpy(np.concatenate([order, starts, slots]).astype(np.int64)).to(device, non_blocking=True)
     n, g = len(order), len(slots)
-    return LoRABatchMapping(sorted_token_ids=packed[:n], starts_dev=packed[n : n + g + 1],
-                            active_slots_dev=packed[n + g + 1 :], num_groups=g,
+    n_pad, g_pad = _even(n), _even(g + 1)
+    host = np.zeros(n_pad + g_pad + g, dtype=np.int64)
+    host[:n], host[n_pad : n_pad + g + 1], host[n_pad + g_pad :] = order, starts, slots
+    packed = torch.from_numpy(host).to(device, non_blocking=True)
+    return LoRABatchMapping(sorted_token_ids=packed[:n], starts_dev=packed[n_pad : n_pad + g + 1],
+                            active_slots_dev=packed[n_pad + g_pad :], num_groups=g,
                             max_group_size=int(np.diff(starts).max()), starts=starts.tolist(),
                             active_slots=slots.tolist())
+
+
+def _even(n: int) -> int:
+    return n + (n & 1)
 
 
 class GraphMapping:
@@ -70,24 +78,26 @@ class GraphMapping:
 
     def __init__(self, max_tokens: int, max_groups: int, device: torch.device) -> None:
         self.max_tokens, self.max_groups = max_tokens, max_groups
-        self.buffer = torch.zeros(max_tokens + 2 * max_groups + 1, dtype=torch.int64, device=device)
+        self._starts_at, self._slots_at = _even(max_tokens), _even(max_tokens) + _even(max_groups + 1)
+        self.buffer = torch.zeros(self._slots_at + max_groups, dtype=torch.int64, device=device)
         self._host = np.zeros(self.buffer.shape[0], dtype=np.int64)
 
     def for_size(self, num_tokens: int) -> LoRABatchMapping:
-        m, g = self.max_tokens, self.max_groups
-        return LoRABatchMapping(sorted_token_ids=self.buffer[:m], starts_dev=self.buffer[m : m + g + 1],
-                                active_slots_dev=self.buffer[m + g + 1 :], num_groups=g, max_group_size=num_tokens)
+        g, starts_at, slots_at = self.max_groups, self._starts_at, self._slots_at
+        return LoRABatchMapping(sorted_token_ids=self.buffer[: self.max_tokens],
+                                starts_dev=self.buffer[starts_at : starts_at + g + 1],
+                                active_slots_dev=self.buffer[slots_at:], num_groups=g, max_group_size=num_tokens)
 
     def stage(self, token_slots: np.ndarray) -> None:
         """Write the groups of ``token_slots`` (at most ``max_tokens`` tokens, ``max_groups`` slots).
         The copy is from pageable memory, so the host array may be reused at once."""
         groups = group_tokens(token_slots)
-        host, m, g = self._host, self.max_tokens, self.max_groups
+        host, g, starts_at, slots_at = self._host, self.max_groups, self._starts_at, self._slots_at
         host[:] = 0
         if groups is not None:
             order, starts, slots = groups
             host[: len(order)] = order
-            host[m : m + len(starts)] = starts
-            host[m + len(starts) : m + g + 1] = len(order)
-            host[m + g + 1 : m + g + 1 + len(slots)] = slots
+            host[starts_at : starts_at + len(starts)] = starts
+            host[starts_at + len(starts) : starts_at + g + 1] = len(order)
+            host[slots_at : slots_at + len(slots)] = slots
         self.buffer.copy_(torch.from_numpy(host))
