@@ -56,8 +56,8 @@ class LoRALinearWeights:
         for i, (a, b) in matrices.items():
             _, first_row, rows = self.slices[i]
             rank, col = a.shape[0], i * self.max_rank
-            if self.input_scale is not None:
-                a = a * self.input_scale.float()[None, :]
+            if self.input_scale is not None:  # on the device the norm weight lives on
+                a = a.to(self.input_scale.device, torch.float32) * self.input_scale.float()[None, :]
             self.lora_a[slot, col : col + rank].copy_(a)
             self.lora_b[slot, first_row : first_row + rows, col : col + rank].copy_(b)
 
