@@ -152,6 +152,19 @@ def test_lora_request_without_enable_lora_is_refused(setup):
     assert all(m.lora is None for m in engine.engine_core.runner.model.modules() if hasattr(m, "lora"))
 
 
+def test_lora_on_a_moe_model_is_refused(tmp_path):
+    import json
+
+    from tests.lora.adapters import make_base_model
+
+    folder = make_base_model(tmp_path / "moe")
+    config_file = tmp_path / "moe" / "config.json"
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**config, "num_local_experts": 4}))
+    with pytest.raises(ValueError, match="^enable_lora is not supported for mixture-of-experts models"):
+        LLMEngine.from_engine_args(engine_args(folder, enable_lora=True))
+
+
 @pytest.mark.parametrize("kwargs,message", [
     ({"max_lora_rank": 12}, "^max_lora_rank must be one of"),
     ({"max_loras": 0}, "^max_loras must be a positive integer"),
