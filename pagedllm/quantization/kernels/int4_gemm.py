@@ -367,7 +367,8 @@ def n8_layout_fits(k: int, group_size: int) -> bool:
 
 
 @functools.cache
-def _num_sms(device_index: int) -> int:
+def num_sms(device_index: int) -> int:
+    """The SM count of CUDA device ``device_index`` (cached)."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
@@ -396,7 +397,7 @@ def _gemv_n8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
     m, k = x.shape
     n = qweight.shape[0] * PACK
     if config is None:
-        sms = _num_sms(x.device.index if x.device.index is not None else torch.cuda.current_device()) \
+        sms = num_sms(x.device.index if x.device.index is not None else torch.cuda.current_device()) \
             if x.is_cuda else 132  # under the interpreter: an H100's
         config = gemv_n8_config(m, n, k, group_size, sms)
     num_warps, run, split = config
