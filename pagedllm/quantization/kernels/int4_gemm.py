@@ -372,21 +372,23 @@ def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def gemv_n8_config(m: int, n: int, k: int, group_size: int, num_sms: int) -> tuple[int, int, int]:
-    """``(num_warps, run, split_k)`` of the word-row GEMV for ``m`` rows and an ``[n, k]`` weight.
-    A thread streams ``run`` words a step (128 bytes at one row; 64 at more rows, whose
-    accumulators take more registers), cut to what the group size and K allow; four warps
-    (fewer for short K); K split until there are ``N8_PROGRAMS_PER_SM`` programs per SM, each
-    split a whole number of steps."""
-    run = 32 if m == 1 else 16
-    while run > 4 and (group_size % run or k % (32 * run)):
-        run //= 2
-    num_warps = 4
-    while num_warps > 1 and k % (32 * num_warps * run):
-        num_warps //= 2
+def gemv_n8_config(m: int, n: int, k: int, group_size: int, sm_count: int) -> tuple[int, int, int]:
+    """``(num_warps, run, split_k)`` of the word-row GEMV for ``m`` rows and an ``[n, k]`` weight:
+    four warps where K allows (more warps resident to hide the memory latency), each thread
+    streaming ``run`` words a step (128 bytes at one row; 64 at more rows, whose accumulators take
+    more registers), cut to what the group size and K allow; K split until there are
+    ``N8_PROGRAMS_PER_SM`` programs per SM, each split a whole number of steps."""
+    longest = 32 if m == 1 else 16
+    for num_warps in (4, 2, 1):
+        run = next((r for r in (32, 16, 8, 4) if r <= longest and group_size % r == 0
+                    and k % (32 * num_warps * r) == 0), None)
+        if run is not None:
+            break
+    else:
+        raise ValueError(f"K={k} is not a multiple of {N8_MIN_STEP} (n8_layout_fits)")
     steps = k // (32 * num_warps * run)
     programs = n // PACK
-    split = next((d for d in range(1, steps + 1) if steps % d == 0 and programs * d >= N8_PROGRAMS_PER_SM * num_sms),
+    split = next((d for d in range(1, steps + 1) if steps % d == 0 and programs * d >= N8_PROGRAMS_PER_SM * sm_count),
                  steps)
     return num_warps, run, split
 
