@@ -167,7 +167,7 @@ def test_kernels_match_the_reference_on_cuda(shape, act_order, layout):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("config", [(4, 32, 1), (4, 16, 2), (2, 32, 4), (4, 8, 7)])
+@pytest.mark.parametrize("config", [(4, 16, 1), (4, 16, 7), (2, 32, 7), (4, 8, 2), (1, 32, 14)])
 def test_word_row_gemv_launch_sizes_on_cuda(config):
     """The sizes the benchmark sweeps (split K included) on the down projection's shape."""
     for m in (1, 2, 4):
