@@ -35,9 +35,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "benchmarks/configs/llama-3.1-8b/config.json"
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-# (num_warps, run, split_k) of the word-row GEMV at one row; None: the default (gemv_n8_config).
-# Sizes that do not divide a shape's K are skipped.
-N8_SWEEP = [None, (4, 32, 1), (4, 32, 2), (4, 16, 1), (4, 16, 2), (4, 16, 4), (4, 8, 1), (4, 8, 2),
+# (num_warps, run, split_k) of the word-row GEMV swept at one row (after its default,
+# gemv_n8_config's); sizes that do not divide a shape's K are skipped.
+N8_SWEEP = [(4, 32, 1), (4, 32, 2), (4, 16, 1), (4, 16, 2), (4, 16, 4), (4, 8, 1), (4, 8, 2),
             (2, 32, 1), (2, 32, 2), (2, 16, 2), (8, 16, 1), (8, 8, 1), (4, 32, 7), (4, 16, 7), (4, 8, 7)]
 ROWS = (1, 2, 4, 16, 64)
 VARIANTS = {
@@ -93,9 +93,9 @@ def time_shape(name: str, n: int, k: int) -> list[dict]:
     for m in ROWS:
         x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
         bf16_us = graph_time_us(lambda x=x: F.linear(x, weight))
-        runs = [("rows", ROWS_LAYOUT, None, None)]
-        runs += [("n8", N8_LAYOUT, None, c) for c in (N8_SWEEP if m == 1 else [None])
-                 if c is None or (k % (32 * c[0] * c[1] * c[2]) == 0 and 128 % c[1] == 0)]
+        runs = [("rows", ROWS_LAYOUT, None, None), ("n8", N8_LAYOUT, None, None)]
+        runs += [("n8 sweep", N8_LAYOUT, None, c) for c in (N8_SWEEP if m == 1 else [])
+                 if k % (32 * c[0] * c[1] * c[2]) == 0 and 128 % c[1] == 0]
         runs.append(("n8-act-order", N8_LAYOUT, perm, None))
         for kernel, layout, p, config in runs:
             us = graph_time_us(lambda x=x, lay=layout, p=p, c=config: int4_gemm.int4_linear(
