@@ -147,6 +147,44 @@ def test_off_cuda_the_reference_path_runs():
     torch.testing.assert_close(int4.int4_linear(x, qweight, scales, zeros, perm, 32, None), want)
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
+def test_word_row_gemv_compiles_for_hopper_without_spills():
+    """The interpreter does not compile: build the one-row GEMV (and the split-K sum) for sm_90 with
+    Triton's own ptxas, no GPU needed, and read its registers: none spilled to local memory."""
+    import shutil
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from pagedllm.quantization.kernels import int4_gemm
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        pytest.skip("Triton without its bundled ptxas")
+    target = GPUTarget("cuda", 90, 32)
+    ints = ("M", "N", "K", "GROUP_SIZE", "K_PER_SPLIT", "stride_xm", "stride_sn", "stride_om", "magic")
+    signature = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16", "b_ptr": "*bf16",
+                 "out_ptr": "*bf16", **dict.fromkeys(ints, "i32"),
+                 **dict.fromkeys(("HAS_BIAS", "SPLIT", "BLOCK_M", "THREADS", "RUN"), "constexpr")}
+    constants = {"HAS_BIAS": True, "SPLIT": 1, "BLOCK_M": 1, "THREADS": 128, "RUN": 32}
+    kernel = triton.compile(ASTSource(int4_gemm._int4_gemv_n8_kernel, signature, constants), target=target,
+                            options={"num_warps": 4})
+    assert "ld.global" in kernel.asm["ptx"] and "ld.local" not in kernel.asm["ptx"]
+    cuobjdump = shutil.which("cuobjdump") or os.path.join(os.path.dirname(ptxas), "cuobjdump")
+    if os.path.exists(cuobjdump):
+        cubin = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"int4_gemv_n8_{os.getpid()}.cubin")
+        with open(cubin, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        usage = subprocess.run([cuobjdump, "-res-usage", cubin], capture_output=True, text=True).stdout
+        os.unlink(cubin)
+        assert " LOCAL:0 " in usage and "STACK:0 " in usage, usage
+    sum_signature = {"ws_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32",
+                     "stride_om": "i32", "SPLIT": "constexpr", "HAS_BIAS": "constexpr", "BLOCK": "constexpr"}
+    triton.compile(ASTSource(int4_gemm._splitk_sum_kernel, sum_signature, {"SPLIT": 7, "HAS_BIAS": True,
+                                                                           "BLOCK": 1024}), target=target)
+
+
 # ---- CUDA (the lead runs these on a GPU) -------------------------------------------------------
 
 # Llama-3.1-8B's projections (qkv, o, gate_up, down) at decode and prefill row counts.
