@@ -35,10 +35,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "benchmarks/configs/llama-3.1-8b/config.json"
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-# (num_warps, run, split_k) of the word-row GEMV swept at one row (after its default,
-# gemv_n8_config's); sizes that do not divide a shape's K are skipped.
-N8_SWEEP = [(4, 32, 1), (4, 32, 2), (4, 16, 1), (4, 16, 2), (4, 16, 4), (4, 8, 1), (4, 8, 2),
-            (2, 32, 1), (2, 32, 2), (2, 16, 2), (8, 16, 1), (8, 8, 1), (4, 32, 7), (4, 16, 7), (4, 8, 7)]
+# (num_warps, split_k) of the word-row GEMV swept at one row (after its default, gemv_n8_config's;
+# the run is the layout's, int4.n8_run); sizes that do not divide a shape's K are skipped.
+N8_SWEEP = [(4, 1), (4, 2), (4, 4), (4, 7), (2, 1), (2, 2), (2, 7), (1, 1), (1, 7), (8, 1), (8, 2)]
 ROWS = (1, 2, 4, 16, 64)
 VARIANTS = {
     "bf16": None,
@@ -79,7 +78,7 @@ def time_shape(name: str, n: int, k: int) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
-    from pagedllm.quantization.int4 import N8_LAYOUT, ROWS_LAYOUT
+    from pagedllm.quantization.int4 import N8_LAYOUT, ROWS_LAYOUT, n8_run
     from pagedllm.quantization.kernels import int4_gemm
 
     words = {ROWS_LAYOUT: torch.randint(-(2**31), 2**31 - 1, (n, k // 8), dtype=torch.int32, device="cuda"),
@@ -94,8 +93,9 @@ def time_shape(name: str, n: int, k: int) -> list[dict]:
         x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
         bf16_us = graph_time_us(lambda x=x: F.linear(x, weight))
         runs = [("rows", ROWS_LAYOUT, None, None), ("n8", N8_LAYOUT, None, None)]
-        runs += [("n8 sweep", N8_LAYOUT, None, c) for c in (N8_SWEEP if m == 1 else [])
-                 if k % (32 * c[0] * c[1] * c[2]) == 0 and 128 % c[1] == 0]
+        run = n8_run(k, 128)
+        runs += [("n8 sweep", N8_LAYOUT, None, (w, run, split)) for w, split in (N8_SWEEP if m == 1 else [])
+                 if k % (32 * w * run * split) == 0]
         runs.append(("n8-act-order", N8_LAYOUT, perm, None))
         for kernel, layout, p, config in runs:
             us = graph_time_us(lambda x=x, lay=layout, p=p, c=config: int4_gemm.int4_linear(

@@ -8,11 +8,12 @@ after the load, ``Int4LinearMethod.process_weights_after_loading`` rewrites both
 - ``qweight`` int32 in one of two layouts (``layer.int4_layout``), chosen once at load:
   ``ROWS_LAYOUT`` ``[N, K / 8]``: nibble ``j`` (bits ``4j .. 4j+3``) of ``qweight[n, i]`` is
   ``q[n, 8i + j]`` (each output row's codes in input order, contiguous like a float weight row);
-  ``N8_LAYOUT`` ``[N / 8, K]`` ("word rows"): nibble ``j`` of ``qweight[b, k]`` is ``q[8b + j, k]``
-  (a word holds eight output rows of one input column: one activation value feeds eight codes,
-  and a word row's codes are contiguous along K). The word-row layout is the one of the CUDA
-  GEMV (``kernels/int4_gemm.py``); it is taken on CUDA where the shape suits it
-  (``choose_layout``), the row layout elsewhere;
+  ``N8_LAYOUT`` ``[N / 8, K]`` ("word rows"): a word holds eight output rows of one input column
+  (nibble ``j`` is row ``8b + j``: one activation value feeds eight codes), and a word row's
+  columns are stored in the order of the CUDA GEMV's loads (``n8_memory_order``): its thread
+  ``lane`` of a warp streams the ``run`` columns ``lane * run ..`` (inside one group) while the
+  warp's 32 threads read 512 contiguous bytes a load. It is taken on CUDA where the shape suits
+  the GEMV (``choose_layout``), the row layout elsewhere;
 - ``scales`` and ``zeros`` float16 ``[N, G]`` (the zero points are integers: exact);
 - groups are contiguous: column ``k`` is in group ``k // group_size`` (``group_size`` = K for
   ``-1``). A checkpoint whose ``g_idx`` orders columns otherwise (GPTQ act-order) has its columns
@@ -83,6 +84,35 @@ def pack_rows(values: torch.Tensor) -> torch.Tensor:
     return _to_int32((v << shifts[None, :, None]).sum(dim=1))
 
 
+def n8_run(in_features: int, group_size: int) -> int | None:
+    """The columns a GEMV thread streams in the word-row layout (``run``, 32 to 4 words: a power
+    of two dividing the group size, a warp's 32 runs dividing K, preferably four warps' runs), or
+    None where K is no multiple of 128."""
+    runs = [r for r in (32, 16, 8, 4) if group_size % r == 0 and in_features % (32 * r) == 0]
+    return next((r for r in runs if in_features % (128 * r) == 0), runs[0] if runs else None)
+
+
+def n8_memory_order(in_features: int, run: int, device: torch.device | None = None) -> torch.Tensor:
+    """``[K]`` int64: the input column stored at each position of a word row. In each tile of ``32 *
+    run`` columns, load ``r`` of thread ``lane`` (columns ``lane * run + 4r .. +3``) sits at
+    positions ``128 r + 4 lane .. +3``."""
+    cols = torch.arange(in_features, device=device).view(-1, 32, run // 4, 4)  # (tile, lane, load, 4)
+    return cols.transpose(1, 2).reshape(-1)
+
+
+def pack_n8(q: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Codes ``[N, K]`` (0..15) -> the word-row layout ``[N / 8, K]`` int32 (module doc)."""
+    return pack_rows(q)[:, n8_memory_order(q.shape[1], n8_run(q.shape[1], group_size), q.device)]
+
+
+def unpack_n8(qweight: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Inverse of ``pack_n8``: ``[N / 8, K]`` int32 -> codes ``[N, K]``."""
+    k = qweight.shape[1]
+    words = torch.empty_like(qweight)
+    words[:, n8_memory_order(k, n8_run(k, group_size), qweight.device)] = qweight
+    return unpack_rows(words)
+
+
 def _to_int32(words: torch.Tensor) -> torch.Tensor:
     """Unsigned 32-bit words (int64) as the int32 with the same bits."""
     return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
@@ -99,7 +129,7 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     by default; in the word-row layout ``rows`` starts and stops on multiples of 8)."""
     rows = rows if rows is not None else slice(0, num_outputs(qweight, layout))
     if layout == N8_LAYOUT:
-        q = unpack_rows(qweight[rows.start // PACK: rows.stop // PACK]).float()
+        q = unpack_n8(qweight[rows.start // PACK: rows.stop // PACK], group_size).float()
     else:
         q = unpack_cols(qweight[rows]).float()
     k = q.shape[1]
@@ -223,7 +253,7 @@ class Int4LinearMethod(QuantizeMethodBase):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         q, scales, zeros, perm = self.to_serving_form(layer)
         layout = choose_layout(q.device, layer.in_features, self.layer_group_size(layer))
-        qweight = pack_rows(q) if layout == N8_LAYOUT else pack_cols(q)
+        qweight = pack_n8(q, self.layer_group_size(layer)) if layout == N8_LAYOUT else pack_cols(q)
         for name in ("qweight", "qzeros", "scales", "g_idx"):
             if hasattr(layer, name):
                 delattr(layer, name)

@@ -5,9 +5,10 @@ Word-row layout (``N8_LAYOUT``, ``[N / 8, K]``: a word holds eight output rows o
 column; chosen at load where ``n8_layout_fits``):
 
 - ``_int4_gemv_n8_kernel`` (``GEMV_MAX_ROWS`` rows or fewer): a program owns one word row (eight
-  outputs) and a split of K; in each step its ``THREADS`` threads each stream ``RUN`` contiguous
-  words (up to 128 bytes, 16-byte vector loads) that lie in one group, so a thread loads its eight
-  scales and zero points once a step and one ``x`` value serves eight codes. A code costs one logic
+  outputs) and a split of K; in each step its ``THREADS`` threads each take ``RUN`` columns (up
+  to 32) that lie in one group, so a thread loads its eight scales and zero points once a step
+  and one ``x`` value serves eight codes; the layout stores each 16-byte load of a warp's 32
+  threads next to each other (512 contiguous bytes a load). A code costs one logic
   op (the nibble stays in place in the mantissa of 2^23: no shift, no int-to-float conversion), one
   add (minus ``2^23 + z``, exact) and one multiply-add; the scale multiplies a step's sums. Grid
   ``(N / 8, split)``: split K (``gemv_n8_config``) where the word rows alone leave SMs idle, its
@@ -44,14 +45,12 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.quantization.int4 import N8_LAYOUT, PACK, ROWS_LAYOUT
+from pagedllm.quantization.int4 import N8_LAYOUT, PACK, ROWS_LAYOUT, n8_run
 
 GEMV_MAX_ROWS = 4
 # Rows the word-row GEMV keeps a float32 sum per element for (registers: 32 a row and thread).
 ELEMENTWISE_MAX_ROWS: tl.constexpr = tl.constexpr(2)
 MAGIC = 0x4B000000  # the bits of the float 2^23, whose mantissa takes a code (``_n8_plane``)
-# K of a word-row weight is a multiple of this (one step of 32 threads x 4 words).
-N8_MIN_STEP = 128
 # The word-row GEMV splits K until there are this many programs per SM.
 N8_PROGRAMS_PER_SM = 2
 
@@ -203,9 +202,10 @@ def _int4_gemv_n8_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, G
                          BLOCK_M: tl.constexpr, THREADS: tl.constexpr, RUN: tl.constexpr):
     """One word row (outputs ``8b .. 8b+7``, plane ``j`` = output ``8b + j``) over one split of K:
     ``y[m, 8b+j] = sum_k x[m, k] (q - z) s``. A step covers ``THREADS * RUN`` columns: thread ``t``
-    streams the ``RUN`` words from column ``t * RUN`` on (``4 * RUN`` contiguous bytes inside one
-    group), so its scales and zero points load once a step, and each word feeds its eight planes
-    from one ``x`` value. Planes 0-4 read the word, 5-7 the word shifted by 12 (one shift a word).
+    takes the ``RUN`` columns from ``t * RUN`` on (inside one group), so its scales and zero points
+    load once a step, and each word feeds its eight planes from one ``x`` value; the layout stores
+    load ``r`` of a warp's 32 threads as 512 contiguous bytes (``int4.n8_memory_order``, whose run
+    ``RUN`` is). Planes 0-4 read the word, 5-7 the word shifted by 12 (one shift a word).
     ``magic`` (0x4B000000) comes as an argument so that it sits in one register and the nibble
     masks are the logic op's immediates.
     ``SPLIT`` > 1: float32 partial sums into ``out_ptr`` (``[SPLIT, M, N]``), the bias and the
@@ -251,7 +251,8 @@ def _int4_gemv_n8_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, G
         p7 = tl.zeros_like(p0)
         for r in tl.static_range(RUN // 4):
             cols = run0[:, None] + 4 * r + e[None, :]
-            words = tl.load(word_row + cols, eviction_policy="evict_first")
+            stored = kb + (t // 32 * 32 * RUN + 128 * r + 4 * (t % 32))[:, None] + e[None, :]
+            words = tl.load(word_row + stored, eviction_policy="evict_first")
             xv = _n8_x_tile(x_ptr, rm, m_mask, stride_xm, cols)
             p0 = _n8_plane(p0, words, 0, c0, xv, magic, BLOCK_M)
             p1 = _n8_plane(p1, words, 4, c1, xv, magic, BLOCK_M)
@@ -299,13 +300,16 @@ def _splitk_sum_kernel(ws_ptr, b_ptr, out_ptr, M, N, stride_om, SPLIT: tl.conste
 
 @triton.jit
 def _int4_dequant_n8_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, GROUP_SIZE, stride_sn,
-                            BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``W[8b + j, k] = (q - z) * s`` from the word-row layout (``int4.N8_LAYOUT``), a
-    ``[BLOCK_B, BLOCK_K]`` tile of words (eight output rows each) per program, in W's dtype."""
+                            RUN: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``W[8b + j, k] = (q - z) * s`` from the word-row layout (``int4.N8_LAYOUT``, its columns
+    stored in ``int4.n8_memory_order`` for ``RUN``), a ``[BLOCK_B, BLOCK_K]`` tile of words (eight
+    output rows each) per program, in W's dtype."""
     rb = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (rb < N // 8)[:, None] & (rk < K)[None, :]
-    words = tl.load(qw_ptr + rb[:, None].to(tl.int64) * K + rk[None, :], mask=mask, other=0)
+    in_tile = rk % (32 * RUN)
+    stored = rk - in_tile + 128 * (in_tile % RUN // 4) + 4 * (in_tile // RUN) + rk % 4
+    words = tl.load(qw_ptr + rb[:, None].to(tl.int64) * K + stored[None, :], mask=mask, other=0)
     g = rk // GROUP_SIZE
     for j in tl.static_range(8):
         rows = rb * 8 + j
@@ -326,7 +330,7 @@ def int4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
         block_b, block_k = 4, 128
         grid = (triton.cdiv(n // PACK, block_b), triton.cdiv(k, block_k))
         _int4_dequant_n8_kernel[grid](qweight, scales, zeros, w, n, k, group_size, scales.stride(0),
-                                      BLOCK_B=block_b, BLOCK_K=block_k, num_warps=4)
+                                      RUN=n8_run(k, group_size), BLOCK_B=block_b, BLOCK_K=block_k, num_warps=4)
         return w
     n, k = qweight.shape[0], qweight.shape[1] * PACK
     w = torch.empty(n, k, dtype=dtype, device=qweight.device)
@@ -360,10 +364,9 @@ def gemv_config(m: int, n: int, k: int) -> tuple[int, int, int, bool]:
 
 
 def n8_layout_fits(k: int, group_size: int) -> bool:
-    """Whether a weight of ``k`` inputs and ``group_size`` suits the word-row GEMV: its steps cover
-    ``THREADS * RUN`` columns (at least 32 threads x 4 words) and a thread's run of ``RUN`` columns
-    (a power of two dividing the group size) stays inside one group."""
-    return k % N8_MIN_STEP == 0 and group_size % PACK == 0
+    """Whether a weight of ``k`` inputs and ``group_size`` suits the word-row GEMV: it has a run
+    (``int4.n8_run``: K a multiple of 128)."""
+    return n8_run(k, group_size) is not None
 
 
 @functools.cache
@@ -374,18 +377,11 @@ def num_sms(device_index: int) -> int:
 
 def gemv_n8_config(m: int, n: int, k: int, group_size: int, sm_count: int) -> tuple[int, int, int]:
     """``(num_warps, run, split_k)`` of the word-row GEMV for ``m`` rows and an ``[n, k]`` weight:
-    four warps where K allows (more warps resident to hide the memory latency), each thread
-    streaming ``run`` words a step (128 bytes at one row; 64 at more rows, whose accumulators take
-    more registers), cut to what the group size and K allow; K split until there are
-    ``N8_PROGRAMS_PER_SM`` programs per SM, each split a whole number of steps."""
-    longest = 32 if m == 1 else 16
-    for num_warps in (4, 2, 1):
-        run = next((r for r in (32, 16, 8, 4) if r <= longest and group_size % r == 0
-                    and k % (32 * num_warps * r) == 0), None)
-        if run is not None:
-            break
-    else:
-        raise ValueError(f"K={k} is not a multiple of {N8_MIN_STEP} (n8_layout_fits)")
+    the layout's run (``int4.n8_run``), four warps where K allows (more warps resident to hide the
+    memory latency), and K split until there are ``N8_PROGRAMS_PER_SM`` programs per SM, each
+    split a whole number of steps."""
+    run = n8_run(k, group_size)
+    num_warps = next(w for w in (4, 2, 1) if k % (32 * w * run) == 0)
     steps = k // (32 * num_warps * run)
     programs = n // PACK
     split = next((d for d in range(1, steps + 1) if steps % d == 0 and programs * d >= N8_PROGRAMS_PER_SM * sm_count),
@@ -404,9 +400,9 @@ def _gemv_n8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
         config = gemv_n8_config(m, n, k, group_size, sms)
     num_warps, run, split = config
     threads = 32 * num_warps
-    if k % (threads * run * split) or group_size % run or run % 4:
-        raise ValueError(f"int4 GEMV config {(num_warps, run, split)} does not divide K={k} in runs inside "
-                         f"groups of {group_size}")
+    if run != n8_run(k, group_size) or k % (threads * run * split):
+        raise ValueError(f"int4 GEMV config {(num_warps, run, split)}: the run must be the layout's "
+                         f"({n8_run(k, group_size)}) and the steps must divide K={k}")
     target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     # Act-order: the permuted input as one small gather (inside the kernel it would not load as
     # the vector tiles the weight words load as).
