@@ -8,9 +8,9 @@ column; chosen at load where ``n8_layout_fits``):
   outputs) and a split of K; in each step its ``THREADS`` threads each take ``RUN`` columns (up
   to 32) that lie in one group, so a thread loads its eight scales and zero points once a step
   and one ``x`` value serves eight codes; the layout stores each 16-byte load of a warp's 32
-  threads next to each other (512 contiguous bytes a load). A code costs one logic
-  op (the nibble stays in place in the mantissa of 2^23: no shift, no int-to-float conversion), one
-  add (minus ``2^23 + z``, exact) and one multiply-add; the scale multiplies a step's sums. Grid
+  threads next to each other (512 contiguous bytes a load). A code costs one logic op (the
+  nibble stays in place in the mantissa of 2^23: no shift per code, no int-to-float conversion),
+  one add (minus ``2^23 + z``, exact) and one multiply-add; the scale multiplies a step's sums. Grid
   ``(N / 8, split)``: split K (``gemv_n8_config``) where the word rows alone leave SMs idle, its
   float32 partial sums added by ``_splitk_sum_kernel`` (with the bias, in x's dtype). Act-order:
   the input is permuted by one gather first.
