@@ -154,13 +154,16 @@ def create_engine_config(args: EngineArgs, usage_context: str = "ENGINE_CONTEXT"
 
 def _resolve_runner(runner: str, hf_config: Any) -> tuple[str, bool]:
     """("generate" | "pooling", whether the model is an encoder): "auto" is "pooling" for an
-    encoder-only architecture (BERT), else "generate"; the registry refuses a runner the
-    architecture cannot serve, naming ``runner``."""
+    encoder-only architecture (BERT) and, as vLLM, for a bare backbone (``architectures`` naming
+    ``*Model``, e.g. the ``Qwen3Model`` of Qwen3-Embedding), else "generate"; the registry
+    refuses a runner the architecture cannot serve, naming ``runner``."""
     from pagedllm.models.registry import architecture_of, model_class_of
 
     arch = architecture_of(hf_config)
     if runner == "auto":
-        runner = "pooling" if arch.is_encoder else "generate"
+        first = (getattr(hf_config, "architectures", None) or [""])[0]
+        backbone = first.endswith("Model") and not first.endswith(("ChatModel", "LMHeadModel"))
+        runner = "pooling" if arch.is_encoder or backbone else "generate"
     model_class_of(arch, runner)
     return runner, arch.is_encoder
 

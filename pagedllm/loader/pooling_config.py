@@ -16,12 +16,12 @@ from typing import Any
 
 from pagedllm.pooling_params import PoolerConfig
 
-_ST = "sentence_transformers.models."
 _MODES = {  # 1_Pooling/config.json key -> pooling type
     "pooling_mode_mean_tokens": "MEAN",
     "pooling_mode_cls_token": "CLS",
     "pooling_mode_lasttoken": "LAST",
 }
+_MODE_NAMES = {"mean": "MEAN", "cls": "CLS", "lasttoken": "LAST"}  # sentence-transformers 6's pooling_mode
 _UNSUPPORTED_MODES = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens")
 
 
@@ -35,7 +35,15 @@ def _read_json(path: Path) -> Any:
 
 
 def _pooling_type(folder: Path, module: dict) -> str:
+    """The mode of a Pooling module's config: sentence-transformers 6's ``pooling_mode`` ("mean",
+    "cls", "lasttoken", ...) or the older one-flag-per-mode keys."""
     config = _read_json(folder / module.get("path", "") / "config.json") or {}
+    mode = config.get("pooling_mode")
+    if isinstance(mode, str):
+        if mode not in _MODE_NAMES:
+            raise ValueError(f"model: sentence-transformers pooling_mode {mode!r} is not supported "
+                             f"(one of {list(_MODE_NAMES)})")
+        return _MODE_NAMES[mode]
     used = [key for key in (*_MODES, *_UNSUPPORTED_MODES) if config.get(key)]
     if len(used) != 1 or used[0] in _UNSUPPORTED_MODES:
         raise ValueError(f"model: sentence-transformers pooling {used or 'none'} is not supported "
@@ -51,7 +59,8 @@ def read_pooler_config(folder: str | None, hf_config: Any, is_encoder: bool) -> 
     if modules is not None:
         if not isinstance(modules, list):
             raise ValueError("model: modules.json must be a list of modules")
-        kinds = [str(m.get("type", "")).removeprefix(_ST) for m in modules]
+        # The class name: its module path differs across sentence-transformers versions.
+        kinds = [str(m.get("type", "")).rsplit(".", 1)[-1] for m in modules]
         unsupported = [k for k in kinds if k not in ("Transformer", "Pooling", "Normalize")]
         if unsupported:
             raise ValueError(f"model: sentence-transformers modules {unsupported} are not supported "
