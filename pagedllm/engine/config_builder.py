@@ -95,6 +95,8 @@ def create_engine_config(args: EngineArgs, usage_context: str = "ENGINE_CONTEXT"
         max_batched = args.max_num_batched_tokens
     elif args.enable_chunked_prefill:
         max_batched = default_max_num_batched_tokens(device, usage_context)
+    elif pooling is not None:  # an encoder: whole prompts, with the budget chunked prefill would have
+        max_batched = max(max_model_len, default_max_num_batched_tokens(device, usage_context))
     else:
         max_batched = max(max_model_len, 2048)
     if not args.enable_chunked_prefill and max_batched < max_model_len:

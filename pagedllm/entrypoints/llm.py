@@ -93,9 +93,21 @@ class LLM:
                use_tqdm: bool = True, priority: list[int] | None = None) -> list[PoolingRequestOutput]:
         """Pool one prompt or a list with a pooling model (``runner="pooling"``); outputs in input order,
         ``.outputs.data`` the vector (a float32 CPU tensor)."""
-        prompts = _as_prompt_list(prompts)
+        prompts = self._pretokenized(_as_prompt_list(prompts))
         params = _per_prompt(pooling_params, len(prompts), PoolingParams, "pooling_params")
         return self._add_and_run(prompts, params, use_tqdm, priority)
+
+    def _pretokenized(self, prompts: list) -> list:
+        """Text prompts as token-id prompts, tokenized in one batched call (the fast tokenizer
+        splits a batch over threads; an embedding run is mostly short prompts, where tokenizing
+        them one by one would cost as much as computing them). Empty strings stay text so that
+        ``add_request`` refuses them by name."""
+        tokenizer = self.llm_engine.tokenizer
+        texts = [p for p in prompts if isinstance(p, str) and p]
+        if tokenizer is None or len(texts) < 2:
+            return prompts
+        ids = iter(tokenizer(texts, add_special_tokens=True)["input_ids"])
+        return [{"prompt": p, "prompt_token_ids": next(ids)} if isinstance(p, str) and p else p for p in prompts]
 
     def embed(self, prompts: Any, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
               use_tqdm: bool = True, priority: list[int] | None = None) -> list[EmbeddingRequestOutput]:

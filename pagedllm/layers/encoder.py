@@ -73,12 +73,14 @@ class EncoderAttention(CustomOp):
         starts = meta.query_start_loc.tolist()
         if meta.seq_lens.tolist() != [b - a for a, b in zip(starts, starts[1:])]:
             raise ValueError("EncoderAttention needs whole prompts in a step (no chunked prefill, no prefix hit)")
+        # Heads first, once ([H, T, D]); each prompt is then a [1, H, L, D] slice, the form torch's CPU
+        # kernel takes fast (a 3-D or strided input is many times slower).
+        q, k, v = (self._heads(x).transpose(0, 1).contiguous() for x in (q, k, v))
         out = torch.empty_like(q)
-        q, k, v, o = self._heads(q), self._heads(k), self._heads(v), self._heads(out)
         for a, b in zip(starts, starts[1:]):
-            o[a:b] = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1),
-                                                    v[a:b].transpose(0, 1), scale=self.scale).transpose(0, 1)
-        return out
+            out[:, a:b] = F.scaled_dot_product_attention(q[None, :, a:b], k[None, :, a:b], v[None, :, a:b],
+                                                         scale=self.scale)[0]
+        return out.transpose(0, 1).reshape(out.shape[1], self.num_heads * self.head_dim)
 
     def forward_cuda(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if q.dtype not in (torch.float16, torch.bfloat16):
