@@ -105,3 +105,20 @@ def _embed_each(folder: str, sentence: str, params: list[PoolingParams]) -> list
         return [o.outputs.embedding for o in llm.embed([sentence] * len(params), params, use_tqdm=False)]
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_the_architecture_table_serves_encoders_for_pooling_only():
+    from transformers import BertConfig
+
+    from pagedllm.loader.architectures import ARCHITECTURES
+    from pagedllm.models.bert import BertModel
+    from pagedllm.models.decoder_embedding import DecoderForEmbedding
+    from pagedllm.models.registry import get_model_class
+    from tests.helpers import tiny_config
+
+    bert = BertConfig(architectures=["BertForMaskedLM"])
+    assert get_model_class(bert, "pooling") is BertModel
+    with pytest.raises(ValueError, match="^runner: BertModel is an encoder-only model"):
+        get_model_class(bert)
+    for arch in (a for a in ARCHITECTURES.values() if not a.is_encoder):
+        assert get_model_class(tiny_config(arch.model_type), "pooling") is DecoderForEmbedding
