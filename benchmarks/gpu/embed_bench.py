@@ -6,8 +6,8 @@ The model is the BGE-small-en-v1.5 architecture (``benchmarks/configs/bge-small-
 internet needed). The workload: ``--num-sentences`` random sentences of 32-128 tokens
 (``random.seed(0)``), given to both as strings (tokenization is part of the time). Reported:
 sentences/s of each (sentence-transformers at its default batch size 32 and at
-``--st-batch-size``), pagedllm's speedup over the faster of the two (the issue asks for >= 3x), and
-the cosine agreement of the two engines' vectors. Prints a table and writes JSON:
+``--st-batch-size``), pagedllm's speedup over each (the issue asks for >= 3x), and the cosine
+agreement of the two engines' vectors. Prints a table and writes JSON:
 
     python benchmarks/gpu/embed_bench.py --output-json $OUT/embed_bench.json
 """
@@ -117,20 +117,21 @@ def main() -> None:
             rows[f"sentence-transformers (batch {bs})"], st_vec = bench_st(folder, texts, bs, ns.dtype)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    best_st = min(v for k, v in rows.items() if k != "pagedllm")
     result = {
         "device": torch.cuda.get_device_name(), "dtype": ns.dtype, "num_sentences": ns.num_sentences,
         "seconds": rows, "sentences_per_s": {k: ns.num_sentences / v for k, v in rows.items()},
-        "speedup_vs_best_st": best_st / ours_s, "mean_cosine_vs_st": mean_cosine(ours_vec, st_vec),
+        "pagedllm_speedup": {k: v / ours_s for k, v in rows.items() if k != "pagedllm"},
+        "mean_cosine_vs_st": mean_cosine(ours_vec, st_vec),
         "max_num_seqs": ns.max_num_seqs, "max_num_batched_tokens": ns.max_num_batched_tokens,
     }
     print(f"\nBGE-small-sized encoder, {ns.num_sentences} sentences of 32-128 tokens, {ns.dtype}, "
           f"{result['device']}")
-    print(f"{'engine':<36} {'seconds':>8} {'sentences/s':>12}")
+    print(f"{'engine':<36} {'seconds':>8} {'sentences/s':>12} {'pagedllm speedup':>17}")
     for name, seconds in rows.items():
-        print(f"{name:<36} {seconds:>8.2f} {ns.num_sentences / seconds:>12.0f}")
-    print(f"pagedllm / best sentence-transformers: {result['speedup_vs_best_st']:.2f}x (the issue asks >= 3x); "
-          f"mean cosine of the vectors: {result['mean_cosine_vs_st']:.5f}")
+        speedup = "" if name == "pagedllm" else f"{seconds / ours_s:.2f}x"
+        print(f"{name:<36} {seconds:>8.2f} {ns.num_sentences / seconds:>12.0f} {speedup:>17}")
+    print(f"(the issue asks >= 3x over sentence-transformers); mean cosine of the two engines' vectors: "
+          f"{result['mean_cosine_vs_st']:.5f}")
     if ns.output_json:
         Path(ns.output_json).parent.mkdir(parents=True, exist_ok=True)
         Path(ns.output_json).write_text(json.dumps(result, indent=2))
