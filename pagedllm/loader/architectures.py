@@ -95,10 +95,10 @@ class Architecture:
     model_type: str  # HF ``config.model_type`` (and the GGUF ``general.architecture`` name)
     hf_class: str  # HF ``config.architectures`` entry
     implementation: str  # our model class, "module:Class"
-    # transformers' class defaults for the attributes we read; None: the config is always read by
-    # AutoConfig (no plain fast path)
+    # transformers' class defaults for the attributes we read, and field -> predicate a value must
+    # satisfy (else AutoConfig judges it); None: the plain config reader leaves the type to AutoConfig.
     config_defaults: dict[str, Any] | None
-    config_types: dict[str, Any]  # field -> predicate a value must satisfy (else AutoConfig judges it)
+    config_types: dict[str, Any] | None
     gguf_permutes_qk: bool  # llama.cpp permutes Q/K rows for its rotary kernel (its "llama" arch)
     # The class serving it with runner="pooling" (embeddings), "module:Class"; None: no pooling.
     pooling_implementation: str | None = None
@@ -107,6 +107,7 @@ class Architecture:
 
 
 _LLAMA_IMPL = "pagedllm.models.llama:LlamaForCausalLM"
+_MOE_IMPL = "pagedllm.models.moe:MoeForCausalLM"
 _DECODER_EMBEDDING = "pagedllm.models.decoder_embedding:DecoderForEmbedding"
 _BERT_IMPL = "pagedllm.models.bert:BertModel"
 ARCHITECTURES: dict[str, Architecture] = {
@@ -121,8 +122,12 @@ ARCHITECTURES: dict[str, Architecture] = {
                      _DECODER_EMBEDDING),
         Architecture("qwen3", "Qwen3ForCausalLM", _LLAMA_IMPL, _DEFAULTS["qwen3"], _TYPES["qwen3"], False,
                      _DECODER_EMBEDDING),
+        # Mixture of experts: configs read by AutoConfig (their expert fields vary across versions).
+        Architecture("mixtral", "MixtralForCausalLM", _MOE_IMPL, None, None, False),
+        Architecture("qwen2_moe", "Qwen2MoeForCausalLM", _MOE_IMPL, None, None, False),
+        Architecture("qwen3_moe", "Qwen3MoeForCausalLM", _MOE_IMPL, None, None, False),
         # sentence-transformers' BERT-family encoders (all-MiniLM, BGE); BertForMaskedLM folders too.
-        Architecture("bert", "BertModel", _BERT_IMPL, None, {}, False, _BERT_IMPL, is_encoder=True),
+        Architecture("bert", "BertModel", _BERT_IMPL, None, None, False, _BERT_IMPL, is_encoder=True),
     )
 }
 SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
