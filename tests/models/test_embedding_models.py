@@ -113,15 +113,19 @@ def test_the_architecture_table_serves_encoders_for_pooling_only():
     from pagedllm.loader.architectures import ARCHITECTURES
     from pagedllm.models.bert import BertModel
     from pagedllm.models.decoder_embedding import DecoderForEmbedding
-    from pagedllm.models.registry import get_model_class
-    from tests.helpers import tiny_config
+    from pagedllm.models.registry import get_model_class, model_class_of
 
     bert = BertConfig(architectures=["BertForMaskedLM"])
     assert get_model_class(bert, "pooling") is BertModel
     with pytest.raises(ValueError, match="^runner: BertModel is an encoder-only model"):
         get_model_class(bert)
     for arch in (a for a in ARCHITECTURES.values() if not a.is_encoder):
-        assert get_model_class(tiny_config(arch.model_type), "pooling") is DecoderForEmbedding
+        if arch.pooling_implementation is None:  # e.g. the MoE models: no embedder of theirs
+            with pytest.raises(ValueError, match="^runner: .* cannot be served as a pooling model"):
+                model_class_of(arch, "pooling")
+        else:
+            assert model_class_of(arch, "pooling") is DecoderForEmbedding
+    assert {a.model_type for a in ARCHITECTURES.values() if a.pooling_implementation} >= {"llama", "qwen3", "bert"}
 
 
 @pytest.mark.gpu
