@@ -1,7 +1,17 @@
 """pagedllm: a readable LLM inference and serving engine (paged KV cache, continuous batching)."""
 
 from pagedllm.config import EngineArgs
-from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedllm.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+)
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from pagedllm.version import __version__
 
@@ -11,6 +21,11 @@ __all__ = [
     "AsyncLLMEngine",
     "EngineArgs",
     "SamplingParams",
+    "PoolingParams",
+    "PoolingOutput",
+    "PoolingRequestOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "StructuredOutputsParams",
     "RequestOutputKind",
     "RequestMetrics",

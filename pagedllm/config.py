@@ -14,6 +14,8 @@ from typing import Any
 _DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp16", "fp32")
 _DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}
 _KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+_RUNNERS = ("auto", "generate", "pooling")
+_TASKS = ("auto", "generate", "embed")
 
 
 @dataclass(frozen=True)
@@ -231,6 +233,9 @@ class ModelConfig:
     skip_tokenizer_init: bool = False
     # The quantization scheme served (a ``pagedllm.quantization.QuantizationConfig``), or None.
     quant_config: Any = None
+    runner: str = "generate"  # "generate" (LM head + sampler) | "pooling" (embeddings, no sampler)
+    # runner "pooling": how the model pools (a ``pagedllm.pooling_params.PoolerConfig``); else None.
+    pooler_config: Any = None
 
     @property
     def vocab_size(self) -> int:
@@ -329,6 +334,10 @@ class EngineArgs:
                                   "default: no limit")
     otlp_traces_endpoint: str | None = arg(None, "export one OpenTelemetry span per request (OTLP) to this "
                                            "endpoint; needs the 'tracing' extra")
+    runner: str = arg("auto", "generate (an LM), pooling (an embedding model: LLM.embed, /v1/embeddings) or auto "
+                      "(pooling for encoder-only models such as BERT, else generate)")
+    task: str = arg("auto", "vLLM's older name for the runner: embed means runner pooling, generate means "
+                    "runner generate")
     speculative_config: dict | str | None = arg(None, "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\" or "
                                           "\"draft_model\", \"num_speculative_tokens\": k, \"prompt_lookup_min\", "
                                           "\"prompt_lookup_max\" (ngram), \"model\" (the draft)}")
@@ -382,6 +391,7 @@ class EngineArgs:
         if self.load_format not in ("auto", "dummy", "gguf", "gguf_dequantized"):
             raise ValueError(f"load_format must be 'auto', 'dummy', 'gguf' or 'gguf_dequantized', got {self.load_format!r}")
         self._validate_parallel()
+        self._validate_runner()
         if self.quantization is not None and not isinstance(self.quantization, str):
             raise ValueError(f"quantization must be a string or None, got {self.quantization!r}")
         if not isinstance(self.structured_outputs_jump_forward, bool):
@@ -404,6 +414,17 @@ class EngineArgs:
                 "max_num_batched_tokens must be >= max_model_len when enable_chunked_prefill is False "
                 f"(got {self.max_num_batched_tokens} < {self.max_model_len}): a prompt could never be scheduled"
             )
+
+    def _validate_runner(self) -> None:
+        if self.runner not in _RUNNERS:
+            raise ValueError(f"runner must be one of {_RUNNERS}, got {self.runner!r}")
+        if self.task not in _TASKS:
+            raise ValueError(f"task must be one of {_TASKS}, got {self.task!r}")
+        implied = {"embed": "pooling", "generate": "generate"}.get(self.task)
+        if implied is not None and self.runner not in ("auto", implied):
+            raise ValueError(f"task={self.task!r} contradicts runner={self.runner!r}: give one of them")
+        if implied is not None:
+            self.runner, self.task = implied, "auto"
 
     def _validate_parallel(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server: ``pagedllm serve [MODEL]``.
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions (both stream and non-stream),
-GET /v1/models, POST /tokenize, POST /detokenize, GET /health, GET /version, GET /metrics.
+Endpoints: POST /v1/completions, POST /v1/chat/completions (both stream and non-stream) for a
+generation model, POST /v1/embeddings for a pooling model (``serving_embedding.py``), GET /v1/models, POST /tokenize, POST /detokenize, GET /health, GET /version, GET /metrics.
 Every error is OpenAI-shaped (``{"error": {"message", "type", "param", "code"}}``): 400 for a bad
 body (naming the field), 401 for a wrong API key (/v1/* and /metrics), 404 for an unknown model,
 413 for a body over --max-request-body-bytes, 503 with Retry-After when more than
@@ -51,6 +51,7 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat, render_chat
 from pagedllm.entrypoints.openai.serving_common import ServingContext, cancel_on_disconnect, parse_body
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_embedding import add_embedding_route
 from pagedllm.entrypoints.openai.serving_tools import ToolConfig
 from pagedllm.entrypoints.openai.tool_parsers import ToolParserManager, validate_tools
 from pagedllm.version import __version__
@@ -151,15 +152,10 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
-    @app.post("/v1/completions")
-    async def create_completion(request: Request) -> Response:
-        body = await parse_body(request, CompletionRequest, ctx.max_request_body_bytes)
-        return await cancel_on_disconnect(request, completions.create(body, ctx.trace_headers(request.headers)))
-
-    @app.post("/v1/chat/completions")
-    async def create_chat_completion(request: Request) -> Response:
-        body = await parse_body(request, ChatCompletionRequest, ctx.max_request_body_bytes)
-        return await cancel_on_disconnect(request, chat.create(body, ctx.trace_headers(request.headers)))
+    if ctx.model_config.runner == "pooling":  # an embedding model serves /v1/embeddings only (404 elsewhere)
+        add_embedding_route(app, ctx)
+    else:
+        _add_generation_routes(app, ctx, completions, chat)
 
     def model_card(name: str) -> dict:
         return {"id": name, "object": "model", "created": ctx.created, "owned_by": "pagedllm",
@@ -222,6 +218,19 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _add_generation_routes(app: FastAPI, ctx: ServingContext, completions: OpenAIServingCompletion,
+                           chat: OpenAIServingChat) -> None:
+    @app.post("/v1/completions")
+    async def create_completion(request: Request) -> Response:
+        body = await parse_body(request, CompletionRequest, ctx.max_request_body_bytes)
+        return await cancel_on_disconnect(request, completions.create(body, ctx.trace_headers(request.headers)))
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: Request) -> Response:
+        body = await parse_body(request, ChatCompletionRequest, ctx.max_request_body_bytes)
+        return await cancel_on_disconnect(request, chat.create(body, ctx.trace_headers(request.headers)))
 
 
 def _add_error_handlers(app: FastAPI) -> None:
