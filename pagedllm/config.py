@@ -280,8 +280,8 @@ class EngineArgs:
     pipeline_parallel_size: int = arg(1, "pipeline stages the decoder layers are split over (one process each)")
     data_parallel_size: int = arg(1, "engine replicas (only 1 is supported yet)")
     distributed_executor_backend: str | None = arg(None, "uni (one process), mp (one process per rank) or "
-                                                   "ray (not supported yet); default: uni at one rank, "
-                                                   "mp above")
+                                                   "ray (one Ray actor per rank, on the cluster of RAY_ADDRESS "
+                                                   "or a local one); default: uni at one rank, mp above")
     quantization: str | None = arg(None, "quantize the weights: fp8 (float8 weights, per-output-channel scales, "
                                    "quantized at load; per-token dynamic FP8 activations); a checkpoint's own "
                                    "quantization_config (fp8, compressed-tensors FP8, gptq and awq int4) is "
@@ -380,8 +380,10 @@ class EngineArgs:
         if backend not in (None, "uni", "mp", "ray"):
             raise ValueError(f"distributed_executor_backend must be 'uni', 'mp' or 'ray', got {backend!r}")
         if backend == "ray":
-            raise ValueError("distributed_executor_backend='ray' is not supported yet: use 'mp' (one process "
-                             "per rank on this host)")
+            import importlib.util
+
+            if importlib.util.find_spec("ray") is None:
+                raise ValueError("distributed_executor_backend='ray' needs Ray: pip install 'pagedllm[ray]'")
         world_size = self.tensor_parallel_size * self.pipeline_parallel_size
         if backend == "uni" and world_size > 1:
             raise ValueError(f"distributed_executor_backend='uni' runs one rank, but tensor_parallel_size x "
