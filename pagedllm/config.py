@@ -278,7 +278,9 @@ class EngineArgs:
                                         "(default: on for CUDA)")
     tensor_parallel_size: int = arg(1, "ranks (GPUs, or CPU processes) each layer is split over")
     pipeline_parallel_size: int = arg(1, "pipeline stages the decoder layers are split over (one process each)")
-    data_parallel_size: int = arg(1, "engine replicas (only 1 is supported yet)")
+    data_parallel_size: int = arg(1, "engine cores (replicas, each with its own tensor x pipeline parallel "
+                                  "workers) behind one server, requests balanced by their load; AsyncLLMEngine "
+                                  "and pagedllm serve only")
     distributed_executor_backend: str | None = arg(None, "uni (one process), mp (one process per rank) or "
                                                    "ray (one Ray actor per rank, on the cluster of RAY_ADDRESS "
                                                    "or a local one); default: uni at one rank, mp above")
@@ -374,9 +376,10 @@ class EngineArgs:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        if self.data_parallel_size != 1:
-            raise ValueError(f"data_parallel_size={self.data_parallel_size} is not supported yet (size 1 only)")
         backend = self.distributed_executor_backend
+        if self.data_parallel_size > 1 and backend == "ray":
+            raise ValueError("data_parallel_size > 1 with distributed_executor_backend='ray' is not supported yet: "
+                             "the replicas' workers run as processes of this host ('mp' or 'uni')")
         if backend not in (None, "uni", "mp", "ray"):
             raise ValueError(f"distributed_executor_backend must be 'uni', 'mp' or 'ray', got {backend!r}")
         if backend == "ray":

@@ -20,10 +20,10 @@ def test_scheduler_policy_errors_name_the_field():
         EngineArgs(scheduling_policy="fcfs", scheduler_policy="priority")
 
 
-def test_data_parallel_is_refused_until_built():
-    assert EngineArgs(data_parallel_size=1).data_parallel_size == 1
-    with pytest.raises(ValueError, match="data_parallel_size=2 is not supported yet"):
-        EngineArgs(data_parallel_size=2)
+def test_data_parallel_is_accepted_but_not_with_ray():
+    assert EngineArgs(data_parallel_size=2, tensor_parallel_size=2).data_parallel_size == 2
+    with pytest.raises(ValueError, match="data_parallel_size > 1 with distributed_executor_backend='ray'"):
+        EngineArgs(data_parallel_size=2, distributed_executor_backend="ray")
 
 
 @pytest.mark.parametrize("field", ["tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"])

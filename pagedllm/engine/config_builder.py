@@ -75,10 +75,11 @@ def create_engine_config(args: EngineArgs, usage_context: str = "ENGINE_CONTEXT"
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("device='cuda' was requested but CUDA is not available")
+    num_gpus = parallel_config.world_size * parallel_config.data_parallel_size
     if (device.startswith("cuda") and parallel_config.distributed_executor_backend != "ray"
-            and parallel_config.world_size > torch.cuda.device_count()):  # Ray counts its cluster's GPUs
-        raise ValueError(f"tensor_parallel_size x pipeline_parallel_size ({parallel_config.world_size}) must not "
-                         f"exceed the GPUs of this host ({torch.cuda.device_count()})")
+            and num_gpus > torch.cuda.device_count()):  # Ray counts its cluster's GPUs
+        raise ValueError(f"tensor_parallel_size x pipeline_parallel_size x data_parallel_size ({num_gpus}) must "
+                         f"not exceed the GPUs of this host ({torch.cuda.device_count()})")
     dtype = _resolve_dtype(args.dtype, hf_config, device)
     max_model_len = _resolve_max_model_len(args.max_model_len, hf_config)
     on_gpu = device.startswith("cuda")
