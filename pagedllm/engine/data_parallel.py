@@ -95,7 +95,8 @@ class DataParallelEngines:
         self.cores: list[EngineProcess | None] = [None] * size
 
         def start(rank: int) -> EngineProcess:
-            core = EngineProcess(replica_config(config, rank), lambda e: self._on_core_event(rank, e), idle_poll_s)
+            core = EngineProcess(replica_config(config, rank), lambda e: self._on_core_event(rank, e), idle_poll_s,
+                                 num_processes=size)
             self.cores[rank] = core
             return core
 

@@ -41,7 +41,8 @@ from pagedllm.sampling_params import SamplingParams  # noqa: E402
 class FakeCore:
     """Stands for an EngineProcess: records the commands; the test emits its events."""
 
-    def __init__(self, config, on_event, idle_poll_s) -> None:
+    def __init__(self, config, on_event, idle_poll_s, num_processes) -> None:
+        assert num_processes == 2  # the replicas split the CPU threads
         self.config = config
         self.emit = on_event
         self.commands: list = []
