@@ -102,3 +102,15 @@ def test_killed_actor_fails_the_engine_with_its_rank(qwen3, ray_cluster):
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_alive(p) for p in pids)
+
+
+def test_more_ranks_than_the_cluster_holds_is_refused_at_once(qwen3, ray_cluster):
+    folder, _ = qwen3
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=r"needs 4 CPUs, the Ray cluster has 2"):
+        LLMEngine.from_engine_args(EngineArgs(folder, tensor_parallel_size=2, pipeline_parallel_size=2,
+                                              distributed_executor_backend="ray", **ENGINE))
+    assert time.monotonic() - t0 < 30
+    assert ray.is_initialized()
+    groups = ray.util.placement_group_table().values()
+    assert all(group["state"] == "REMOVED" for group in groups), groups  # none left behind
