@@ -44,7 +44,7 @@ from pagedllm.engine.engine_loop import (
     StepFailed,
     StepReport,
 )
-from pagedllm.engine.engine_proc import EngineProcess
+from pagedllm.engine.engine_proc import EngineProcess, EngineProcessError
 from pagedllm.executor.mp_worker import first_device_index
 
 logger = logging.getLogger("pagedllm")
@@ -103,6 +103,8 @@ class DataParallelEngines:
         with ThreadPoolExecutor(max_workers=size, thread_name_prefix="pagedllm-dp-start") as pool:
             futures = [pool.submit(start, rank) for rank in range(size)]
         errors = [f.exception() for f in futures if f.exception() is not None]
+        if not errors and self._dead:  # a core that was ready died while another was starting
+            errors = [EngineProcessError("a data-parallel engine core died during start-up")]
         if errors:
             self._shutdown_cores(timeout_s=5.0)
             raise errors[0]

@@ -189,3 +189,19 @@ def test_llm_engine_refuses_data_parallel(tmp_path):
     with pytest.raises(ValueError, match=r"^data_parallel_size \(2\) needs one engine core per replica"):
         LLM(folder, data_parallel_size=2)
     assert EngineArgs(folder, data_parallel_size=2).data_parallel_size == 2
+
+
+def test_a_core_dead_before_every_core_is_ready_fails_the_start(monkeypatch):
+    from pagedllm.engine.engine_proc import EngineProcessError
+
+    class DyingCore(FakeCore):
+        def __init__(self, *args) -> None:
+            super().__init__(*args)
+            if len(CORES) == 1:
+                self.emit(LoopEnded("the engine process died (exit code -9)"))
+
+    CORES.clear()
+    monkeypatch.setattr(data_parallel, "EngineProcess", DyingCore)
+    with pytest.raises(EngineProcessError, match="died during start-up"):
+        DataParallelEngines(_config(2), [].append)
+    assert all(core.stopped for core in CORES)
