@@ -195,8 +195,8 @@ def test_a_core_dead_before_every_core_is_ready_fails_the_start(monkeypatch):
     from pagedllm.engine.engine_proc import EngineProcessError
 
     class DyingCore(FakeCore):
-        def __init__(self, *args) -> None:
-            super().__init__(*args)
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
             if len(CORES) == 1:
                 self.emit(LoopEnded("the engine process died (exit code -9)"))
 
