@@ -316,13 +316,15 @@ class EngineArgs:
                                         "(default: on for CUDA)")
     tensor_parallel_size: int = arg(1, "ranks (GPUs, or CPU processes) each layer is split over")
     pipeline_parallel_size: int = arg(1, "pipeline stages the decoder layers are split over (one process each)")
-    data_parallel_size: int = arg(1, "engine replicas (only 1 is supported yet)")
+    data_parallel_size: int = arg(1, "engine cores (replicas, each with its own tensor x pipeline parallel "
+                                  "workers) behind one server, requests balanced by their load; AsyncLLMEngine "
+                                  "and pagedllm serve only")
     enable_expert_parallel: bool = arg(False, "mixture-of-experts models: split the experts over the "
                                        "tensor-parallel ranks (whole experts per rank) instead of "
                                        "slicing every expert")
     distributed_executor_backend: str | None = arg(None, "uni (one process), mp (one process per rank) or "
-                                                   "ray (not supported yet); default: uni at one rank, "
-                                                   "mp above")
+                                                   "ray (one Ray actor per rank, on the cluster of RAY_ADDRESS "
+                                                   "or a local one); default: uni at one rank, mp above")
     quantization: str | None = arg(None, "quantize the weights: fp8 (float8 weights, per-output-channel scales, "
                                    "quantized at load; per-token dynamic FP8 activations); a checkpoint's own "
                                    "quantization_config (fp8, compressed-tensors FP8, gptq and awq int4) is "
@@ -433,14 +435,17 @@ class EngineArgs:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if not isinstance(self.enable_expert_parallel, bool):
             raise ValueError(f"enable_expert_parallel must be a boolean, got {self.enable_expert_parallel!r}")
-        if self.data_parallel_size != 1:
-            raise ValueError(f"data_parallel_size={self.data_parallel_size} is not supported yet (size 1 only)")
         backend = self.distributed_executor_backend
+        if self.data_parallel_size > 1 and backend == "ray":
+            raise ValueError("data_parallel_size > 1 with distributed_executor_backend='ray' is not supported yet: "
+                             "the replicas' workers run as processes of this host ('mp' or 'uni')")
         if backend not in (None, "uni", "mp", "ray"):
             raise ValueError(f"distributed_executor_backend must be 'uni', 'mp' or 'ray', got {backend!r}")
         if backend == "ray":
-            raise ValueError("distributed_executor_backend='ray' is not supported yet: use 'mp' (one process "
-                             "per rank on this host)")
+            import importlib.util
+
+            if importlib.util.find_spec("ray") is None:
+                raise ValueError("distributed_executor_backend='ray' needs Ray: pip install 'pagedllm[ray]'")
         world_size = self.tensor_parallel_size * self.pipeline_parallel_size
         if backend == "uni" and world_size > 1:
             raise ValueError(f"distributed_executor_backend='uni' runs one rank, but tensor_parallel_size x "

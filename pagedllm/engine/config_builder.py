@@ -76,9 +76,11 @@ def create_engine_config(args: EngineArgs, usage_context: str = "ENGINE_CONTEXT"
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("device='cuda' was requested but CUDA is not available")
-    if device.startswith("cuda") and parallel_config.world_size > torch.cuda.device_count():
-        raise ValueError(f"tensor_parallel_size x pipeline_parallel_size ({parallel_config.world_size}) must not "
-                         f"exceed the GPUs of this host ({torch.cuda.device_count()})")
+    num_gpus = parallel_config.world_size * parallel_config.data_parallel_size
+    if (device.startswith("cuda") and parallel_config.distributed_executor_backend != "ray"
+            and num_gpus > torch.cuda.device_count()):  # Ray counts its cluster's GPUs
+        raise ValueError(f"tensor_parallel_size x pipeline_parallel_size x data_parallel_size ({num_gpus}) must "
+                         f"not exceed the GPUs of this host ({torch.cuda.device_count()})")
     dtype = _resolve_dtype(args.dtype, hf_config, device)
     runner, is_encoder = _resolve_runner(args.runner, hf_config)
     pooling = _pooling_setup(args, source, hf_config, is_encoder) if runner == "pooling" else None

@@ -39,6 +39,11 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer=None) -> None:
         from pagedllm.loader import load_tokenizer
 
+        dp = config.parallel_config.data_parallel_size
+        if dp > 1:
+            raise ValueError(f"data_parallel_size ({dp}) needs one engine core per replica: serve it with pagedllm "
+                             "serve --data-parallel-size or AsyncLLMEngine; LLM and LLMEngine drive one core (for "
+                             "offline data parallel run one LLM per process, as with vLLM)")
         self.config = config
         self.model_config = config.model_config
         mc = config.model_config
