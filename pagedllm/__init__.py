@@ -2,7 +2,17 @@
 
 from pagedllm.config import EngineArgs
 from pagedllm.lora.request import LoRARequest
-from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedllm.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+)
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from pagedllm.version import __version__
 
@@ -13,6 +23,11 @@ __all__ = [
     "EngineArgs",
     "LoRARequest",
     "SamplingParams",
+    "PoolingParams",
+    "PoolingOutput",
+    "PoolingRequestOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "StructuredOutputsParams",
     "RequestOutputKind",
     "RequestMetrics",

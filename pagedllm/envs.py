@@ -91,6 +91,8 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("OMP_NUM_THREADS", "int", None,
            "OpenMP's thread count; used as the CPU thread count when PAGEDLLM_CPU_THREADS is unset."),
     EnvVar("CC", "str", "cc", "The C compiler that builds the CPU kernels."),
+    EnvVar("RAY_ADDRESS", "str", None,
+           "The Ray cluster distributed_executor_backend='ray' joins (unset: a local Ray instance is started)."),
     EnvVar("TRITON_INTERPRET", "bool", False,
            "Triton's interpreter runs the kernels on the CPU (tests); programmatic dependent launch is off."),
 )}

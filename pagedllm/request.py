@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Any
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -52,9 +53,13 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         max_tokens: int | None = None,
-        lora_request=None,
+        pooling_params: Any = None,
+        lora_request: Any = None,
     ) -> None:
         self.request_id = request_id
+        # A pooling request (``PoolingParams``): its prompt is computed, pooled and the request
+        # finishes; ``sampling_params`` is then the engine's placeholder (one token, never sampled).
+        self.pooling_params = pooling_params
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id

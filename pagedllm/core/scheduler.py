@@ -605,6 +605,7 @@ class Scheduler:
                 sampling_params=request.sampling_params,
                 block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
                 num_computed_tokens=num_hit_tokens,
+                pooling_params=request.pooling_params,
                 lora_request=request.lora_request,
             )
         )
@@ -621,6 +622,8 @@ class Scheduler:
         loop body is the per-request cost of every decode step, so it is kept flat.
         """
         outputs, self._pending_outputs = self._pending_outputs, []
+        if model_runner_output.pooler_output:
+            outputs.extend(self._finish_pooled(model_runner_output.pooler_output))
         req_ids = list(scheduler_output.num_scheduled_tokens)
         rows: Iterable[int | None]
         if model_runner_output.req_ids == req_ids:
@@ -691,6 +694,21 @@ class Scheduler:
             if finished:
                 self.running.remove(request)
                 self._release(request)
+        return outputs
+
+    def _finish_pooled(self, pooler_output: dict[str, object]) -> list[EngineCoreOutput]:
+        """Finish the pooling requests whose vectors came back ("stop"): their blocks are freed now
+        (a pooled prompt's KV is never read again), so the loop after this skips them."""
+        outputs = []
+        for req_id, vector in pooler_output.items():
+            request = self.requests.get(req_id)
+            if request is None or request.status != _RUNNING:
+                continue  # aborted while the step ran
+            request.status, request.num_output_placeholders = _FINISHED_STOPPED, 0
+            outputs.append(EngineCoreOutput(req_id, [], finish_reason="stop", num_cached_tokens=request.num_cached_tokens,
+                                            pooling_output=vector))
+            self.running.remove(request)
+            self._release(request)
         return outputs
 
     def _settle_extras(

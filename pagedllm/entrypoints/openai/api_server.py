@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server: ``pagedllm serve [MODEL]``.
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions (both stream and non-stream),
-GET /v1/models, POST /tokenize, POST /detokenize, GET /health, GET /version, GET /metrics; with
+Endpoints: POST /v1/completions, POST /v1/chat/completions (both stream and non-stream) for a
+generation model, POST /v1/embeddings for a pooling model (``serving_embedding.py``), GET /v1/models, POST /tokenize, POST /detokenize, GET /health, GET /version, GET /metrics; with
 LoRA (--enable-lora --lora-modules name=path ...) each adapter is a model of its own, chosen by a
 request's ``model``, and with PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING POST /v1/load_lora_adapter and
 /v1/unload_lora_adapter add and remove adapters (``serving_lora.py``).
@@ -54,6 +54,7 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat, render_chat
 from pagedllm.entrypoints.openai.serving_common import ServingContext, cancel_on_disconnect, parse_body
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_embedding import add_embedding_route
 from pagedllm.entrypoints.openai.serving_lora import (
     LoadLoRAAdapterRequest,
     UnloadLoRAAdapterRequest,
@@ -165,15 +166,10 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
-    @app.post("/v1/completions")
-    async def create_completion(request: Request) -> Response:
-        body = await parse_body(request, CompletionRequest, ctx.max_request_body_bytes)
-        return await cancel_on_disconnect(request, completions.create(body, ctx.trace_headers(request.headers)))
-
-    @app.post("/v1/chat/completions")
-    async def create_chat_completion(request: Request) -> Response:
-        body = await parse_body(request, ChatCompletionRequest, ctx.max_request_body_bytes)
-        return await cancel_on_disconnect(request, chat.create(body, ctx.trace_headers(request.headers)))
+    if ctx.model_config.runner == "pooling":  # an embedding model serves /v1/embeddings only (404 elsewhere)
+        add_embedding_route(app, ctx)
+    else:
+        _add_generation_routes(app, ctx, completions, chat)
 
     def model_card(name: str) -> dict:
         lora = ctx.loras.get(name)
@@ -259,6 +255,19 @@ def _add_lora_routes(app: FastAPI, ctx: ServingContext) -> None:
     async def unload_lora_adapter(request: Request) -> Response:
         body = await parse_body(request, UnloadLoRAAdapterRequest, ctx.max_request_body_bytes)
         return Response(ctx.loras.unload(body), media_type="text/plain")
+
+
+def _add_generation_routes(app: FastAPI, ctx: ServingContext, completions: OpenAIServingCompletion,
+                           chat: OpenAIServingChat) -> None:
+    @app.post("/v1/completions")
+    async def create_completion(request: Request) -> Response:
+        body = await parse_body(request, CompletionRequest, ctx.max_request_body_bytes)
+        return await cancel_on_disconnect(request, completions.create(body, ctx.trace_headers(request.headers)))
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: Request) -> Response:
+        body = await parse_body(request, ChatCompletionRequest, ctx.max_request_body_bytes)
+        return await cancel_on_disconnect(request, chat.create(body, ctx.trace_headers(request.headers)))
 
 
 def _add_error_handlers(app: FastAPI) -> None:

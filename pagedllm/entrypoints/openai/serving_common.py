@@ -54,6 +54,8 @@ class ServingContext:
         engine_config = engine.get_engine_config()
         self.max_logprobs = engine_config.max_logprobs
         self.max_num_seqs = engine_config.scheduler_config.max_num_seqs
+        # Running slots of the whole server: each data-parallel engine core runs max_num_seqs.
+        self.max_running_seqs = self.max_num_seqs * engine_config.parallel_config.data_parallel_size
         self.chat_template = chat_template
         self.max_waiting_requests = max_waiting_requests
         if max_request_body_bytes is not None and max_request_body_bytes < 0:
@@ -143,11 +145,11 @@ class ServingContext:
         limit = self.max_waiting_requests
         if limit is None:
             return
-        if num_new > self.max_num_seqs + limit:
+        if num_new > self.max_running_seqs + limit:
             raise OpenAIError(400, f"{param}: this request needs {num_new} sequences (prompts times n), more than "
-                              f"the server can ever hold at once ({self.max_num_seqs} running + {limit} waiting)",
+                              f"the server can ever hold at once ({self.max_running_seqs} running + {limit} waiting)",
                               param=param)
-        free_slots = max(0, self.max_num_seqs - self.engine.num_running_requests())
+        free_slots = max(0, self.max_running_seqs - self.engine.num_running_requests())
         would_wait = self.engine.num_waiting_requests() + num_new - free_slots
         if would_wait > limit:
             raise OpenAIError(503, f"server overloaded: {would_wait} sequences would wait for a running slot, more "
