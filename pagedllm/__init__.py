@@ -1,6 +1,7 @@
 """pagedllm: a readable LLM inference and serving engine (paged KV cache, continuous batching)."""
 
 from pagedllm.config import EngineArgs
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import (
     CompletionOutput,
     EmbeddingOutput,
@@ -20,6 +21,7 @@ __all__ = [
     "LLMEngine",
     "AsyncLLMEngine",
     "EngineArgs",
+    "LoRARequest",
     "SamplingParams",
     "PoolingParams",
     "PoolingOutput",

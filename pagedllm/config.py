@@ -29,6 +29,8 @@ class SchedulerConfig:
     # A request not scheduled within this many seconds of its arrival is finished as aborted
     # (``QUEUE_TIMEOUT_REASON``); None: requests wait as long as it takes.
     timeout_s: float | None = None
+    # With LoRA: the most distinct adapters one step may run (vLLM's rule); None: LoRA is off.
+    max_loras: int | None = None
 
 
 @dataclass(frozen=True)
@@ -210,6 +212,20 @@ class StructuredOutputsConfig:
     jump_forward: bool = False
 
 
+# vLLM's accepted max_lora_rank values.
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA (``enable_lora``): ``max_loras`` adapters in device slots at once (and at most that
+    many distinct ones per step), ranks up to ``max_lora_rank``, ``max_cpu_loras`` kept on the CPU."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 1
+
+
 @dataclass(frozen=True)
 class ObservabilityConfig:
     log_stats: bool = False  # the periodic stats line (vLLM's ``disable_log_stats=False``)
@@ -340,6 +356,10 @@ class EngineArgs:
                       "(pooling for encoder-only models such as BERT, else generate)")
     task: str = arg("auto", "vLLM's older name for the runner: embed means runner pooling, generate means "
                     "runner generate")
+    enable_lora: bool = arg(False, "serve LoRA adapters (a request's lora_request; the server's --lora-modules)")
+    max_loras: int = arg(1, "LoRA: most adapters in one step (device slots)")
+    max_lora_rank: int = arg(16, f"LoRA: the largest adapter rank, one of {list(LORA_RANKS)}")
+    max_cpu_loras: int | None = arg(None, "LoRA: adapters kept in CPU memory (default: max_loras)")
     speculative_config: dict | str | None = arg(None, "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\" or "
                                           "\"draft_model\", \"num_speculative_tokens\": k, \"prompt_lookup_min\", "
                                           "\"prompt_lookup_max\" (ngram), \"model\" (the draft)}")
@@ -394,6 +414,7 @@ class EngineArgs:
             raise ValueError(f"load_format must be 'auto', 'dummy', 'gguf' or 'gguf_dequantized', got {self.load_format!r}")
         self._validate_parallel()
         self._validate_runner()
+        self._validate_lora()
         if self.quantization is not None and not isinstance(self.quantization, str):
             raise ValueError(f"quantization must be a string or None, got {self.quantization!r}")
         if not isinstance(self.structured_outputs_jump_forward, bool):
@@ -451,6 +472,29 @@ class EngineArgs:
             raise ValueError(f"distributed_executor_backend='uni' runs one rank, but tensor_parallel_size x "
                              f"pipeline_parallel_size is {world_size}: use 'mp'")
 
+    def _validate_lora(self) -> None:
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora must be a boolean, got {self.enable_lora!r}")
+        for name in ("max_loras", "max_cpu_loras"):
+            v = getattr(self, name)
+            if v is not None and not _is_positive_int(v):
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.max_loras is None:
+            raise ValueError("max_loras must be a positive integer, got None")
+        if self.max_lora_rank not in LORA_RANKS or isinstance(self.max_lora_rank, bool):
+            raise ValueError(f"max_lora_rank must be one of {list(LORA_RANKS)}, got {self.max_lora_rank!r}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        if self.enable_lora and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise ValueError("enable_lora is not supported with tensor_parallel_size or pipeline_parallel_size "
+                             "above 1 yet")
+
+    def lora_config(self) -> LoRAConfig | None:
+        """The LoRA config (None without ``enable_lora``)."""
+        if not self.enable_lora:
+            return None
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras or self.max_loras)
+
     def replace(self, **changes: Any) -> EngineArgs:
         return dataclasses.replace(self, **changes)
 
@@ -472,6 +516,7 @@ class EngineConfig:
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     async_scheduling: bool = False  # one step in flight while the next is scheduled (CUDA default)
     speculative_config: SpeculativeConfig | None = None  # None: no drafts (the plain decode path)
+    lora_config: LoRAConfig | None = None  # None: LoRA is off (no adapter slot is allocated)
 
     @property
     def log_stats(self) -> bool:

@@ -78,6 +78,9 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "Where the compiled CPU kernels and converted model files are kept."),
     EnvVar("PAGEDLLM_API_KEY", "str", None,
            "The server's API key when --api-key is not given."),
+    EnvVar("PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING", "bool", False,
+           "The server serves POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+           "VLLM_ALLOW_RUNTIME_LORA_UPDATING): adapters added and removed while it runs."),
     EnvVar("PAGEDLLM_LOG_LEVEL", "str", "INFO",
            "Log level of the command-line tools."),
     EnvVar("PAGEDLLM_COMMIT", "str", None,

@@ -30,6 +30,7 @@ class NewRequestData:
     # A pooling request's PoolingParams (its sampling_params are the engine's placeholder); None
     # for a generation request.
     pooling_params: Any = None
+    lora_request: Any = None  # a pagedllm.lora LoRARequest, or None: the base model
 
 
 @dataclass(slots=True)

@@ -20,6 +20,7 @@ from pagedllm.config import (
     SchedulerConfig,
     SpeculativeConfig,
     StructuredOutputsConfig,
+    moe_sizes,
 )
 
 # Who builds the engine (vLLM's UsageContext): the offline ``LLM`` class, the OpenAI server, or
@@ -70,6 +71,9 @@ def create_engine_config(args: EngineArgs, usage_context: str = "ENGINE_CONTEXT"
         enable_expert_parallel=args.enable_expert_parallel,
     )
     parallel_config.verify_model(hf_config)
+    if args.enable_lora and moe_sizes(hf_config) is not None:
+        raise ValueError("enable_lora is not supported for mixture-of-experts models yet (LoRA layers cover "
+                         "the dense q/k/v/o/gate/up/down projections)")
     _check_quantization_under_tp(quant_config, parallel_config)
     device = args.device
     if device == "auto":
@@ -143,6 +147,7 @@ def create_engine_config(args: EngineArgs, usage_context: str = "ENGINE_CONTEXT"
             scheduling_policy=args.scheduling_policy,
             preemption_mode=args.preemption_mode,
             timeout_s=args.timeout_s,
+            max_loras=args.max_loras if args.enable_lora else None,
         ),
         device=device,
         enforce_eager=args.enforce_eager or not on_gpu,
@@ -154,6 +159,7 @@ def create_engine_config(args: EngineArgs, usage_context: str = "ENGINE_CONTEXT"
         structured_outputs_config=StructuredOutputsConfig(jump_forward=args.structured_outputs_jump_forward),
         async_scheduling=on_gpu if args.async_scheduling is None else args.async_scheduling,
         speculative_config=_speculative_config(args.speculative_config, model_config),
+        lora_config=args.lora_config(),
     )
 
 

@@ -27,6 +27,8 @@ from pagedllm.engine.metrics import EngineMetrics
 from pagedllm.engine.metrics_reader import Metric
 from pagedllm.engine.output_processor import OutputProcessor, ParentRequest, RequestState
 from pagedllm.engine.pooling import POOLING_PLACEHOLDER_PARAMS, PoolingRequests, validate_pooling_prompt
+from pagedllm.lora.peft_config import read_adapter_spec
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import PoolingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.request import Request
@@ -57,6 +59,7 @@ class LLMEngine:
         self.engine_core = EngineCore(config, stop_checker=self.output_processor.check_stop_strings,
                                       tokenizer=self.tokenizer)
         self._pending_abort_outputs: list[RequestOutput | PoolingRequestOutput] = []
+        self._lora_paths: dict[int, str] = {}  # lora_int_id -> its checked adapter folder
         self.eos_token_id = self._eos_token_id()
         self.stat_logger: EngineMetrics | None = None
         if config.log_stats:
@@ -146,12 +149,14 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use by a live request")
         self._check_params_type(params)
         if lora_request is not None:
-            raise ValueError("lora_request is not supported: this engine serves base models only")
+            self.check_lora_request(lora_request)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise TypeError(f"priority must be an integer, got {priority!r}")
         if trace_headers is not None:
             self._check_trace_headers(trace_headers)
         if isinstance(params, PoolingParams):
+            if lora_request is not None:
+                raise ValueError("lora_request is not supported for pooling requests (adapters serve generation)")
             self._add_pooling_request(request_id, prompt, params, arrival_time, tokenization_kwargs, priority)
             return
         self._check_logprobs(params)
@@ -172,7 +177,8 @@ class LLMEngine:
         requests = []
         for index, child_id in enumerate(child_ids):
             child_params = params if num_seqs == 1 else self._child_params(params, index)
-            request = Request(child_id, prompt_ids, child_params, self.eos_token_id, arrival, priority, max_tokens)
+            request = Request(child_id, prompt_ids, child_params, self.eos_token_id, arrival, priority, max_tokens,
+                              lora_request=lora_request)
             state = RequestState(child_id, parent.request_id if parent else None, index, prompt_text, prompt_ids,
                                  child_params, self.tokenizer, params.output_kind,
                                  hide_logprobs=params.logprobs is None, request=request)
@@ -184,6 +190,25 @@ class LLMEngine:
             self.stat_logger.on_request_added(request_id, arrival)
         if self.tracer is not None:
             self._traced[request_id] = (params, trace_headers)
+
+    def check_lora_request(self, lora_request: Any) -> None:
+        """Refuse a ``lora_request`` the engine cannot run (``ValueError`` / ``TypeError`` naming the
+        field): LoRA off, not a ``LoRARequest``, an id already naming another folder, or an adapter
+        folder that ``lora.peft_config`` refuses (rank, targets, shapes). A folder is checked once."""
+        if self.config.lora_config is None:
+            raise ValueError("lora_request needs LoRA, which is off: start the engine with enable_lora=True "
+                             "(--enable-lora)")
+        if not isinstance(lora_request, LoRARequest):
+            raise TypeError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        known = self._lora_paths.get(lora_request.lora_int_id)
+        if known == lora_request.lora_path:
+            return
+        if known is not None:
+            raise ValueError(f"lora_request: lora_int_id {lora_request.lora_int_id} already names the adapter at "
+                             f"{known!r}, not {lora_request.lora_path!r}: give each adapter its own id")
+        read_adapter_spec(lora_request.lora_path, self.config.lora_config.max_lora_rank,
+                          self.model_config.hf_config)
+        self._lora_paths[lora_request.lora_int_id] = lora_request.lora_path
 
     def _check_params_type(self, params: Any) -> None:
         """SamplingParams on a generation runner, PoolingParams on a pooling runner (TypeError

@@ -45,7 +45,8 @@ class LLM:
         lora_request: Any = None,
         priority: list[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for one prompt or a list; outputs come back in input order."""
+        """Generate for one prompt or a list; outputs come back in input order. ``lora_request``: one
+        ``LoRARequest`` for every prompt, or a list with one per prompt (None: the base model)."""
         prompts = _as_prompt_list(prompts)
         params = _per_prompt(sampling_params, len(prompts), SamplingParams, "sampling_params")
         return self._add_and_run(prompts, params, use_tqdm, priority, lora_request)
@@ -53,6 +54,7 @@ class LLM:
     def _add_and_run(self, prompts: list, params: list, use_tqdm: bool, priority: list[int] | None,
                      lora_request: Any = None) -> list:
         """Add one request per prompt (aborting those added if one is refused), run them to the end."""
+        loras = _loras_per_prompt(lora_request, len(prompts))
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority must have one entry per prompt ({len(prompts)}), got {len(priority)}")
         ids = []
@@ -62,7 +64,7 @@ class LLM:
                     p = p.clone()
                     p.output_kind = RequestOutputKind.FINAL_ONLY
                 rid = f"offline-{next(self._counter)}"
-                self.llm_engine.add_request(rid, prompt, p, lora_request=lora_request,
+                self.llm_engine.add_request(rid, prompt, p, lora_request=loras[i],
                                             priority=priority[i] if priority else 0)
                 ids.append(rid)
         except Exception:
@@ -173,3 +175,11 @@ def _per_prompt(params: Any, n: int, kind: type, name: str) -> list:
     if len(params) != n:
         raise ValueError(f"{name} must be one {kind.__name__} or one per prompt ({n}), got {len(params)}")
     return params
+
+
+def _loras_per_prompt(lora_request: Any, n: int) -> list:
+    if isinstance(lora_request, (list, tuple)):
+        if len(lora_request) != n:
+            raise ValueError(f"lora_request must be one LoRARequest or one per prompt ({n}), got {len(lora_request)}")
+        return list(lora_request)
+    return [lora_request] * n

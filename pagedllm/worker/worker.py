@@ -74,7 +74,10 @@ class Worker:
         else:
             self.model = load_model(mc.source, mc.hf_config, self.dtype, self.device, mc.quant_config, mc.runner)
         self.model.eval()
+        self.lora_manager = self._build_lora_manager()  # before the kernel plan folds the norms
         self._prepare_model_kernels()
+        if self.lora_manager is not None:
+            self.lora_manager.use_folded_norms(self.kernel_plan.norms_folded)
         self.draft_model = load_draft_model(config, self.device, self.dtype)  # speculative decoding
         logger.info("model loaded in %.1f s", time.perf_counter() - t0)
         self.backend = get_attention_backend(config.attention_backend, self.device)
@@ -89,6 +92,7 @@ class Worker:
                                                    pooling_type=mc.pooler_config.pooling_type)
         else:
             self.model_runner = ModelRunner(config, self.model, self.backend, self.device, self.dtype)
+        self.model_runner.lora_manager = self.lora_manager
         self._graphs: CUDAGraphRunner | None = None
         # No graphs across pipeline stages: a captured forward cannot hold the stage's send / receive.
         # None for pooling: its steps are prefills (the graphs are of decode steps).
@@ -104,6 +108,17 @@ class Worker:
         implementation once (``layers/dispatch.py``: norm folding on CUDA, oneDNN prepacking on
         the CPU, the per-device tuning row)."""
         self.kernel_plan = prepare_model_kernels(self.model, self.device, self.config.kernel_config)
+
+    def _build_lora_manager(self):
+        """The adapters' slots on every LoRA-capable layer (``enable_lora``), or None: nothing is
+        allocated and no layer changes."""
+        lc = self.config.lora_config
+        if lc is None:
+            return None
+        from pagedllm.lora.manager import LoRAModelManager
+
+        return LoRAModelManager(self.model, lc.max_loras, lc.max_lora_rank, lc.max_cpu_loras, self.device,
+                                self.dtype, self.config.model_config.hf_config)
 
     def _tune_gemms(self, batch_sizes: list[int]) -> None:
         """Pick cuBLAS or cuBLASLt per weight shape and CUDA-graph batch size (``KernelPlan.tune_gemms``),
@@ -206,6 +221,9 @@ class Worker:
             self._tune_gemms(self._graphs.sizes)
         with self._stage("capture"):
             self._graphs.capture_all()
+        if self.lora_manager is not None:
+            with self._stage("capture lora"):
+                self._graphs.capture_lora(self.lora_manager)
         self.model_runner.graph_runner = self._graphs
 
     @torch.inference_mode()

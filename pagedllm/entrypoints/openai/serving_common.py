@@ -22,7 +22,9 @@ from pagedllm.entrypoints.chat_utils import apply_chat_template
 from pagedllm.entrypoints.openai import request_body
 from pagedllm.entrypoints.openai.errors import OpenAIError, error_body, from_validation_errors
 from pagedllm.entrypoints.openai.request_body import default_max_body_bytes
+from pagedllm.entrypoints.openai.serving_lora import LoRAModules
 from pagedllm.entrypoints.openai.tokenizer_pool import TokenizerPool
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import QUEUE_TIMEOUT_REASON, Logprob, RequestOutput
 from pagedllm.tracing import extract_trace_headers, log_tracing_disabled_warning
 
@@ -67,6 +69,10 @@ class ServingContext:
         # A text longer than this cannot fit in max_model_len tokens (None: length proves nothing).
         self.max_prompt_chars = None if per_token is None else self.max_model_len * per_token
         self.created = int(time.time())
+        lora_config = engine_config.lora_config
+        # The LoRA adapters served by name (--lora-modules, /v1/load_lora_adapter).
+        self.loras = LoRAModules(lora_config.max_lora_rank if lora_config is not None else None,
+                                 self.model_config.hf_config, self.model_name, self.served_model_names)
         # Set (on the event loop) when --shutdown-timeout has passed after SIGTERM: every in-flight
         # request then ends with a 503 (a stream: an error event and [DONE]).
         self.shutdown_deadline = asyncio.Event()
@@ -107,11 +113,22 @@ class ServingContext:
         return self.served_model_names[0]
 
     def check_model(self, model: str | None) -> str:
-        """The name to report; 404 for a model this server does not serve."""
-        if model is None or model == "" or model in self.served_model_names:
+        """The name to report; 404 for a model this server does not serve (neither the base model
+        nor one of its LoRA adapters)."""
+        if model is None or model == "" or model in self.served_model_names or model in self.loras:
             return self.model_name if not model else model
-        raise OpenAIError(404, f"The model `{model}` does not exist. Served: {', '.join(self.served_model_names)}",
+        served = [*self.served_model_names, *self.loras.adapters]
+        raise OpenAIError(404, f"The model `{model}` does not exist. Served: {', '.join(served)}",
                           param="model", code="model_not_found")
+
+    def lora_request(self, model: str, use_beam_search: bool = False) -> LoRARequest | None:
+        """The adapter a request's (checked) ``model`` names, or None: the base model. Beam search
+        runs the base model only: with an adapter it is a 400."""
+        lora = self.loras.get(model)
+        if lora is not None and use_beam_search:
+            raise OpenAIError(400, f"use_beam_search is not supported with a LoRA adapter (model `{model}`)",
+                              param="use_beam_search")
+        return lora
 
     def check_capacity(self, num_new: int = 1, param: str = "prompt") -> None:
         """Admission control for ``num_new`` new sequences (prompts times ``n``).
