@@ -45,6 +45,9 @@ class CacheConfig:
     kv_cache_memory: int | None = None  # CPU: bytes for the KV cache (None: a default budget)
     num_gpu_blocks_override: int | None = None  # a fixed number of blocks (tests, benchmarks)
     cache_dtype: str = "auto"  # "auto" (the compute dtype) | "fp8_e4m3" | "fp8_e5m2" (attention/kv_dtype.py)
+    # The window of a model whose every layer slides: a running request's blocks wholly outside it
+    # are freed (core/kv_cache_manager.py). None: every block is kept (full or interleaved attention).
+    sliding_window: int | None = None
 
 
 def moe_sizes(hf_config: Any) -> tuple[int, int] | None:

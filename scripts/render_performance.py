@@ -422,7 +422,7 @@ variables instead.
 
 ENGINE_ARGS_NOTES = """\
 Where the default is unset, the engine derives the value: `max_model_len` from the model's config
-(capped at a sliding window, where attention is exact); `max_num_seqs` 256; `max_num_batched_tokens`
+(`max_position_embeddings`; sliding windows do not cap it); `max_num_seqs` 256; `max_num_batched_tokens`
 (the chunked-prefill budget per step) 2048 on the CPU and 8192 on a GPU, or 16384 for the offline
 `LLM` class on a GPU of at least 70 GiB other than an A100 (an offline batch then needs half as many
 prefill steps, while a server keeps 8192 so that a burst of prompts holds up running streams less);

@@ -50,6 +50,31 @@ _ARCH_EXTRAS = {
     ),
     "qwen3": dict(tie_word_embeddings=True, head_dim=32, num_hidden_layers=2),
 }
+# The other model families (tests/models/test_model_families.py): soft caps, sliding windows far
+# below the test lengths, interleaved local/global layers with per-type RoPE, longrope (prompts
+# pass original_max_position_embeddings, so HF uses the long factors throughout, as we do).
+_HEAD_DIM = 16
+FAMILY_ARCHS = ("gemma2", "gemma3_text", "phi3", "mistral_sliding")
+_FAMILY_CONFIGS = {
+    "gemma2": ("Gemma2Config", dict(
+        head_dim=_HEAD_DIM, num_hidden_layers=4, sliding_window=6, query_pre_attn_scalar=24,
+        attn_logit_softcapping=4.0, final_logit_softcapping=8.0, tie_word_embeddings=True,
+    )),
+    "gemma3_text": ("Gemma3TextConfig", dict(
+        head_dim=_HEAD_DIM, num_hidden_layers=4, sliding_window=6, sliding_window_pattern=2,
+        query_pre_attn_scalar=_HEAD_DIM, final_logit_softcapping=None, tie_word_embeddings=True,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}},
+    )),
+    "phi3": ("Phi3Config", dict(
+        tie_word_embeddings=False, original_max_position_embeddings=16,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                         "short_factor": [1.0 + i / 8 for i in range(_HEAD_DIM // 2)],
+                         "long_factor": [1.0 + i for i in range(_HEAD_DIM // 2)],
+                         "original_max_position_embeddings": 16},
+    )),
+    "mistral_sliding": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=8, head_dim=_HEAD_DIM)),
+}
 # Weight scale: big enough that greedy outputs vary from token to token (HF's 0.02 gives near-flat logits).
 TINY_INIT_STD = 0.15
 
@@ -70,9 +95,12 @@ def has_default_model() -> bool:
 def tiny_config(arch: str):
     import transformers
 
+    if arch in _FAMILY_CONFIGS:
+        class_name, extras = _FAMILY_CONFIGS[arch]
+        return getattr(transformers, class_name)(**{**_COMMON, **extras})
     classes = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
     if arch not in classes:
-        raise ValueError(f"arch must be one of {TINY_ARCHS}, got {arch!r}")
+        raise ValueError(f"arch must be one of {TINY_ARCHS + FAMILY_ARCHS}, got {arch!r}")
     return getattr(transformers, classes[arch])(**{**_COMMON, **_ARCH_EXTRAS[arch]})
 
 

@@ -10,6 +10,14 @@ are already in the cache: computed in earlier steps or hit in the prefix cache).
 request ``r`` sits at position ``seq_len - query_len + j`` and attends causally to positions
 ``0..that position``. Decode (query_len 1), chunked prefill and prefix hits are all this one case.
 
+Two per-layer options refine that (``Attention`` passes them; None turns each off):
+- ``sliding_window`` W: a query at position p sees only keys ``p - W + 1 .. p`` (W keys, itself
+  included, as in HF's sliding masks). Backends never read a key outside every query's window: a
+  model whose every layer slides may have given those blocks back (``core/kv_cache_manager.py``),
+  so their block-table entries may point at blocks another request now owns.
+- ``logits_soft_cap`` c (Gemma 2): each scaled score s becomes ``c * tanh(s / c)`` before the mask
+  and the softmax.
+
 What a backend provides (``AttentionBackend``): its metadata builder (the runner hands it one
 step's ``CommonAttentionInputs`` once and passes the result to every layer), its KV-cache spec,
 its KV writer (what fused RoPE / projection kernels call to store K/V themselves, or None), the
@@ -162,9 +170,11 @@ class AttentionBackend:
         meta: AttentionMetadata,  # built by this backend's metadata_builder
         scale: float,
         kv_stored: bool = False,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Store key/value at ``meta.slot_mapping`` (unless ``kv_stored``), then attend as described
-        in the module doc."""
+        in the module doc (with the layer's sliding window and logit soft cap)."""
         raise NotImplementedError  # abstract: each backend defines it
 
 

@@ -5,7 +5,9 @@ dominate and a gather is cheap next to them). Decode requests (query_len 1) go t
 ``native.kernels.paged_decode_attention`` in one call per layer, which reads each cached key and value
 once instead of gathering them into a padded copy first; a float8 cache (``kv_cache_dtype="fp8*"``)
 is upcast inside the kernel. Where that kernel cannot run (no C compiler, or a query or cache dtype
-it does not take) the whole step falls back to the reference path.
+it does not take) the whole step falls back to the reference path, and so do the layers with a
+sliding window or a logit soft cap (the native kernel attends over the whole context with plain
+scores; the reference gathers only the window and caps the scores).
 """
 
 from __future__ import annotations
@@ -47,9 +49,12 @@ class CpuBackend(TorchRefBackend):
         self._rows_meta: HostPlannedMetadata | None = None
         self._rows: DecodeRows | None = None
 
-    def forward(self, query, key, value, kv_cache, meta, scale, kv_stored=False):
-        if kv_stored or not cpu_kernels.decode_applies(query, kv_cache):
-            return super().forward(query, key, value, kv_cache, meta, scale, kv_stored)
+    def forward(self, query, key, value, kv_cache, meta, scale, kv_stored=False, sliding_window=None,
+                logits_soft_cap=None):
+        if (kv_stored or sliding_window is not None or logits_soft_cap is not None
+                or not cpu_kernels.decode_applies(query, kv_cache)):
+            return super().forward(query, key, value, kv_cache, meta, scale, kv_stored, sliding_window,
+                                   logits_soft_cap)
         n = meta.num_actual_tokens
         store_kv_cache(key[:n], value[:n], kv_cache, meta.slot_mapping[:n])
         if self._rows_meta is not meta:

@@ -7,6 +7,11 @@ a few padded ``scaled_dot_product_attention`` calls, one per group of similar co
 grouping is planned once per step: a single padded batch would gather up to the longest context for
 every request, several times the keys at mixed lengths), and every other request (prefill / chunked
 prefill) attended one by one with an explicit causal-with-prefix mask.
+
+Per layer options (``backend.py``): a sliding window gathers only the blocks that hold keys inside
+some query's window (the blocks before are never read: a sliding model may have freed them) and
+masks the rest of the window's edge; a logit soft cap replaces SDPA by the explicit product
+(``cap * tanh(scores / cap)`` before the mask and the softmax, in float32).
 """
 
 from __future__ import annotations
@@ -63,17 +68,48 @@ def store_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
     flat[1].index_copy_(0, slots, value)
 
 
-def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first ``seq_len`` keys and values of one request: each ``[seq_len, num_kv_heads, head_dim]``."""
+def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
+              first_block: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of one request at positions ``first_block * block_size .. seq_len - 1``: each
+    ``[seq_len - first_block * block_size, num_kv_heads, head_dim]`` (blocks before ``first_block``
+    are not read)."""
     block_size = kv_cache.shape[2]
     num_blocks = (seq_len + block_size - 1) // block_size
-    blocks = block_table[:num_blocks].long()
-    k = kv_cache[0].index_select(0, blocks).reshape(-1, kv_cache.shape[-2], kv_cache.shape[-1])[:seq_len]
-    v = kv_cache[1].index_select(0, blocks).reshape(-1, kv_cache.shape[-2], kv_cache.shape[-1])[:seq_len]
+    blocks = block_table[first_block:num_blocks].long()
+    length = seq_len - first_block * block_size
+    k = kv_cache[0].index_select(0, blocks).reshape(-1, kv_cache.shape[-2], kv_cache.shape[-1])[:length]
+    v = kv_cache[1].index_select(0, blocks).reshape(-1, kv_cache.shape[-2], kv_cache.shape[-1])[:length]
     return k, v
 
 
-def _grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+def soft_capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                          soft_cap: float) -> torch.Tensor:
+    """SDPA's function with a logit soft cap: ``softmax(mask(cap * tanh(q k^T * scale / cap))) v``
+    over ``q [B, Hkv, M, D]``, ``k/v [B, Hkv, L, D]``; ``mask`` bool (True = visible) or additive
+    float, broadcastable to ``[B, Hkv, M, L]``. Scores and softmax in float32."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / soft_cap) * soft_cap
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    else:
+        scores = scores + mask.float()
+    return torch.matmul(scores.softmax(-1), v.float()).to(v.dtype)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+          soft_cap: float | None) -> torch.Tensor:
+    if soft_cap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return soft_capped_attention(q, k, v, mask, scale, soft_cap)
+
+
+def window_start(position: int, sliding_window: int | None) -> int:
+    """The first key position a query at ``position`` sees: ``position - window + 1`` (not below 0)."""
+    return 0 if sliding_window is None else max(0, position - sliding_window + 1)
+
+
+def _grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                  soft_cap: float | None = None) -> torch.Tensor:
     """GQA attention without copying K/V per query head: q ``[B, Lq, H, D]``, k/v ``[B, L, Hkv, D]``,
     ``mask`` bool broadcastable to ``[B, Lq, L]``; returns ``[B, Lq, H, D]``.
 
@@ -87,8 +123,7 @@ def _grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     mask = mask.expand(B, Lq, mask.shape[-1])
     if rep > 1:
         mask = mask.repeat(1, rep, 1)
-    o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask.unsqueeze(1),
-                                       scale=scale)  # [B, Hkv, rep * Lq, D]
+    o = _sdpa(qg, k.transpose(1, 2), v.transpose(1, 2), mask.unsqueeze(1), scale, soft_cap)  # [B, Hkv, rep * Lq, D]
     return o.reshape(B, H, Lq, D).permute(0, 2, 1, 3)
 
 
@@ -96,9 +131,10 @@ def _grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
 class DecodeGroup:
     """Decode requests of similar context length, attended in one padded SDPA call.
 
-    ``rows``: their query rows; ``blocks``: their first ``num_blocks`` block ids, flattened
-    ``[B * num_blocks]``; ``mask``: additive float ``[B, 1, 1, max_len]``, 0 where a key position is
-    inside the request's context and -inf past it (broadcast over heads by SDPA)."""
+    ``rows``: their query rows; ``blocks``: ``num_blocks`` block ids of each, flattened
+    ``[B * num_blocks]``, from the block holding its first visible key (block 0 without a sliding
+    window); ``mask``: additive float ``[B, 1, 1, max_len]`` over the gathered keys, 0 where a key
+    is visible (inside the context and the window) and -inf elsewhere (broadcast over heads)."""
 
     rows: torch.Tensor
     blocks: torch.Tensor
@@ -120,32 +156,43 @@ MAX_PADDING_SHARE = 0.25
 
 
 def plan_decode_groups(seq_lens: list[int], rows: list[int], block_tables: torch.Tensor, block_size: int,
-                       device: torch.device) -> DecodePlan:
-    """Group decode requests by context length so the padded gather reads few wasted keys.
+                       device: torch.device, sliding_window: int | None = None) -> DecodePlan:
+    """Group decode requests by the number of keys they read so the padded gather wastes little.
 
+    A request reads from the block holding its first visible key (``window_start``) to its end.
     Requests are taken longest first; a group stays open while adding the next one keeps its
     padded size ``B * max_len`` within ``(1 + MAX_PADDING_SHARE)`` of its real keys. Cost: one sort
-    and a handful of small tensors per group, once per step."""
-    order = sorted(range(len(rows)), key=lambda i: -seq_lens[i])
+    and a handful of small tensors per group, once per step (per window)."""
+    first_blocks = [window_start(n - 1, sliding_window) // block_size for n in seq_lens]
+    lens = [n - b * block_size for n, b in zip(seq_lens, first_blocks)]  # keys gathered per request
+    order = sorted(range(len(rows)), key=lambda i: -lens[i])
     groups, current, real = [], [], 0
     for i in order:
-        longest = seq_lens[current[0]] if current else seq_lens[i]
-        if current and longest * (len(current) + 1) > (1 + MAX_PADDING_SHARE) * (real + seq_lens[i]):
+        longest = lens[current[0]] if current else lens[i]
+        if current and longest * (len(current) + 1) > (1 + MAX_PADDING_SHARE) * (real + lens[i]):
             groups.append(current)
             current, real = [], 0
         current.append(i)
-        real += seq_lens[i]
+        real += lens[i]
     if current:
         groups.append(current)
     out = []
     for members in groups:
-        lens = [seq_lens[i] for i in members]
-        max_len = lens[0]
+        max_len = lens[members[0]]
         num_blocks = (max_len + block_size - 1) // block_size
         reqs = torch.tensor([rows[i] for i in members], device=device)
-        blocks = block_tables[torch.tensor(members, device=device), :num_blocks].long().flatten()
-        lens_t = torch.tensor(lens, device=device)
-        outside = torch.arange(max_len, device=device).unsqueeze(0) >= lens_t.unsqueeze(1)
+        tables = block_tables[torch.tensor(members, device=device)]
+        if sliding_window is None:
+            blocks = tables[:, :num_blocks].long().flatten()
+        else:  # from each request's first block; past its table's end: clamped, masked below
+            starts = torch.tensor([first_blocks[i] for i in members], device=device)
+            index = (starts[:, None] + torch.arange(num_blocks, device=device)[None, :]).clamp_(max=tables.shape[1] - 1)
+            blocks = tables.gather(1, index).long().flatten()
+        key_pos = torch.arange(max_len, device=device).unsqueeze(0)  # relative to the first gathered block
+        outside = key_pos >= torch.tensor([lens[i] for i in members], device=device).unsqueeze(1)
+        if sliding_window is not None:
+            first = [window_start(seq_lens[i] - 1, sliding_window) - first_blocks[i] * block_size for i in members]
+            outside |= key_pos < torch.tensor(first, device=device).unsqueeze(1)
         mask = torch.zeros(len(members), 1, 1, max_len, device=device).masked_fill_(outside[:, None, None], float("-inf"))
         out.append(DecodeGroup(reqs, blocks, num_blocks, max_len, mask))
     return DecodePlan(out)
@@ -153,50 +200,62 @@ def plan_decode_groups(seq_lens: list[int], rows: list[int], block_tables: torch
 
 def paged_attention_ref(
     query: torch.Tensor, kv_cache: torch.Tensor, meta: HostPlannedMetadata, scale: float,
-    decode_plan: DecodePlan | None = None,
+    decode_plan: DecodePlan | None = None, sliding_window: int | None = None, logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Attention over keys already stored in the paged cache (see backend.py for the semantics).
-    ``decode_plan`` (from ``plan_decode_groups``) may be passed to reuse one step's grouping."""
+    ``decode_plan`` (from ``plan_decode_groups`` with the same ``sliding_window``) may be passed to
+    reuse one step's grouping."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     out = torch.empty_like(query)
     if decode_plan is None:
-        decode_plan = _plan_for(meta, kv_cache.shape[2], query.device)
+        decode_plan = _plan_for(meta, kv_cache.shape[2], query.device, sliding_window)
     for group in decode_plan.groups:
-        _decode_group(query, kv_cache, group, scale, out)
-    prefill_attention_ref(query, kv_cache, meta, scale, out)
+        _decode_group(query, kv_cache, group, scale, out, logits_soft_cap)
+    prefill_attention_ref(query, kv_cache, meta, scale, out, sliding_window, logits_soft_cap)
     return out.view(-1, num_heads, head_dim)
 
 
 def prefill_attention_ref(query: torch.Tensor, kv_cache: torch.Tensor, meta: HostPlannedMetadata, scale: float,
-                          out: torch.Tensor) -> None:
+                          out: torch.Tensor, sliding_window: int | None = None,
+                          logits_soft_cap: float | None = None) -> None:
     """The requests with more than one query token (prefill, chunked prefill), one SDPA call each
-    over its gathered context with the causal-with-prefix mask; written into ``out`` at their rows."""
+    over its gathered context (from the block of its first query's first visible key) with the
+    causal-with-prefix mask (and the window's); written into ``out`` at their rows."""
     qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+    block_size = kv_cache.shape[2]
     for r in range(len(seq_lens)):
         q_start, q_end = qsl[r], qsl[r + 1]
         q_len = q_end - q_start
         if q_len <= 1:
             continue
         seq_len = seq_lens[r]
-        k, v = (from_cache_dtype(t, query.dtype) for t in gather_kv(kv_cache, meta.block_tables[r], seq_len))
-        # Query j (position seq_len - q_len + j) sees keys 0..seq_len - q_len + j.
+        first_block = window_start(seq_len - q_len, sliding_window) // block_size
+        k, v = (from_cache_dtype(t, query.dtype)
+                for t in gather_kv(kv_cache, meta.block_tables[r], seq_len, first_block))
+        # Query j (position seq_len - q_len + j) sees keys 0..seq_len - q_len + j (within its window).
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device).unsqueeze(1)
-        k_pos = torch.arange(seq_len, device=query.device).unsqueeze(0)
+        k_pos = torch.arange(first_block * block_size, seq_len, device=query.device).unsqueeze(0)
         mask = k_pos <= q_pos
-        o = _grouped_sdpa(query[q_start:q_end].unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), mask, scale)
+        if sliding_window is not None:
+            mask &= k_pos > q_pos - sliding_window
+        o = _grouped_sdpa(query[q_start:q_end].unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), mask, scale,
+                          logits_soft_cap)
         out[q_start:q_end] = o[0].to(out.dtype)
 
 
-def _plan_for(meta: HostPlannedMetadata, block_size: int, device: torch.device) -> DecodePlan:
+def _plan_for(meta: HostPlannedMetadata, block_size: int, device: torch.device,
+              sliding_window: int | None = None) -> DecodePlan:
     qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
     reqs = [r for r in range(len(seq_lens)) if qsl[r + 1] - qsl[r] == 1]
     if not reqs:
         return DecodePlan([])
     return plan_decode_groups([seq_lens[r] for r in reqs], [qsl[r] for r in reqs],
-                              meta.block_tables[torch.tensor(reqs, device=device)], block_size, device)
+                              meta.block_tables[torch.tensor(reqs, device=device)], block_size, device,
+                              sliding_window)
 
 
-def _decode_group(query, kv_cache, group: DecodeGroup, scale: float, out: torch.Tensor) -> None:
+def _decode_group(query, kv_cache, group: DecodeGroup, scale: float, out: torch.Tensor,
+                  logits_soft_cap: float | None = None) -> None:
     """One group's single-token queries in one SDPA call (keys padded to the group's longest)."""
     B = group.rows.shape[0]
     block_size = kv_cache.shape[2]
@@ -206,29 +265,40 @@ def _decode_group(query, kv_cache, group: DecodeGroup, scale: float, out: torch.
     num_heads, head_dim, num_kv_heads = query.shape[1], query.shape[2], kv_cache.shape[-2]
     # GQA as in _grouped_sdpa: the heads of a KV group are the query rows of one SDPA "head".
     qg = query[group.rows].view(B, num_kv_heads, num_heads // num_kv_heads, head_dim).to(k.dtype)
-    o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=group.mask.to(k.dtype),
-                                       scale=scale)  # [B, Hkv, rep, D]
+    o = _sdpa(qg, k.transpose(1, 2), v.transpose(1, 2), group.mask.to(k.dtype), scale,
+              logits_soft_cap)  # [B, Hkv, rep, D]
     out[group.rows] = o.reshape(B, num_heads, head_dim).to(out.dtype)
 
 
 class TorchRefBackend(AttentionBackend):
-    """The reference backend. It plans a step's decode groups at its first layer and reuses the plan
-    for the other layers of the same step (the metadata object identifies the step)."""
+    """The reference backend. It plans a step's decode groups at its first layer of each sliding
+    window (None: full attention) and reuses the plan for the other layers of the same step (the
+    metadata object identifies the step)."""
 
     name = "torch_ref"
     metadata_builder = HostPlannedMetadataBuilder()
 
     def __init__(self) -> None:
         self._plan_meta: HostPlannedMetadata | None = None
-        self._plan: DecodePlan | None = None
+        self._plans: dict[int | None, DecodePlan] = {}  # by sliding window, for ``_plan_meta``'s step
 
-    def forward(self, query, key, value, kv_cache, meta, scale, kv_stored=False):
+    def decode_plan(self, meta: HostPlannedMetadata, block_size: int, device: torch.device,
+                    sliding_window: int | None) -> DecodePlan:
+        """This step's decode grouping for layers with ``sliding_window`` (planned once per step)."""
+        if self._plan_meta is not meta:
+            self._plan_meta, self._plans = meta, {}
+        plan = self._plans.get(sliding_window)
+        if plan is None:
+            plan = self._plans[sliding_window] = _plan_for(meta, block_size, device, sliding_window)
+        return plan
+
+    def forward(self, query, key, value, kv_cache, meta, scale, kv_stored=False, sliding_window=None,
+                logits_soft_cap=None):
         n = meta.num_actual_tokens
         if kv_stored:
             raise ValueError("the torch_ref backend stores K/V itself (accepts_stored_kv is False)")
         store_kv_cache(key[:n], value[:n], kv_cache, meta.slot_mapping[:n])
-        if self._plan_meta is not meta:
-            self._plan_meta, self._plan = meta, _plan_for(meta, kv_cache.shape[2], query.device)
+        plan = self.decode_plan(meta, kv_cache.shape[2], query.device, sliding_window)
         out = torch.zeros_like(query)
-        out[:n] = paged_attention_ref(query[:n], kv_cache, meta, scale, self._plan)
+        out[:n] = paged_attention_ref(query[:n], kv_cache, meta, scale, plan, sliding_window, logits_soft_cap)
         return out

@@ -105,9 +105,12 @@ class TritonBackend(AttentionBackend):
         meta: TritonMetadata,
         scale: float,
         kv_stored: bool = False,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Store K/V (unless ``kv_stored``: the fused RoPE kernel did), then attend. ``out`` (optional,
+        """Store K/V (unless ``kv_stored``: the fused RoPE kernel did), then attend (with the layer's
+        sliding window and logit soft cap, compile-time constants of the kernels). ``out`` (optional,
         shaped like ``query``) is written in place and returned: a preallocated buffer for CUDA
         graphs, or a poisoned one in tests."""
         from pagedllm.attention.triton_kernels import paged_attention
@@ -123,9 +126,10 @@ class TritonBackend(AttentionBackend):
         if n == 0 or meta.num_reqs == 0:
             return out
         args = (out, query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc)
-        paged_attention.paged_decode(*args, scale, order=meta.decode_order)  # the query_len == 1 requests
+        options = {"sliding_window": sliding_window, "logits_soft_cap": logits_soft_cap}
+        paged_attention.paged_decode(*args, scale, order=meta.decode_order, **options)  # query_len == 1
         if meta.max_query_len > 1:
-            paged_attention.unified_attention(*args, meta.max_query_len, scale, skip_decodes=True)
+            paged_attention.unified_attention(*args, meta.max_query_len, scale, skip_decodes=True, **options)
         return out
 
 

@@ -6,6 +6,17 @@ for the first block, so equal hashes mean equal whole prefixes, not just equal b
 with a LoRA adapter chains its first block to ``hash(("lora", lora_int_id))`` instead of None: its
 KV depends on the adapter, so two adapters (or an adapter and the base model) never share a block.
 
+Sliding windows: for a model whose every layer slides (Mistral, ``CacheConfig.sliding_window``), no
+future query of a running request reads a key older than ``num_computed_tokens - window + 1``, so
+each ``allocate_slots`` first gives back the request's blocks wholly before that position. Their
+place in the request's list (which stays indexed by position: block ``i`` holds tokens
+``i * block_size ..``) is taken by ``NULL_BLOCK``, a shared placeholder outside the pool whose id
+(0) the runner may keep in its block table but no backend reads (they never read keys outside the
+window: ``attention/backend.py``). A given-back block keeps its prefix-cache hash like any freed
+block: other requests may still hit it until it is evicted; for its own request it is gone (a
+block never cached by then is not cached later). Models with full-attention layers (Gemma 2/3
+interleave local and global layers) keep every block.
+
 Collision risk: Python's ``hash`` of a tuple is 64 bits. With N distinct cached blocks the chance
 that any two collide is about N**2 / 2**65 (for a million blocks about 3e-8); a collision would
 silently reuse another prefix's KV. Acceptable for an engine of this size; a cryptographic hash
@@ -47,29 +58,42 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# Stands in a request's block list for a block given back under a sliding window (module doc).
+# Not a pool block: never counted, freed, cached or handed out.
+NULL_BLOCK = KVCacheBlock(0)
+
+
 class KVCacheManager:
     """Per-request block lists on top of a BlockPool.
 
-    Invariant: ``req_to_blocks[r]`` holds ``cdiv(tokens allocated for r, block_size)`` blocks, one
+    Invariant: ``req_to_blocks[r]`` holds ``cdiv(tokens allocated for r, block_size)`` entries, one
     reference each (tokens allocated: the most ``r`` ever needed since it was admitted, rejected
-    draft slots included, so at least its computed tokens); a block's ``ref_cnt`` equals the number of lists it appears in. The first
-    ``num_cached_blocks[r]`` blocks of a request are registered in the prefix cache (or were
-    skipped as duplicates).
-    Cost: lookup O(prefix blocks); allocate_slots O(new blocks + hit blocks); free O(blocks held).
+    draft slots included, so at least its computed tokens); a block's ``ref_cnt`` equals the number
+    of lists it appears in. With a sliding window, the first ``num_null_blocks[r]`` entries are
+    ``NULL_BLOCK`` (given back, module doc) and the others real blocks; without one there is none.
+    The first ``num_cached_blocks[r]`` entries of a request are registered in the prefix cache (or
+    were skipped as duplicates, or given back first).
+    Cost: lookup O(prefix blocks); allocate_slots O(new blocks + hit blocks + blocks given back);
+    free O(blocks held).
 
     Stats: ``prefix_cache_queries`` / ``prefix_cache_hits`` count tokens looked up / tokens found,
     once per admission (a request that waits and retries is not counted twice; a preempted
     request that is resumed is counted again, since its hits again save recomputation).
     """
 
-    def __init__(self, block_size: int, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, block_size: int, num_blocks: int, enable_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1 or None, got {sliding_window}")
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
+        self.num_null_blocks: dict[str, int] = {}  # leading NULL_BLOCK entries (sliding window only)
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -123,8 +147,10 @@ class KVCacheManager:
         ``num_lookahead_tokens`` are slots for draft tokens: if the step rejects some, the
         scheduler rolls ``num_computed_tokens`` back and the request keeps the blocks, whose slots
         the next tokens overwrite (nothing is copied or freed).
-        Returns the ids of the newly allocated blocks (possibly empty), or None, changing nothing,
-        when the pool cannot supply them. Free-but-cached blocks count as available (evictable),
+        With a sliding window the request's blocks wholly before its window are given back first
+        (module doc; never needed again, so also when the call then fails).
+        Returns the ids of the newly allocated blocks (possibly empty), or None, changing nothing
+        else, when the pool cannot supply them. Free-but-cached blocks count as available (evictable),
         except the hit blocks themselves, which this call takes out of the free queue.
         """
         hit_blocks = new_computed_blocks or []
@@ -134,21 +160,45 @@ class KVCacheManager:
         num_tokens_needed = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens + num_lookahead_tokens
         num_new_blocks = cdiv(num_tokens_needed, self.block_size) - num_held - len(hit_blocks)
         assert not (hit_blocks and held), "prefix hits are only taken on a request's first allocation"
-        num_free_hits = sum(1 for b in hit_blocks if b.ref_cnt == 0)
+        if held is not None:
+            self._free_outside_window(req_id, held, request.num_computed_tokens)
+        # Hits wholly outside the window are not taken: their places are NULL_BLOCK from the start.
+        num_null_hits = min(self._num_blocks_outside_window(num_new_computed_tokens), len(hit_blocks))
+        taken_hits = hit_blocks[num_null_hits:]
+        num_free_hits = sum(1 for b in taken_hits if b.ref_cnt == 0)
         if num_new_blocks > self.block_pool.get_num_free_blocks() - num_free_hits:
             return None
         # Touch hits before taking new blocks, so eviction cannot pick them.
-        self.block_pool.touch(hit_blocks)
+        self.block_pool.touch(taken_hits)
         new_blocks = self.block_pool.get_new_blocks(max(num_new_blocks, 0))
         if held is None:
-            held = self.req_to_blocks[req_id] = []
+            held = self.req_to_blocks[req_id] = [NULL_BLOCK] * num_null_hits
             self.num_cached_blocks[req_id] = len(hit_blocks)
+            self.num_null_blocks[req_id] = num_null_hits
             if self._lookup_enabled(request):
                 self.prefix_cache_queries += request.num_tokens
                 self.prefix_cache_hits += num_new_computed_tokens
-        held.extend(hit_blocks)
+        held.extend(taken_hits)
         held.extend(new_blocks)
         return [b.block_id for b in new_blocks]
+
+    def _num_blocks_outside_window(self, num_computed_tokens: int) -> int:
+        """Leading blocks no query from position ``num_computed_tokens`` on can see (0 without a window)."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_computed_tokens - self.sliding_window + 1) // self.block_size
+
+    def _free_outside_window(self, req_id: str, held: list[KVCacheBlock], num_computed_tokens: int) -> None:
+        """Give back the request's blocks wholly before its window, each replaced by NULL_BLOCK (the
+        module doc says why that is safe), oldest evicted last as in ``free``. Cost: O(blocks given back)."""
+        num_outside = min(self._num_blocks_outside_window(num_computed_tokens), len(held))
+        first = self.num_null_blocks.get(req_id, 0)
+        if num_outside <= first:
+            return
+        gone = held[first:num_outside]
+        held[first:num_outside] = [NULL_BLOCK] * (num_outside - first)
+        self.num_null_blocks[req_id] = num_outside
+        self.block_pool.free_blocks(reversed(gone))
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Register the request's blocks that are full of *computed* KV in the prefix cache.
@@ -168,15 +218,17 @@ class KVCacheManager:
         if num_full_blocks <= num_cached:
             return
         hashes = update_block_hashes(request, self.block_size)
-        self.block_pool.cache_full_blocks(blocks[num_cached:num_full_blocks], hashes[num_cached:num_full_blocks])
+        start = max(num_cached, self.num_null_blocks.get(req_id, 0))  # given-back places are not cached
+        self.block_pool.cache_full_blocks(blocks[start:num_full_blocks], hashes[start:num_full_blocks])
         self.num_cached_blocks[req_id] = num_full_blocks
 
     def free(self, request: Request) -> None:
         """Release every block of the request (idempotent), last block first (evicted first)."""
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
+        num_null = self.num_null_blocks.pop(request.request_id, 0)
         if blocks:
-            self.block_pool.free_blocks(reversed(blocks))
+            self.block_pool.free_blocks(reversed(blocks[num_null:]))
 
     def get_block_ids(self, req_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(req_id, ())]
@@ -188,7 +240,11 @@ class KVCacheManager:
         """Pool invariants plus: every ref count equals the number of requests holding the block."""
         self.block_pool.check_integrity()
         holders = [0] * self.num_blocks
-        for blocks in self.req_to_blocks.values():
+        for req_id, all_blocks in self.req_to_blocks.items():
+            num_null = self.num_null_blocks.get(req_id, 0)
+            assert all(b is NULL_BLOCK for b in all_blocks[:num_null]), "a given-back place holds a block"
+            blocks = all_blocks[num_null:]
+            assert all(b is not NULL_BLOCK for b in blocks), "NULL_BLOCK after a request's first real block"
             assert len({b.block_id for b in blocks}) == len(blocks), "a request holds a block twice"
             for block in blocks:
                 holders[block.block_id] += 1

@@ -219,7 +219,8 @@ class Scheduler:
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(
-            cache_config.block_size, cache_config.num_blocks, cache_config.enable_prefix_caching
+            cache_config.block_size, cache_config.num_blocks, cache_config.enable_prefix_caching,
+            cache_config.sliding_window,
         )
         self.requests: dict[str, Request] = {}
         self._insertion_number: dict[str, int] = {}

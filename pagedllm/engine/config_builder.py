@@ -55,6 +55,7 @@ def create_engine_config(args: EngineArgs, usage_context: str = "ENGINE_CONTEXT"
         raise ValueError(f"usage_context must be one of {USAGE_CONTEXTS}, got {usage_context!r}")
 
     from pagedllm.loader import load_hf_config, resolve_model
+    from pagedllm.loader.architectures import kv_sliding_window
     from pagedllm.quantization import get_quantization_config
 
     source = resolve_model(args.model)
@@ -138,6 +139,7 @@ def create_engine_config(args: EngineArgs, usage_context: str = "ENGINE_CONTEXT"
             kv_cache_memory=args.kv_cache_memory,
             num_gpu_blocks_override=args.num_gpu_blocks_override,
             cache_dtype="fp8_e4m3" if args.kv_cache_dtype == "fp8" else args.kv_cache_dtype,
+            sliding_window=kv_sliding_window(hf_config),
         ),
         scheduler_config=SchedulerConfig(
             max_num_seqs=max_num_seqs,
@@ -248,10 +250,6 @@ def _resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
         if isinstance(v, int) and v > 0:
             derived = v
             break
-    window = getattr(hf_config, "sliding_window", None)
-    if isinstance(window, int) and window > 0 and getattr(hf_config, "use_sliding_window", True) is not False:
-        # Sliding-window attention is not implemented: we serve up to the window, where it is exact.
-        derived = min(derived or window, window)
     if requested is None:
         if derived is None:
             raise ValueError("max_model_len could not be derived from the model config: set max_model_len")

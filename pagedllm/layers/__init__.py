@@ -5,7 +5,7 @@ compound modules that fuse an op with the linear layer next to it, and the resid
 says which form a forward runs in.
 """
 
-from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.activation import GeluTanhAndMul, SiluAndMul
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.compound import (
     AttentionInputs,
@@ -36,6 +36,7 @@ __all__ = [
     "Attention",
     "AttentionInputs",
     "CustomOp",
+    "GeluTanhAndMul",
     "KernelPlan",
     "LMHead",
     "ColumnParallelLinear",

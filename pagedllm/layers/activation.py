@@ -1,4 +1,4 @@
-"""Gated activation for merged gate/up projections."""
+"""Gated activations for merged gate/up projections."""
 
 from __future__ import annotations
 
@@ -40,3 +40,14 @@ class SiluAndMul(CustomOp):
                 and (row_scale is None or (x.dim() == 2 and triton_ops.row_scale_fits(x, row_scale)))):
             return triton_ops.silu_and_mul(x, row_scale)
         return self.forward_native(x, row_scale)
+
+
+class GeluTanhAndMul(CustomOp):
+    """``x = [gate | up]`` (last dim 2*I) -> ``gelu_tanh(gate) * up`` (last dim I): Gemma's MLP
+    (``gelu_pytorch_tanh``). Cost: two torch ops on every device (``forward_native``)."""
+
+    fuses_kernels = True
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up

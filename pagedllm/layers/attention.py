@@ -21,8 +21,17 @@ class Attention(nn.Module):
     buffer: it is neither saved in the state dict nor moved by ``.to()``.
     """
 
-    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int | None = None) -> None:
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int | None = None,
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None) -> None:
         super().__init__()
+        if sliding_window is not None and (type(sliding_window) is not int or sliding_window < 1):
+            raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+        if logits_soft_cap is not None and not logits_soft_cap > 0:
+            raise ValueError(f"logits_soft_cap must be positive or None, got {logits_soft_cap!r}")
+        # This layer's options (attention/backend.py): keys older than the window are not seen;
+        # scores are soft-capped. None turns each off.
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads or num_heads
         if self.num_heads % self.num_kv_heads:
@@ -63,8 +72,11 @@ class Attention(nn.Module):
         if v is not None:
             v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         ctx = get_forward_context()
-        out = ctx.backend.forward(q, k, v, self.kv_cache, ctx.attn_metadata, self.scale, kv_stored=kv_stored)
+        out = ctx.backend.forward(q, k, v, self.kv_cache, ctx.attn_metadata, self.scale, kv_stored=kv_stored,
+                                  sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:
-        return f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
+        extra = "".join(f", {name}={value}" for name in ("sliding_window", "logits_soft_cap")
+                        if (value := getattr(self, name)) is not None)
+        return f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}{extra}"

@@ -1,9 +1,14 @@
 """Rotary position embedding, NeoX style (rotate the two halves of each head), as HF Llama/Qwen/Mistral.
 
 The inverse frequencies come from transformers' ``ROPE_INIT_FUNCTIONS`` so that the scaled variants
-("linear", "llama3", "yarn") match HF exactly; "default" is computed here (transformers 5 no longer
-lists it). Position-dependent variants ("dynamic", "longrope") rescale with the batch's length in HF,
-which a paged cache cannot follow, so they are refused.
+("linear", "llama3", "yarn", "longrope") match HF exactly; "default" is computed here (transformers 5
+no longer lists it). "dynamic" rescales with the batch's length in HF, which a paged cache cannot
+follow, so it is refused. "longrope" (Phi-3) switches in HF from its short to its long factors once
+a sequence passes ``original_max_position_embeddings``, re-rotating the whole cache; a paged cache
+keeps its rotated keys, so the factors are fixed at load, as in vLLM: the long ones when the model's
+context (``max_position_embeddings``) is longer than the original, else the short ones.
+Models with RoPE per layer type (Gemma 3: ``rope_parameters`` keyed by "sliding_attention" /
+"full_attention") build one table per type (``layer_type``).
 
 Cost: a float32 cos/sin table ``[max_position, rotary_dim]`` built once on the model's device
 (``max_position * rotary_dim * 4`` bytes), shared by all layers. Per layer, CUDA: one fused Triton
@@ -23,16 +28,19 @@ from pagedllm.layers.custom_op import CustomOp
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.native import kernels as native
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
-def get_rope_parameters(hf_config: Any) -> dict[str, Any]:
-    """The config's RoPE settings as one flat dict with at least ``rope_type`` and ``rope_theta``.
+def get_rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict[str, Any]:
+    """The config's RoPE settings (of ``layer_type``'s layers, where they are per layer type) as one
+    flat dict with at least ``rope_type`` and ``rope_theta``.
 
     transformers >= 5 keeps them in ``config.rope_parameters``; older versions in ``config.rope_theta``
     plus an optional ``config.rope_scaling`` dict (whose type key may be ``type``).
     """
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if layer_type is not None and isinstance(params.get(layer_type), dict):
+        params = dict(params[layer_type])
     if not params:
         params = dict(getattr(hf_config, "rope_scaling", None) or {})
     if "rope_theta" not in params:
@@ -41,9 +49,10 @@ def get_rope_parameters(hf_config: Any) -> dict[str, Any]:
     return params
 
 
-def compute_inv_freq(hf_config: Any, rotary_dim: int, device: torch.device | None = None) -> tuple[torch.Tensor, float]:
+def compute_inv_freq(hf_config: Any, rotary_dim: int, device: torch.device | None = None,
+                     layer_type: str | None = None) -> tuple[torch.Tensor, float]:
     """(inverse frequencies [rotary_dim // 2] float32, attention scaling applied to cos and sin)."""
-    params = get_rope_parameters(hf_config)
+    params = get_rope_parameters(hf_config, layer_type)
     rope_type = params["rope_type"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope_type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
@@ -52,7 +61,10 @@ def compute_inv_freq(hf_config: Any, rotary_dim: int, device: torch.device | Non
         return 1.0 / (params["rope_theta"] ** exponent), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, device)
+    kwargs: dict[str, Any] = {} if layer_type is None else {"layer_type": layer_type}
+    if rope_type == "longrope":  # the long factors iff the context is longer than the original (module doc)
+        kwargs["seq_len"] = int(hf_config.max_position_embeddings)
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, device, **kwargs)
     return inv_freq.float(), float(attention_scaling)
 
 
@@ -70,13 +82,14 @@ class RotaryEmbedding(CustomOp):
 
     fuses_kernels = True
 
-    def __init__(self, hf_config: Any, head_dim: int, max_position: int, rotary_dim: int | None = None) -> None:
+    def __init__(self, hf_config: Any, head_dim: int, max_position: int, rotary_dim: int | None = None,
+                 layer_type: str | None = None) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim or head_dim
         self.max_position = max_position
         device = torch.empty(0).device  # the construction device (build_model sets it)
-        inv_freq, scaling = compute_inv_freq(hf_config, self.rotary_dim, device)
+        inv_freq, scaling = compute_inv_freq(hf_config, self.rotary_dim, device, layer_type)
         freqs = torch.arange(max_position, device=device).float()[:, None] * inv_freq[None, :]
         self.register_buffer("cos_cache", freqs.cos() * scaling, persistent=False)
         self.register_buffer("sin_cache", freqs.sin() * scaling, persistent=False)

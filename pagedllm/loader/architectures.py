@@ -128,6 +128,11 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("qwen3_moe", "Qwen3MoeForCausalLM", _MOE_IMPL, None, None, False),
         # sentence-transformers' BERT-family encoders (all-MiniLM, BGE); BertForMaskedLM folders too.
         Architecture("bert", "BertModel", _BERT_IMPL, None, None, False, _BERT_IMPL, is_encoder=True),
+        Architecture("phi3", "Phi3ForCausalLM", "pagedllm.models.phi3:Phi3ForCausalLM", None, None, False),
+        Architecture("gemma2", "Gemma2ForCausalLM", "pagedllm.models.gemma:Gemma2ForCausalLM", None, None, False),
+        # Gemma 3's text-only checkpoints (the multimodal ones are model_type "gemma3").
+        Architecture("gemma3_text", "Gemma3ForCausalLM", "pagedllm.models.gemma:Gemma3ForCausalLM", None, None,
+                     False),
     )
 }
 SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
@@ -147,3 +152,39 @@ def gguf_permutes_qk(gguf_architecture: str) -> bool:
     """Whether a GGUF of this ``general.architecture`` stores Q/K rows permuted (llama.cpp's "llama")."""
     arch = ARCHITECTURES.get(gguf_architecture)
     return arch is not None and arch.gguf_permutes_qk
+
+
+def sliding_window_of(hf_config: Any) -> int | None:
+    """The sliding window the config turns on, or None (Qwen configs carry one that is off unless
+    ``use_sliding_window``)."""
+    window = getattr(hf_config, "sliding_window", None)
+    if not window or getattr(hf_config, "use_sliding_window", True) is False:
+        return None
+    return int(window)
+
+
+def layer_sliding_windows(hf_config: Any) -> list[int | None]:
+    """Each decoder layer's sliding window (None: full attention), as transformers applies them:
+    ``layer_types`` ("sliding_attention" layers slide) where the config has them, else Qwen's
+    ``max_window_layers`` (layers from that index on slide), else every layer (Mistral, Phi-3)."""
+    num_layers = int(hf_config.num_hidden_layers)
+    window = sliding_window_of(hf_config)
+    if window is None:
+        return [None] * num_layers
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None:
+        return [window if t == "sliding_attention" else None for t in layer_types]
+    if hf_config.model_type in ("qwen2", "qwen3"):
+        first_sliding = getattr(hf_config, "max_window_layers", 28)  # transformers' default for both
+        return [window if i >= first_sliding else None for i in range(num_layers)]
+    return [window] * num_layers
+
+
+def kv_sliding_window(hf_config: Any) -> int | None:
+    """The window of a model whose every layer slides (then KV blocks wholly outside it are freed
+    while a request runs: ``core/kv_cache_manager.py``), else None (interleaved local and global
+    layers, like Gemma 2/3, keep every block: their global layers read the whole context)."""
+    windows = layer_sliding_windows(hf_config)
+    if not windows or any(w is None for w in windows):
+        return None
+    return max(windows)

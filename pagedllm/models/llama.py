@@ -5,9 +5,8 @@ Differences between the four, all read from the config:
   - Qwen3: RMSNorm over each head of q and k (``q_norm``/``k_norm``) before RoPE; ``head_dim`` may
     differ from hidden_size / num_heads.
   - Llama: ``attention_bias`` (q/k/v/o) and ``mlp_bias`` flags; llama3 RoPE scaling.
-  - Mistral / Qwen sliding window: not implemented. When a config turns it on, the model reports
-    ``max_supported_len = sliding_window``; the engine caps ``max_model_len`` to it, and below the
-    window sliding-window attention *is* full causal attention, so results stay exact.
+  - Mistral / Qwen sliding window: each layer's window (``loader.architectures.layer_sliding_windows``:
+    every Mistral layer, Qwen's layers from ``max_window_layers`` on) goes to its ``Attention``.
 
 Tokens are flattened (no batch dim): ``forward(input_ids [T], positions [T]) -> hidden [T, hidden]``.
 Attention goes only through ``layers.Attention`` (the paged backend from the forward context).
@@ -43,6 +42,7 @@ from pagedllm.layers import (
     default_weight_loader,
     get_rope_parameters,
 )
+from pagedllm.loader.architectures import layer_sliding_windows
 
 # (checkpoint name fragment, our merged parameter fragment, shard id)
 STACKED_PARAMS = [
@@ -60,15 +60,6 @@ def head_dim_of(cfg: Any) -> int:
     return int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
 
 
-def sliding_window_of(cfg: Any) -> int | None:
-    """The sliding window the config turns on, or None (Qwen configs carry one that is off unless
-    ``use_sliding_window``)."""
-    window = getattr(cfg, "sliding_window", None)
-    if not window or getattr(cfg, "use_sliding_window", True) is False:
-        return None
-    return int(window)
-
-
 class LlamaAttention(nn.Module):
     """(residual add +) input norm -> qkv projection -> (q/k norm +) RoPE -> paged attention -> o_proj.
 
@@ -79,7 +70,8 @@ class LlamaAttention(nn.Module):
     is the compound modules' business (``layers/compound.py``).
     """
 
-    def __init__(self, cfg: Any, rotary_emb: RotaryEmbedding, input_layernorm: RMSNorm) -> None:
+    def __init__(self, cfg: Any, rotary_emb: RotaryEmbedding, input_layernorm: RMSNorm,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
@@ -95,7 +87,7 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.rotary_emb = rotary_emb
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, sliding_window)
         self.norm_qkv_rope = NormQKVRope(input_layernorm, self.qkv_proj, rotary_emb, self.attn,
                                          self.q_norm, self.k_norm)
         self.output = LinearAdd(self.o_proj)
@@ -129,11 +121,11 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block: ``h += attn(norm(h)); h += mlp(norm(h))`` on the residual state."""
 
-    def __init__(self, cfg: Any, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(self, cfg: Any, rotary_emb: RotaryEmbedding, sliding_window: int | None = None) -> None:
         super().__init__()
         input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, rotary_emb, input_layernorm)
+        self.self_attn = LlamaAttention(cfg, rotary_emb, input_layernorm, sliding_window)
         self.mlp = LlamaMLP(cfg, post_attention_layernorm)
         self.input_layernorm = input_layernorm
         self.post_attention_layernorm = post_attention_layernorm
@@ -165,6 +157,7 @@ class LlamaModel(nn.Module):
         head_dim = head_dim_of(cfg)
         rotary_dim = int(head_dim * get_rope_parameters(cfg).get("partial_rotary_factor", 1.0))
         self.rotary_emb = RotaryEmbedding(cfg, head_dim, cfg.max_position_embeddings, rotary_dim)  # shared
+        self.sliding_windows = layer_sliding_windows(cfg)  # each layer's window (None: full attention)
         self.layers = nn.ModuleList(self.make_layer(cfg, i) if i in self.layer_range
                                     else OtherStageLayer() for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -172,7 +165,7 @@ class LlamaModel(nn.Module):
 
     def make_layer(self, cfg: Any, index: int) -> nn.Module:
         """Decoder layer ``index`` (a subclass may vary the layer by index, e.g. MoE or dense MLP)."""
-        return LlamaDecoderLayer(cfg, self.rotary_emb)
+        return LlamaDecoderLayer(cfg, self.rotary_emb, self.sliding_windows[index])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         if self.pp.is_first:
@@ -198,7 +191,12 @@ def _residual_stream(state: ResidualState) -> torch.Tensor:
 class LlamaForCausalLM(nn.Module):
     """The causal LM; provides ``models/interface.CausalLM`` (what the runner may call: forward,
     compute_logits, the attention layers and their KV caches, load_weights, config,
-    max_supported_len: None or the sliding window, see the module doc)."""
+    max_supported_len: None, no cap beyond the config's positions).
+
+    Subclasses sharing its KV-cache and loading code (``gemma.py``, ``phi3.py``) keep its layout:
+    ``self.model`` with ``layers[i].self_attn.attn``, ``layer_range``, ``embed_tokens`` (and
+    ``residual`` where it has residual forms); ``self.lm_head``; and may rewrite checkpoint tensors
+    in ``checkpoint_weights``."""
 
     # Our merged layers -> the checkpoint modules each stands for (a quantization config's ignore
     # list names the latter; vLLM's attribute name). The same facts as ``STACKED_PARAMS``.
@@ -211,7 +209,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = self.model_class(hf_config)
         tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.lm_head = LMHead(hf_config.vocab_size, hf_config.hidden_size, self.model.embed_tokens if tied else None)
-        self.max_supported_len: int | None = sliding_window_of(hf_config)
+        self.max_supported_len: int | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """``[T, hidden]`` final hidden states; None on a pipeline stage before the last."""
@@ -251,15 +249,22 @@ class LlamaForCausalLM(nn.Module):
             attn.kv_cache = cache
 
     # ---- weights ------------------------------------------------------------------------------
+    def checkpoint_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        """The checkpoint's ``(name, tensor)`` pairs as ``load_weights`` maps them (HF names, unfused
+        q/k/v and gate/up); a family whose checkpoint differs rewrites them here."""
+        return weights
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (HF names) into our parameters; raise ValueError naming every missing
         or unexpected weight. A tied model ignores a checkpoint's ``lm_head.weight`` (HF saves it
         sometimes); ``rotary_emb.inv_freq`` entries are ignored."""
-        self.model.residual.use_stream_from(None)  # the checkpoint's norm weights come back
+        residual_form = getattr(self.model, "residual", None)  # Gemma's model has no residual forms
+        if residual_form is not None:
+            residual_form.use_stream_from(None)  # the checkpoint's norm weights come back
         params = dict(self.named_parameters())  # a tied lm_head appears once, as model.embed_tokens.weight
         loaded: set[tuple[str, object]] = set()
         unexpected: list[str] = []
-        for name, tensor in weights:
+        for name, tensor in self.checkpoint_weights(weights):
             if name.endswith(IGNORED_SUFFIXES) or (self.lm_head.tied and name == "lm_head.weight"):
                 continue
             if name.startswith("model.layers.") and int(name.split(".")[2]) not in self.model.layer_range:

@@ -114,11 +114,11 @@ class MoeDecoderLayer(nn.Module):
     """Pre-norm block: ``h += attn(norm(h)); h += moe_or_mlp(norm(h))``; the second half sits under its
     checkpoint name (Mixtral ``block_sparse_moe``, Qwen ``mlp``)."""
 
-    def __init__(self, cfg: Any, rotary_emb: RotaryEmbedding, index: int) -> None:
+    def __init__(self, cfg: Any, rotary_emb: RotaryEmbedding, index: int, sliding_window: int | None = None) -> None:
         super().__init__()
         input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, rotary_emb, input_layernorm)
+        self.self_attn = LlamaAttention(cfg, rotary_emb, input_layernorm, sliding_window)
         sparse = is_sparse_layer(cfg, index)
         ffn = SparseMoeBlock(cfg, post_attention_layernorm) if sparse else LlamaMLP(cfg, post_attention_layernorm)
         setattr(self, "block_sparse_moe" if cfg.model_type == "mixtral" else "mlp", ffn)
@@ -134,7 +134,7 @@ class MoeModel(LlamaModel):
     """``LlamaModel`` with ``MoeDecoderLayer`` layers."""
 
     def make_layer(self, cfg: Any, index: int) -> nn.Module:
-        return MoeDecoderLayer(cfg, self.rotary_emb, index)
+        return MoeDecoderLayer(cfg, self.rotary_emb, index, self.sliding_windows[index])
 
 
 class MoeForCausalLM(LlamaForCausalLM):

@@ -21,7 +21,6 @@ from torch import nn
 
 from pagedllm.loader.architectures import ARCHITECTURES, Architecture, architecture_for
 from pagedllm.models.interface import check_model, check_model_class
-from pagedllm.models.llama import sliding_window_of
 from pagedllm.quantization import init_dummy_quantized_weights, process_quantized_weights, quantize_model
 
 
@@ -62,9 +61,9 @@ def get_model_class(hf_config: Any, runner: str = "generate") -> type[nn.Module]
 
 
 def max_supported_len(hf_config: Any) -> int | None:
-    """A length cap the model itself imposes beyond ``max_position_embeddings``: the sliding window
-    when the config turns one on (we attend in full, which is exact only below the window), else None."""
-    return sliding_window_of(hf_config)
+    """A length cap the model itself imposes beyond ``max_position_embeddings``: None for every
+    supported architecture (sliding windows are attended as such, in every backend)."""
+    return None
 
 
 @contextlib.contextmanager

@@ -97,3 +97,21 @@ def test_backend_falls_back_to_the_reference(monkeypatch, dtype):
 def test_auto_backend_on_cpu_is_the_cpu_backend():
     assert get_attention_backend("auto", torch.device("cpu")).name == "cpu"
     assert get_attention_backend("torch_ref", torch.device("cpu")).name == "torch_ref"
+
+
+@pytest.mark.parametrize("window,soft_cap", [(7, None), (None, 3.0), (20, 3.0)])
+def test_sliding_window_and_soft_cap_layers_take_the_reference(window, soft_cap):
+    """The native kernel attends over the whole context with plain scores: a layer with a window or
+    a soft cap must get the reference's answer (which the torch_ref tests check against naive)."""
+    gen = torch.Generator().manual_seed(5)
+    specs = [(40, 1), (70, 1), (33, 33), (60, 12)]
+    q, k, v, cache, meta = make_inputs(specs, block_size=8, num_kv_heads=2, qpk=2, head_dim=32,
+                                       dtype=torch.float32, device="cpu", gen=gen)
+    options = {"sliding_window": window, "logits_soft_cap": soft_cap}
+    ref_cache = cache.clone()
+    out = attend(CpuBackend(), q, k, v, cache, meta, 0.2, **options)
+    ref = attend(TorchRefBackend(), q, k, v, ref_cache, meta, 0.2, **options)
+    plain = attend(TorchRefBackend(), q, k, v, ref_cache.clone(), meta, 0.2)
+    n = meta.num_actual_tokens
+    torch.testing.assert_close(out[:n], ref[:n], rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(out[:n], plain[:n], atol=1e-3)  # the options change the answer

@@ -13,12 +13,18 @@ from pagedllm.attention.backend import CommonAttentionInputs
 from pagedllm.attention.torch_ref import TorchRefBackend, plan_decode_groups
 
 
-def _naive(q, k, v, q_pos, scale):
-    """q ``[Lq, H, D]`` at positions ``q_pos``; k/v ``[L, Hkv, D]``: causal softmax attention."""
+def _naive(q, k, v, q_pos, scale, window=None, soft_cap=None):
+    """q ``[Lq, H, D]`` at positions ``q_pos``; k/v ``[L, Hkv, D]``: causal softmax attention (keys
+    within ``window`` of the query; scores soft-capped)."""
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * scale
-    visible = torch.arange(k.shape[0])[None, :] <= torch.tensor(q_pos)[:, None]
+    if soft_cap is not None:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
+    k_pos, q_pos = torch.arange(k.shape[0])[None, :], torch.tensor(q_pos)[:, None]
+    visible = k_pos <= q_pos
+    if window is not None:
+        visible &= k_pos > q_pos - window
     scores = scores.masked_fill(~visible, -math.inf)
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.double()).float()
 
@@ -101,12 +107,12 @@ def test_backend_plans_once_per_step():
     q, k, v, cache, meta, _, _ = _batch([5, 30, 31, 8], [1, 1, 1, 1])
     backend = TorchRefBackend()
     backend.forward(q, k, v, cache, meta, 0.25)
-    plan = backend._plan
+    plan = backend._plans[None]
     backend.forward(q, k, v, cache.clone(), meta, 0.25)
-    assert backend._plan is plan
+    assert backend._plans[None] is plan
     q2, k2, v2, cache2, meta2, _, _ = _batch([5, 30], [1, 1])
     backend.forward(q2, k2, v2, cache2, meta2, 0.25)
-    assert backend._plan is not plan
+    assert backend._plans[None] is not plan
 
 
 def test_reference_backend_refuses_pre_stored_kv():
@@ -115,3 +121,27 @@ def test_reference_backend_refuses_pre_stored_kv():
     assert not TorchRefBackend().accepts_stored_kv and TorchRefBackend.kv_writer is None
     with pytest.raises(ValueError, match="stores K/V itself"):
         TorchRefBackend().forward(q, k, v, cache, meta, 0.25, kv_stored=True)
+
+
+@pytest.mark.parametrize("window,soft_cap", [(5, None), (1, None), (13, 2.5), (None, 0.7)])
+def test_sliding_window_and_soft_cap_match_naive_attention(window, soft_cap):
+    """Decodes far past the window, inside it, prefills and chunks longer than it. The blocks wholly
+    before every query's window (a sliding model may have given them back) are replaced by blocks
+    of NaN that nothing else points at: they must never be read."""
+    rng = random.Random(2)
+    seq_lens = [rng.randint(1, 60) for _ in range(8)] + [23, 40, 9]
+    query_lens = [1] * 8 + [23, 11, 9]
+    q, k, v, cache, meta, keys, values = _batch(seq_lens, query_lens, seed=3)
+    block_size = cache.shape[2]
+    if window is not None:
+        gone = [(r, b) for r, (s, ql) in enumerate(zip(seq_lens, query_lens))
+                for b in range(max(0, s - ql - window + 1) // block_size)]
+        poison = torch.full((2, len(gone), *cache.shape[2:]), float("nan"))
+        for i, (r, b) in enumerate(gone):
+            meta.block_tables[r, b] = cache.shape[1] + i
+        cache = torch.cat([cache, poison], dim=1)
+    out = TorchRefBackend().forward(q, k, v, cache, meta, 0.25, sliding_window=window, logits_soft_cap=soft_cap)
+    qsl = meta.query_start_loc_cpu
+    for r, (s, ql) in enumerate(zip(seq_lens, query_lens)):
+        ref = _naive(q[qsl[r]:qsl[r + 1]], keys[r], values[r], list(range(s - ql, s)), 0.25, window, soft_cap)
+        torch.testing.assert_close(out[qsl[r]:qsl[r + 1]], ref, rtol=1e-5, atol=1e-5)

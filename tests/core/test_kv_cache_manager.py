@@ -174,3 +174,68 @@ def test_bad_arguments():
         KVCacheManager(block_size=0, num_blocks=4)
     with pytest.raises(ValueError):
         KVCacheManager(block_size=4, num_blocks=0)
+
+
+# -- sliding window: blocks wholly outside a running request's window are given back ---------------
+
+def decode_steps(manager: KVCacheManager, request: Request, num_steps: int) -> None:
+    """Append and compute one token at a time, as decode steps do (allocate only at block edges)."""
+    for _ in range(num_steps):
+        token = 1000 + request.num_tokens
+        request.output_token_ids.append(token)
+        request.all_token_ids.append(token)
+        if request.num_computed_tokens + 1 > len(manager.req_to_blocks[request.request_id]) * manager.block_size:
+            assert manager.allocate_slots(request, 1) is not None
+        request.num_computed_tokens += 1
+        manager.cache_blocks(request, request.num_computed_tokens)
+        manager.check_integrity()
+
+
+def test_sliding_window_gives_back_blocks_wholly_outside_the_window():
+    m = KVCacheManager(block_size=4, num_blocks=8, sliding_window=6)
+    r = make_request("a", list(range(12)))
+    compute(m, r)  # 12 tokens, 3 blocks; the next query (position 12) sees keys 7..12
+    assert m.num_null_blocks["a"] == 0  # given back at the next allocation, not before
+    decode_steps(m, r, 1)  # position 12 needs a 4th block: block 0 (keys 0..3) is outside 7..12
+    assert m.num_null_blocks["a"] == 1 and m.get_block_ids("a")[0] == 0
+    assert m.get_num_free_blocks() == 8 - 3
+    decode_steps(m, r, 60)  # 73 tokens: far more than the pool holds without giving blocks back
+    held = m.req_to_blocks["a"][m.num_null_blocks["a"]:]
+    assert len(m.req_to_blocks["a"]) == 19 and len(held) <= 6 // 4 + 2
+    assert m.get_num_free_blocks() == 8 - len(held)
+    m.free(r)
+    m.check_integrity()
+    assert m.get_num_free_blocks() == 8 and not m.num_null_blocks
+
+
+def test_given_back_blocks_stay_cached_for_other_requests():
+    """A given-back full block keeps its hash: a new request with the same prefix hits it (and, as
+    it starts inside that prefix's window, takes only the hits it can see)."""
+    m = KVCacheManager(block_size=4, num_blocks=16, sliding_window=6)
+    prompt = list(range(16))
+    a = make_request("a", prompt)
+    compute(m, a)
+    decode_steps(m, a, 4)  # blocks 0..2 are given back (keys 0..11 are before the window 14..19)
+    assert m.num_null_blocks["a"] == 2
+    b = make_request("b", prompt + [99, 98])
+    hits, num_hit = m.get_computed_blocks(b)
+    assert num_hit == 16  # the whole prompt: the given-back blocks are still cached
+    assert m.allocate_slots(b, 2, hits, num_hit) is not None
+    # b's next query is at position 16, window 11..16: blocks 0 and 1 are not taken at all.
+    assert m.num_null_blocks["b"] == 2 and m.req_to_blocks["b"][2:4] == hits[2:4]
+    assert all(block.ref_cnt == 0 for block in hits[:2])
+    m.check_integrity()
+    m.free(a)
+    m.free(b)
+    m.check_integrity()
+    assert m.get_num_free_blocks() == 16
+
+
+def test_without_a_window_every_block_is_kept():
+    m = KVCacheManager(block_size=4, num_blocks=40)
+    r = make_request("a", list(range(12)))
+    compute(m, r)
+    decode_steps(m, r, 40)
+    assert m.num_null_blocks["a"] == 0 and len(m.get_block_ids("a")) == 13
+    with pytest.raises(ValueError, match="sliding_window"):
+        KVCacheManager(block_size=4, num_blocks=4, sliding_window=0)

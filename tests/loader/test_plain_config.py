@@ -20,6 +20,7 @@ from pagedllm.config import EngineArgs
 from pagedllm.engine.config_builder import _resolve_dtype, _resolve_max_model_len, create_engine_config
 from pagedllm.layers.rotary import get_rope_parameters
 from pagedllm.loader import ModelSource, gguf_cache_folder, load_hf_config, resolve_model
+from pagedllm.loader.architectures import layer_sliding_windows
 from pagedllm.loader.hf import _transformers_tag
 from pagedllm.loader.plain_config import READ_ATTRIBUTES, PlainConfig, read_plain_config
 from pagedllm.models import build_model
@@ -114,6 +115,7 @@ def test_covered_configs_read_like_autoconfig(covered_folder):
     assert plain.rope_theta == plain.rope_parameters["rope_theta"]
     assert _resolve_dtype("auto", plain, "cuda") == _resolve_dtype("auto", auto, "cuda")
     assert _resolve_max_model_len(None, plain) == _resolve_max_model_len(None, auto)
+    assert layer_sliding_windows(plain) == layer_sliding_windows(auto)  # Qwen's max_window_layers default too
     json.dumps(plain.to_dict())  # serialisable
 
 

@@ -8,6 +8,7 @@ from pagedllm.loader.architectures import ARCHITECTURES, architecture_for, gguf_
 from pagedllm.models import LlamaForCausalLM, build_model, get_model_class, supported_architectures
 from pagedllm.models.interface import CausalLM, check_model, check_model_class
 from pagedllm.models.moe import MoeForCausalLM
+from pagedllm.models.registry import model_class_of
 from tests.helpers import tiny_config
 from tests.models.moe_tiny import MOE_ARCHS, tiny_moe_config
 
@@ -37,7 +38,14 @@ def test_one_table_serves_registry_and_loader():
         moe = arch.model_type in MOE_ARCHS
         cfg = tiny_moe_config(arch.model_type) if moe else tiny_config(arch.model_type)
         cfg.architectures = [arch.hf_class]
-        assert get_model_class(cfg) is (MoeForCausalLM if moe else LlamaForCausalLM)
+        cls = get_model_class(cfg)
+        assert cls is model_class_of(arch) and issubclass(cls, LlamaForCausalLM)  # every family shares its loader
+        if moe:
+            assert cls is MoeForCausalLM
+        elif arch.model_type in ("llama", "mistral", "qwen2", "qwen3"):
+            assert cls is LlamaForCausalLM
+        else:
+            assert cls.__name__ == arch.hf_class
         assert architecture_for(None, arch.model_type) is arch  # GGUF configs: model_type only
     assert architecture_for(["NopeForCausalLM"], "nope") is None
     assert gguf_permutes_qk("llama") and not gguf_permutes_qk("qwen2") and not gguf_permutes_qk("unknown")

@@ -111,8 +111,9 @@ def test_model_surface(tiny):
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     assert m.num_attention_layers == cfg.num_hidden_layers
     assert m.kv_cache_shape_per_layer(10, 16) == (2, 10, 16, cfg.num_key_value_heads, head_dim)
-    assert m.max_supported_len == (4096 if tiny.arch == "mistral" else None)
-    assert max_supported_len(cfg) == m.max_supported_len
+    assert m.max_supported_len is None and max_supported_len(cfg) is None  # windows are attended, not capped
+    windows = [layer.self_attn.attn.sliding_window for layer in m.model.layers]
+    assert windows == [4096 if tiny.arch == "mistral" else None] * cfg.num_hidden_layers
     assert (m.lm_head.weight is m.model.embed_tokens.weight) == cfg.tie_word_embeddings
     with pytest.raises(ValueError, match="bind_kv_caches"):
         m.bind_kv_caches([torch.zeros(m.kv_cache_shape_per_layer(2, 4))])

@@ -41,6 +41,14 @@ tile is loaded once per group. The rows of the ``[BLOCK_M, head_dim]`` query til
   first) makes the launch order longest-first and the last wave holds the shortest requests
   instead of whichever long request happens to come last (a tail in which most SMs idle).
 
+Per-layer options, compile-time constants (``SLIDING_WINDOW = 0`` and ``SOFT_CAP = 0.0`` compile to
+the code without them): a sliding window W starts each program's key loop at its first query's
+first visible key ``q - W + 1`` (the keys and blocks before it are never loaded: a model whose every
+layer slides may have given them back), the decode kernel splits only the window's keys (all
+visible to its one query: no mask), and the unified kernel masks the window's edge tiles; a logit soft
+cap c turns each score s into ``c * tanh(s / c)`` before the mask (the host passes ``scale / c``
+in place of ``scale * log2(e)``).
+
 Both decode kernels take ``USE_PDL`` (programmatic dependent launch, ``pagedllm/pdl.py``): the split
 kernel reads only the step's metadata before its wait; the unified kernel does not use PDL.
 """
@@ -89,13 +97,17 @@ def _attend_range(
     TILE_N: tl.constexpr,
     MASK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr = 0,
+    SOFT_CAP: tl.constexpr = 0.0,
 ):
     """Online-softmax attention of ``q`` ([BLOCK_M, D]) over key positions [kv_start, kv_end).
 
     ``MASK``: 0 = every row sees every key of every tile (the caller guarantees whole tiles below
     the diagonal: no score masking at all), 1 = keys at or past ``kv_end`` are masked, 2 = that
-    and causal: row ``i`` sees keys at positions ``<= q_pos[i]``. Every row must see at least one
-    key overall (true for real rows), else its ``l`` stays 0 and the caller writes zeros.
+    and causal: row ``i`` sees keys at positions ``<= q_pos[i]``, 3 = that and the sliding window:
+    row ``i`` sees keys ``> q_pos[i] - SLIDING_WINDOW``. Every row must see at least one key overall
+    (true for real rows), else its ``l`` stays 0 and the caller writes zeros. With ``SOFT_CAP`` c,
+    ``scale_log2`` is ``scale / c`` and a score is ``c * log2(e) * tanh(q.k * scale / c)``.
     """
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_valid = dims < HEAD_DIM
@@ -110,7 +122,12 @@ def _attend_range(
             other=0.0,
         ).to(q.dtype)  # [D, TILE_N]; a float8 cache is upcast here (exact), else a no-op
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
-        if MASK == 2:
+        if SOFT_CAP > 0:
+            s = _tanh(s) * (SOFT_CAP * 1.4426950408889634)
+        if MASK == 3:
+            visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - SLIDING_WINDOW)
+            s = tl.where(k_valid[None, :] & visible, s, float("-inf"))
+        elif MASK == 2:
             s = tl.where(k_valid[None, :] & (k_pos[None, :] <= q_pos[:, None]), s, float("-inf"))
         elif MASK == 1:
             s = tl.where(k_valid[None, :], s, float("-inf"))
@@ -127,6 +144,15 @@ def _attend_range(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
+
+
+@triton.jit
+def _tanh(x):
+    """tanh from one exp2 of a non-positive argument (no overflow): ``sign(x) (1 - e) / (1 + e)``,
+    ``e = exp(-2 |x|)``."""
+    e = tl.math.exp2(-2.0 * 1.4426950408889634 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
 
 
 @triton.jit
@@ -176,6 +202,8 @@ def _unified_attention_kernel(
     SKIP_DECODES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     COMPUTE_DTYPE: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr = 0,
+    SOFT_CAP: tl.constexpr = 0.0,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -214,14 +242,38 @@ def _unified_attention_kernel(
     unmasked_end = (context_len + q_block_local * BLOCK_Q + 1) // TILE_N * TILE_N
     bt_row = block_tables_ptr + req.to(tl.int64) * stride_bt
     head_offset = kv_head * stride_c_head
-    acc, m_i, l_i = _attend_range(
-        acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, head_offset, 0, unmasked_end, scale_log2,
-        stride_c_blk, stride_c_slot, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, TILE_N, 0, DOT_PRECISION,
-    )  # fmt: skip
-    acc, m_i, l_i = _attend_range(
-        acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, head_offset, unmasked_end, kv_end, scale_log2,
-        stride_c_blk, stride_c_slot, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, TILE_N, 2, DOT_PRECISION,
-    )  # fmt: skip
+    if SLIDING_WINDOW > 0:
+        # From the first query's first visible key: [kv_lo, b_start) window-masked, then whole tiles
+        # every row sees (from the last query's first visible key), then the causal tail.
+        kv_lo = tl.maximum(context_len + q_block_local * BLOCK_Q - SLIDING_WINDOW + 1, 0)
+        all_see = tl.cdiv(tl.maximum(kv_end - SLIDING_WINDOW, kv_lo), TILE_N) * TILE_N
+        b_start = tl.maximum(tl.minimum(all_see, unmasked_end), kv_lo)
+        acc, m_i, l_i = _attend_range(
+            acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, head_offset, kv_lo, b_start, scale_log2,
+            stride_c_blk, stride_c_slot, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, TILE_N, 3, DOT_PRECISION,
+            SLIDING_WINDOW, SOFT_CAP,
+        )  # fmt: skip
+        acc, m_i, l_i = _attend_range(
+            acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, head_offset, b_start, unmasked_end,
+            scale_log2, stride_c_blk, stride_c_slot, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, TILE_N, 0, DOT_PRECISION,
+            SLIDING_WINDOW, SOFT_CAP,
+        )  # fmt: skip
+        acc, m_i, l_i = _attend_range(
+            acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, head_offset,
+            tl.maximum(unmasked_end, kv_lo), kv_end, scale_log2, stride_c_blk, stride_c_slot, BLOCK_SIZE,
+            HEAD_DIM, HEAD_DIM_PAD, TILE_N, 3, DOT_PRECISION, SLIDING_WINDOW, SOFT_CAP,
+        )  # fmt: skip
+    else:
+        acc, m_i, l_i = _attend_range(
+            acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, head_offset, 0, unmasked_end, scale_log2,
+            stride_c_blk, stride_c_slot, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, TILE_N, 0, DOT_PRECISION,
+            0, SOFT_CAP,
+        )  # fmt: skip
+        acc, m_i, l_i = _attend_range(
+            acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, head_offset, unmasked_end, kv_end, scale_log2,
+            stride_c_blk, stride_c_slot, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, TILE_N, 2, DOT_PRECISION,
+            0, SOFT_CAP,
+        )  # fmt: skip
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
         out_ptr + q_rows[:, None] * stride_o_tok + head[:, None] * stride_o_head + dims[None, :],
@@ -268,6 +320,8 @@ def _decode_split_kernel(
     COMPUTE_DTYPE: tl.constexpr,
     HAS_ORDER: tl.constexpr,
     USE_PDL: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr = 0,
+    SOFT_CAP: tl.constexpr = 0.0,
 ):
     kv_head = tl.program_id(0)  # fastest-varying: the heads of one request start together
     req = tl.program_id(1)
@@ -283,8 +337,13 @@ def _decode_split_kernel(
     wait_for_inputs(USE_PDL)
     if q_end - q_row != 1:  # not a decode (or a padded request)
         return
-    split_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), TILE_N) * TILE_N, MIN_SPLIT_LEN)
-    kv_start = split * split_len
+    # The keys the query sees: the whole context, or its window's last SLIDING_WINDOW (never
+    # loaded before that: those blocks may be gone). Every one of them is visible: no causal mask.
+    kv_first = 0
+    if SLIDING_WINDOW > 0:
+        kv_first = tl.maximum(seq_len - SLIDING_WINDOW, 0)
+    split_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len - kv_first, num_splits), TILE_N) * TILE_N, MIN_SPLIT_LEN)
+    kv_start = kv_first + split * split_len
     kv_end = tl.maximum(tl.minimum(kv_start + split_len, seq_len), kv_start)  # == kv_start: an empty split
 
     rows = tl.arange(0, BLOCK_M)
@@ -306,11 +365,11 @@ def _decode_split_kernel(
     head_offset = kv_head * stride_c_head
     acc, m_i, l_i = _attend_range(
         acc, m_i, l_i, q, rows, k_cache_ptr, v_cache_ptr, bt_row, head_offset, kv_start, unmasked_end, scale_log2,
-        stride_c_blk, stride_c_slot, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, TILE_N, 0, DOT_PRECISION,
+        stride_c_blk, stride_c_slot, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, TILE_N, 0, DOT_PRECISION, 0, SOFT_CAP,
     )  # fmt: skip
     acc, m_i, l_i = _attend_range(
         acc, m_i, l_i, q, rows, k_cache_ptr, v_cache_ptr, bt_row, head_offset, unmasked_end, kv_end, scale_log2,
-        stride_c_blk, stride_c_slot, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, TILE_N, 1, DOT_PRECISION,
+        stride_c_blk, stride_c_slot, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, TILE_N, 1, DOT_PRECISION, 0, SOFT_CAP,
     )  # fmt: skip
     allow_dependents(USE_PDL)
     if not SPLIT:
@@ -428,6 +487,21 @@ def _compute_dtype(query: torch.Tensor, kv_cache: torch.Tensor) -> torch.dtype:
     return torch.float16 if query.dtype in (torch.bfloat16, torch.float16) else query.dtype
 
 
+def _score_scale(scale: float, soft_cap: float | None) -> float:
+    """What the kernels multiply ``q.k`` by: ``scale * log2(e)`` (base-2 softmax), or with a soft cap
+    c ``scale / c`` (the cap's tanh comes next; ``_attend_range`` multiplies by ``c * log2(e)``)."""
+    return scale * _LOG2E if soft_cap is None else scale / soft_cap
+
+
+def _window_args(sliding_window: int | None, logits_soft_cap: float | None) -> dict:
+    """The kernels' constexprs for a layer's options (0 / 0.0: off, the code without them)."""
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window}")
+    if logits_soft_cap is not None and not logits_soft_cap > 0:
+        raise ValueError(f"logits_soft_cap must be positive or None, got {logits_soft_cap}")
+    return {"SLIDING_WINDOW": int(sliding_window or 0), "SOFT_CAP": float(logits_soft_cap or 0.0)}
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # fp32 caches are for tests: exact dots
 
@@ -455,11 +529,13 @@ def unified_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     skip_decodes: bool = False,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> None:
     """Attention for any ragged batch (decode, prefill, chunked prefill) in one launch; writes
     ``out[:query_start_loc[-1]]``, or with ``skip_decodes`` only the rows of requests with
     ``query_len > 1`` (pair it with ``paged_decode`` for the rest). ``max_query_len`` (a host int)
-    only picks the tile height.
+    only picks the tile height. ``sliding_window`` / ``logits_soft_cap``: the layer's (module doc).
 
     Defaults (``benchmarks/kernels/sweep_prefill.py``, H200, 16,384-token chunks of prompts of
     16-256, 100-1024 and 2048-4096 tokens, Qwen3-0.6B and Llama-3.1-8B heads): 64-row query tiles,
@@ -484,7 +560,7 @@ def unified_attention(
         block_tables,
         seq_lens,
         query_start_loc,
-        scale * _LOG2E,
+        _score_scale(scale, logits_soft_cap),
         num_reqs,
         query.stride(0),
         query.stride(1),
@@ -507,6 +583,7 @@ def unified_attention(
         COMPUTE_DTYPE=_TL_DTYPES[compute_dtype],
         num_warps=num_warps,
         num_stages=num_stages,
+        **_window_args(sliding_window, logits_soft_cap),
     )
 
 
@@ -524,13 +601,16 @@ def paged_decode(
     num_stages: int = 3,
     min_split_len: int = _MIN_SPLIT_LEN,
     order: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> None:
     """Split-KV decode of the requests with ``query_len == 1``; other requests are skipped (padded
     requests with ``query_len 0``, or prefills left to ``unified_attention(skip_decodes=True)``); a
     decode with ``seq_len 0`` (CUDA-graph padding) gives a zero row. No host sync, grid fixed by
     ``num_reqs``: CUDA-graph capturable. ``order`` (optional, int32 [num_reqs]) must be a
     permutation of ``0..num_reqs-1``: the order in which requests' programs are launched (longest
-    first balances the load; see the module doc). It changes no result."""
+    first balances the load; see the module doc). It changes no result. ``sliding_window`` /
+    ``logits_soft_cap``: the layer's (module doc); the splits then cover the window's keys only."""
     num_heads, head_dim, num_kv_heads, qpk, k_cache, v_cache = _common(query, kv_cache)
     compute_dtype = _compute_dtype(query, kv_cache)
     num_reqs = seq_lens.shape[0]
@@ -559,7 +639,7 @@ def paged_decode(
         block_tables,
         seq_lens,
         query_start_loc,
-        scale * _LOG2E,
+        _score_scale(scale, logits_soft_cap),
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -583,6 +663,7 @@ def paged_decode(
         HAS_ORDER=order is not None,
         num_warps=num_warps,
         num_stages=num_stages,
+        **_window_args(sliding_window, logits_soft_cap),
         **launch_kwargs(query.device),
     )
     if num_splits > 1:
