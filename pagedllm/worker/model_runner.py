@@ -131,8 +131,8 @@ class ModelRunner:
         inp = self.prep.prepare(so, rows, self.graph_runner)
         self.timings["prepare"] += time.perf_counter() - t0
         hidden = logits = None
-        if inp.graph_size is not None:  # the graph ends with the LM head (a pure decode step)
-            logits = self.graph_runner.replay(inp.graph_size)[inp.logits_indices]
+        if inp.graph_size is not None:  # the graph ends with the LM head (a decode or verify step)
+            logits = self.graph_runner.replay(inp.graph_size, inp.graph_query_len)[inp.logits_indices]
         else:
             with attention_forward_context(inp.attn_metadata, self.backend):
                 hidden = self.model(inp.input_ids, inp.positions)

@@ -86,9 +86,12 @@ class Worker:
         # No graphs across pipeline stages: a captured forward cannot hold the stage's send / receive.
         if (self.device.type == "cuda" and not config.enforce_eager and self.backend.supports_decode_graphs
                 and config.parallel_config.pipeline_parallel_size == 1):
+            spec = config.speculative_config  # verify graphs: 1 + k queries per request
             self._graphs = CUDAGraphRunner(self.model, self.backend, self.model_runner.prep.inputs,
                                            config.scheduler_config.max_num_seqs, self.device,
-                                           allow_pdl=config.kernel_config.pdl)
+                                           allow_pdl=config.kernel_config.pdl,
+                                           verify_query_len=1 + (spec.num_speculative_tokens if spec else 0),
+                                           max_num_tokens=config.scheduler_config.max_num_batched_tokens)
 
     # -- kernel policy (layers/): the two calls the runner used to make on a loaded model ---------
     def _prepare_model_kernels(self) -> None:
@@ -192,7 +195,7 @@ class Worker:
         if self._graphs is None:
             return
         with self._stage("tune"):
-            self._tune_gemms(self._graphs.sizes)
+            self._tune_gemms(self._graphs.token_counts)
         with self._stage("capture"):
             self._graphs.capture_all()
         self.model_runner.graph_runner = self._graphs
