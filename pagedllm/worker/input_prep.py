@@ -92,17 +92,8 @@ class InputPreparer:
         drafts = so.scheduled_spec_decode_tokens
         if drafts:  # their ids are read by the gather below
             num_drafts = self._place_drafts(drafts, rows)
-        qsl = stage["query_start_loc"]
-        if graph_q > 1:
-            first_token = stage_uniform_batch(stage, batch.token_ids, batch.block_table, self.block_size, rows,
-                                              num_sched, seq_lens, graph_q, graph_size)
-        else:
-            qsl[0] = 0
-            np.cumsum(num_sched, out=qsl[1 : num_reqs + 1])
-            first_token = qsl[:num_reqs]
-            self._stage_flat_tokens(stage, rows, num_sched, start, first_token, total)
-            stage["seq_lens"][:num_reqs] = seq_lens
-            stage["rows"][:num_reqs] = rows
+        first_token = stage_tokens(stage, batch.token_ids, batch.block_table, self.block_size, rows, num_sched,
+                                   seq_lens, graph_size, graph_q)
         ends = first_token + num_sched  # one past each request's last token in the staged layout
         known = batch.num_tokens[rows]
         last = known + batch.num_pending[rows]  # a request samples when its step reaches this
@@ -113,29 +104,13 @@ class InputPreparer:
         stage["logits_indices"][: len(sample_idx)] = ends[sample_idx] - 1
         # After this step these tokens are computed (the scheduler sends the authoritative value).
         batch.num_computed_tokens[rows] = seq_lens
-        n_tok, n_req = total, num_reqs
-        if graph_size is not None:
-            n_tok, n_req = graph_size * graph_q, graph_size
-            if graph_q == 1:
-                pad_decode_batch(stage, total, num_reqs, graph_size)
+        n_tok, n_req = (total, num_reqs) if graph_size is None else (graph_size * graph_q, graph_size)
         inp = self._to_device_inputs(req_ids, sample_idx, n_tok, n_req, total, max_query_len, graph_size,
                                      num_pending_copies, pending_in_order)
         inp.graph_query_len = graph_q
         if drafts:
             self._logits_at_drafts(inp, drafts, num_drafts[sample_idx], ends[sample_idx])
         return inp
-
-    def _stage_flat_tokens(self, stage: dict[str, np.ndarray], rows: np.ndarray, num_sched: np.ndarray,
-                           start: np.ndarray, first_token: np.ndarray, total: int) -> None:
-        """Token ids, positions and slots of the scheduled tokens, back to back in batch order."""
-        batch = self.batch
-        tok_row = np.repeat(rows, num_sched)  # flat per-token indices: which row, which position
-        positions = np.arange(total, dtype=np.int64) - np.repeat(first_token - start, num_sched)
-        stage["positions"][:total] = positions
-        stage["input_ids"][:total] = batch.token_ids[tok_row, positions]
-        stage["slot_mapping"][:total] = (
-            batch.block_table[tok_row, positions // self.block_size] * self.block_size + positions % self.block_size
-        )
 
     def _place_drafts(self, drafts: dict[str, list[int]], rows: np.ndarray) -> np.ndarray:
         """Write each request's drafts after its known tokens (where the gather reads its inputs;
@@ -235,6 +210,44 @@ def _graph_shape(graph_runner: CUDAGraphRunner | None, num_reqs: int, max_query_
     if max_query_len > q or num_reqs > graph_runner.max_verify_size or int(seq_lens.min()) < q:
         return None, 1
     return graph_runner.padded_size(num_reqs, q), q
+
+
+def stage_tokens(stage: dict[str, np.ndarray], token_ids: np.ndarray, block_table: np.ndarray, block_size: int,
+                 rows: np.ndarray, num_sched: np.ndarray, seq_lens: np.ndarray, graph_size: int | None,
+                 graph_q: int) -> np.ndarray:
+    """Stage a step's token ids, positions, KV slots, query starts, sequence lengths and rows in the
+    layout of its shape (``_graph_shape``): back to back (eager), back to back then padded to
+    ``graph_size`` (decode graph), or uniform (verify graph). Request i computes the last
+    ``num_sched[i]`` of the first ``seq_lens[i]`` tokens of ``token_ids[rows[i]]``. Returns the
+    staged index of each request's first token."""
+    if graph_q > 1:
+        return stage_uniform_batch(stage, token_ids, block_table, block_size, rows, num_sched, seq_lens, graph_q,
+                                   graph_size)
+    num_reqs = len(rows)
+    qsl = stage["query_start_loc"]
+    qsl[0] = 0
+    np.cumsum(num_sched, out=qsl[1 : num_reqs + 1])
+    first_token = qsl[:num_reqs]
+    total = int(qsl[num_reqs])
+    stage_flat_tokens(stage, token_ids, block_table, block_size, rows, num_sched, seq_lens - num_sched, first_token,
+                      total)
+    stage["seq_lens"][:num_reqs] = seq_lens
+    stage["rows"][:num_reqs] = rows
+    if graph_size is not None:
+        pad_decode_batch(stage, total, num_reqs, graph_size)
+    return first_token
+
+
+def stage_flat_tokens(stage: dict[str, np.ndarray], token_ids: np.ndarray, block_table: np.ndarray, block_size: int,
+                      rows: np.ndarray, num_sched: np.ndarray, start: np.ndarray, first_token: np.ndarray,
+                      total: int) -> None:
+    """Stage the token ids, positions and KV slots of each request's ``num_sched[i]`` tokens from
+    position ``start[i]`` (of ``rows[i]``), back to back from ``first_token[i]``. Cost: O(total) numpy."""
+    tok_row = np.repeat(rows, num_sched)  # flat per-token indices: which row, which position
+    positions = np.arange(total, dtype=np.int64) - np.repeat(first_token - start, num_sched)
+    stage["positions"][:total] = positions
+    stage["input_ids"][:total] = token_ids[tok_row, positions]
+    stage["slot_mapping"][:total] = block_table[tok_row, positions // block_size] * block_size + positions % block_size
 
 
 def pad_decode_batch(stage: dict[str, np.ndarray], num_tokens: int, num_reqs: int, size: int) -> None:

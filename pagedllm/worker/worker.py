@@ -11,7 +11,8 @@ Start-up is a pipeline of named stages, each logged with its time:
 - ``warm up`` (CUDA, after the KV cache exists): eager forwards of the query-length mixes the
   attention backend names (``AttentionBackend.warmup_query_lens``), logits, both sampling kernels;
 - ``tune``: the GEMM library choice per weight shape and graph batch size;
-- ``capture``: the decode CUDA graphs (unless ``enforce_eager`` or the backend has none).
+- ``capture``: the decode CUDA graphs (unless ``enforce_eager`` or the backend has none), with
+  speculative decoding also the verify graphs, and a draft model's own graphs.
 
 Nothing compiles while serving. Dummy forwards never write the KV cache (their slots are -1).
 """
@@ -36,6 +37,7 @@ from pagedllm.sample.bitmask import GrammarOutput
 from pagedllm.sample.history import TokenHistory
 from pagedllm.sample.sampler import build_sampling_metadata
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.spec_decode.draft_model import DraftModelProposer
 from pagedllm.worker import kv_cache as kvc
 from pagedllm.worker.cuda_graph import CUDAGraphRunner
 from pagedllm.worker.model_runner import ModelRunner, StepHandle
@@ -198,6 +200,9 @@ class Worker:
             self._tune_gemms(self._graphs.token_counts)
         with self._stage("capture"):
             self._graphs.capture_all()
+            proposer = self.model_runner.proposer
+            if isinstance(proposer, DraftModelProposer):  # the draft model's own graphs
+                proposer.runner.capture_graphs(self.config.kernel_config.pdl)
         self.model_runner.graph_runner = self._graphs
 
     @torch.inference_mode()

@@ -29,6 +29,18 @@ def test_greedy_outputs_equal_on_cuda(tmp_path, method):
     assert stats is not None and stats.num_accepted_tokens > 0
 
 
+def _record_replays(graphs) -> list[int]:
+    """Wrap ``graphs.replay`` to record the query length of every replay."""
+    replayed, replay = [], graphs.replay
+
+    def recording(bs: int, q: int = 1):
+        replayed.append(q)
+        return replay(bs, q)
+
+    graphs.replay = recording
+    return replayed
+
+
 def _run(llm, prompts, params):
     outs = llm.generate(prompts, params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs]
@@ -51,8 +63,7 @@ def test_verify_graphs_match_eager_verification(tmp_path, num_speculative_tokens
         replayed = []
         if graphs is not None:
             assert graphs.verify_query_len == 1 + num_speculative_tokens and graphs.max_verify_size >= 8
-            replay = graphs.replay
-            graphs.replay = lambda bs, q=1: (replayed.append(q), replay(bs, q))[1]
+            replayed = _record_replays(graphs)
         results[eager] = _run(llm, prompts, params)
         llm.llm_engine.shutdown()
         if not eager:
@@ -77,10 +88,7 @@ def test_draft_model_runs_its_steps_in_its_decode_graphs(tmp_path):
                   speculative_config=spec, enforce_eager=eager)
         draft = llm.llm_engine.engine_core.runner.proposer.runner
         assert (draft.graphs is None) == eager
-        replayed = []
-        if draft.graphs is not None:
-            replay = draft.graphs.replay
-            draft.graphs.replay = lambda bs, q=1: (replayed.append(q), replay(bs, q))[1]
+        replayed = _record_replays(draft.graphs) if draft.graphs is not None else []
         outs[eager] = _run(llm, prompts, params)[0]
         stats = llm.llm_engine.engine_core.scheduler.stats().spec_decoding
         llm.llm_engine.shutdown()

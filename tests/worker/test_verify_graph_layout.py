@@ -90,10 +90,10 @@ class EagerReplay(CUDAGraphRunner):
     """A "graph" that runs the model eagerly over the staged inputs of the replayed shape: the
     same buffers, metadata shape and logits rows a captured graph has, on the CPU."""
 
-    def __init__(self, worker, query_len: int) -> None:
-        runner = worker.model_runner
-        super().__init__(worker.model, worker.backend, runner.prep.inputs, runner.input_batch.max_num_reqs,
-                         worker.device, verify_query_len=query_len, max_num_tokens=512)
+    def __init__(self, cpu_worker, query_len: int) -> None:
+        runner = cpu_worker.model_runner
+        super().__init__(cpu_worker.model, cpu_worker.backend, runner.prep.inputs, runner.input_batch.max_num_reqs,
+                         cpu_worker.device, verify_query_len=query_len, max_num_tokens=512)
         self.replays: list[tuple[int, int]] = []
 
     def replay(self, bs: int, q: int = 1) -> torch.Tensor:
