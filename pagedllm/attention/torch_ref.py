@@ -168,14 +168,15 @@ def paged_attention_ref(
 
 
 def prefill_attention_ref(query: torch.Tensor, kv_cache: torch.Tensor, meta: HostPlannedMetadata, scale: float,
-                          out: torch.Tensor) -> None:
-    """The requests with more than one query token (prefill, chunked prefill), one SDPA call each
-    over its gathered context with the causal-with-prefix mask; written into ``out`` at their rows."""
+                          out: torch.Tensor, min_query_len: int = 2) -> None:
+    """The requests with at least ``min_query_len`` (> 1) query tokens (prefill, chunked prefill), one
+    SDPA call each over its gathered context with the causal-with-prefix mask; written into ``out``
+    at their rows."""
     qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
     for r in range(len(seq_lens)):
         q_start, q_end = qsl[r], qsl[r + 1]
         q_len = q_end - q_start
-        if q_len <= 1:
+        if q_len < min_query_len:
             continue
         seq_len = seq_lens[r]
         k, v = (from_cache_dtype(t, query.dtype) for t in gather_kv(kv_cache, meta.block_tables[r], seq_len))
