@@ -62,6 +62,9 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "Fused Triton kernels for norms, RoPE, activations and the small-batch GEMVs on CUDA."),
     EnvVar("PAGEDLLM_PDL", "bool", True,
            "Programmatic dependent launch in the batch-1 decode CUDA graphs (Hopper and newer)."),
+    EnvVar("PAGEDLLM_SYMM_MEM_ALL_REDUCE", "bool", True,
+           "Tensor parallel on CUDA: all-reduce decode-sized activations with PyTorch's one-shot "
+           "symmetric-memory kernel (peer reads over NVLink) instead of NCCL."),
     EnvVar("PAGEDLLM_FOLD_NORMS", "bool", True,
            "Fold the decoder layers' RMSNorm weights into the projections after them on CUDA "
            "(enables the residual-stream forward)."),

@@ -10,7 +10,8 @@ unsharded code.
 
 Invariant: ``0 <= rank < size``; with ``size > 1`` a ``torch.distributed`` process group of that
 size carries the collectives. Cost: none at size 1; an all-reduce or all-gather of the activations
-otherwise.
+otherwise (on CUDA, activations up to ``SYMM_ALL_REDUCE_BYTES`` go through the one-shot
+symmetric-memory all-reduce of ``symm_all_reduce.py``, larger ones through NCCL).
 """
 
 from __future__ import annotations
@@ -20,12 +21,16 @@ from typing import Any
 
 import torch
 
+# Decode-sized activations (up to 128 tokens of a 8192-wide model in bf16) take the one-shot path.
+SYMM_ALL_REDUCE_BYTES = 2 * 2**20
+
 
 @dataclass(frozen=True)
 class TensorParallelGroup:
     rank: int = 0
     size: int = 1
     group: Any = None  # a torch.distributed ProcessGroup when size > 1
+    small_all_reduce: Any = None  # a SymmMemAllReduce for small activations (CUDA), or None
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
@@ -35,6 +40,8 @@ class TensorParallelGroup:
         """The sum of ``x`` over the group's ranks (in place where there is more than one)."""
         if self.size == 1:
             return x
+        if self.small_all_reduce is not None and self.small_all_reduce.fits(x):
+            return self.small_all_reduce(x)
         torch.distributed.all_reduce(x, group=self.group)
         return x
 
@@ -129,7 +136,7 @@ def shard_range(total: int, rank: int, size: int, name: str) -> tuple[int, int]:
 
 
 def init_distributed(rank: int, world_size: int, tensor_parallel_size: int, init_method: str,
-                     backend: str) -> TensorParallelGroup:
+                     backend: str, dtype: torch.dtype = torch.bfloat16) -> TensorParallelGroup:
     """Join the ``torch.distributed`` world of ``world_size`` ranks (``backend``: "gloo" on the CPU,
     "nccl" on CUDA) and make this process's tensor-parallel group: the ``tensor_parallel_size``
     consecutive ranks ``rank`` belongs to (one group per pipeline stage; every rank creates every
@@ -146,7 +153,15 @@ def init_distributed(rank: int, world_size: int, tensor_parallel_size: int, init
         made = torch.distributed.new_group(ranks) if tp > 1 else None
         if rank in ranks:
             group = made
-    tp_group = TensorParallelGroup(rank % tp, tp, group)
+    small = None
+    if backend == "nccl" and tp > 1:
+        from pagedllm import envs
+        from pagedllm.distributed.symm_all_reduce import make_symm_all_reduce
+
+        if envs.PAGEDLLM_SYMM_MEM_ALL_REDUCE:
+            small = make_symm_all_reduce(group, torch.device("cuda", torch.cuda.current_device()),
+                                         SYMM_ALL_REDUCE_BYTES, dtype)
+    tp_group = TensorParallelGroup(rank % tp, tp, group, small)
     set_tp_group(tp_group)
     set_pp_group(PipelineParallelGroup(rank // tp, world_size // tp, rank, tp))
     return tp_group

@@ -12,7 +12,8 @@ collective it will never join, so the driver tears the whole world down). Which 
   sample reply, or by the error message the driver finds while it waits);
 - ``sample_tokens``: only the output rank, with the step's ``ModelRunnerOutput``. Every rank calls
   ``result()`` on its own step handle, which applies the sampled tokens to its ``InputBatch`` (the
-  ranks sample the same tokens from the same gathered logits with the same seeds).
+  ranks sample the same tokens from the same gathered logits with the same seeds); with async
+  scheduling it does so once the next step's forward is launched (``_serve``).
 """
 
 from __future__ import annotations
@@ -68,12 +69,26 @@ def _build_worker(config: EngineConfig, rank: int, init_method: str) -> Any:
     else:  # the ranks share the host's CPUs
         torch.set_num_threads(max(1, intra_op_threads(for_server=False) // pc.world_size))
         backend = "gloo"
-    init_distributed(rank, pc.world_size, pc.tensor_parallel_size, init_method, backend)
+    dtype = getattr(torch, config.model_config.dtype)
+    init_distributed(rank, pc.world_size, pc.tensor_parallel_size, init_method, backend, dtype)
     return Worker(config)
 
 
-def _serve(worker: Any, rank: int, is_output_rank: bool, conn: Connection) -> None:
-    """Answer the driver's calls until ``shutdown`` or a closed pipe; raise on a failed call."""
+def _serve(worker: Any, rank: int, is_output_rank: bool, conn: Connection, defer_results: bool) -> None:
+    """Answer the driver's calls until ``shutdown`` or a closed pipe; raise on a failed call.
+
+    With ``defer_results`` (async scheduling) a sampled step's result is resolved only after the
+    next step's forward has been launched, the order the single-process engine core uses: the
+    driver always sends ``execute_model(N+1)`` before it waits for step N's output, so this rank's
+    input preparation for N+1 overlaps the GPU's work on N instead of waiting for it."""
+    pending = None  # the handle of the last sampled step, not yet resolved
+
+    def resolve() -> None:
+        nonlocal pending
+        output, pending = pending.result(), None
+        if is_output_rank:
+            conn.send(("ok", output))
+
     while True:
         try:
             method, args = conn.recv()
@@ -85,12 +100,17 @@ def _serve(worker: Any, rank: int, is_output_rank: bool, conn: Connection) -> No
             raise ValueError(f"unknown worker call {method!r}")
         if method == "execute_model":
             worker.execute_model(decode_scheduler_output(*args))
+            if pending is not None:
+                resolve()
             continue
+        if pending is not None:
+            resolve()
         result = getattr(worker, method)(*args)
         if method == "sample_tokens":
-            result = result.result()
-            if not is_output_rank:
-                continue
+            pending = result
+            if not defer_results:
+                resolve()
+            continue
         conn.send(("ok", result))
 
 
@@ -104,7 +124,7 @@ def worker_main(config: EngineConfig, rank: int, init_method: str, conn: Connect
     try:
         worker = _build_worker(config, rank, init_method)
         conn.send(("ok", None))
-        _serve(worker, rank, rank == config.parallel_config.output_rank, conn)
+        _serve(worker, rank, rank == config.parallel_config.output_rank, conn, config.async_scheduling)
     except BaseException:  # noqa: BLE001 - every failure goes to the driver, with its traceback
         exit_code = 1
         try:

@@ -106,6 +106,20 @@ def test_tp2_seeded_sampling_equals_the_single_process_engine(tiny_folder, tp_en
     assert run(tp_engine, PROMPTS[:2], params) == ref
 
 
+def test_tp2_with_async_scheduling_equals_the_single_process_engine(tiny_folder, reference):
+    """With async scheduling the workers resolve step N only after launching step N+1's forward
+    (mp_worker._serve): the outputs, preemptions and block accounting stay those of one process."""
+    engine = LLMEngine.from_engine_args(EngineArgs(tiny_folder, tensor_parallel_size=2, async_scheduling=True,
+                                                   **ENGINE))
+    try:
+        ours = run(engine, PROMPTS, SamplingParams(temperature=0, max_tokens=24), abort_at={"2": 3})
+        assert not engine.has_unfinished_requests()
+    finally:
+        engine.shutdown()
+    assert len(ours.pop("2")) < 24
+    assert_equal_up_to_near_ties(tiny_folder, ours, {k: v for k, v in reference.items() if k in ours})
+
+
 def _alive(pid: int) -> bool:
     import psutil
 
