@@ -84,7 +84,7 @@ class InputPreparer:
         max_query_len = int(num_sched.max())
         start = batch.num_computed_tokens[rows]
         seq_lens = start + num_sched
-        graph_size, graph_q = _graph_shape(graph_runner, num_reqs, max_query_len, seq_lens)
+        graph_size, graph_q = graph_shape(graph_runner, num_reqs, max_query_len, seq_lens)
         if graph_size is None:
             stage = self.inputs.begin_step(total, num_reqs)
         else:
@@ -193,7 +193,7 @@ class InputPreparer:
         )
 
 
-def _graph_shape(graph_runner: CUDAGraphRunner | None, num_reqs: int, max_query_len: int,
+def graph_shape(graph_runner: CUDAGraphRunner | None, num_reqs: int, max_query_len: int,
                  seq_lens: np.ndarray) -> tuple[int | None, int]:
     """``(padded batch size, query length)`` of the captured graph a step replays, or ``(None, 1)``
     for an eager step: a pure decode step pads to a decode graph; with speculation, a step whose
@@ -216,7 +216,7 @@ def stage_tokens(stage: dict[str, np.ndarray], token_ids: np.ndarray, block_tabl
                  rows: np.ndarray, num_sched: np.ndarray, seq_lens: np.ndarray, graph_size: int | None,
                  graph_q: int) -> np.ndarray:
     """Stage a step's token ids, positions, KV slots, query starts, sequence lengths and rows in the
-    layout of its shape (``_graph_shape``): back to back (eager), back to back then padded to
+    layout of its shape (``graph_shape``): back to back (eager), back to back then padded to
     ``graph_size`` (decode graph), or uniform (verify graph). Request i computes the last
     ``num_sched[i]`` of the first ``seq_lens[i]`` tokens of ``token_ids[rows[i]]``. Returns the
     staged index of each request's first token."""

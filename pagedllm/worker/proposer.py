@@ -23,7 +23,7 @@ from pagedllm.spec_decode.ngram import NgramProposer
 from pagedllm.worker import kv_cache as kvc
 from pagedllm.worker.cuda_graph import CUDAGraphRunner
 from pagedllm.worker.device_inputs import DeviceInputs
-from pagedllm.worker.input_prep import _graph_shape, stage_tokens
+from pagedllm.worker.input_prep import graph_shape, stage_tokens
 
 # The draft's catch-up forward computes 1 or 2 tokens per request once a request's prompt is in
 # (2 after every draft was accepted): its CUDA graphs take up to 2 queries per request.
@@ -64,7 +64,7 @@ class DraftModelRunner:
     def run(self, token_ids: np.ndarray, block_table: np.ndarray, rows: np.ndarray, num_sched: np.ndarray,
             seq_lens: np.ndarray, last_token: torch.Tensor | None = None) -> torch.Tensor:
         num_reqs, total, max_query_len = len(rows), int(num_sched.sum()), int(num_sched.max())
-        size, q = _graph_shape(self.graphs, num_reqs, max_query_len, seq_lens)
+        size, q = graph_shape(self.graphs, num_reqs, max_query_len, seq_lens)
         stage = self.inputs.begin_step(*((total, num_reqs) if size is None else (size * q, size)))
         first = stage_tokens(stage, token_ids, block_table, self.block_size, rows, num_sched, seq_lens, size, q)
         stage["logits_indices"][:num_reqs] = first + num_sched - 1  # each request's last token

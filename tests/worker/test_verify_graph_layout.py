@@ -18,7 +18,7 @@ import torch
 from pagedllm.attention.backend import CommonAttentionInputs, forward_context
 from pagedllm.worker.cuda_graph import MAX_VERIFY_GRAPH_TOKENS, CUDAGraphRunner, verify_capture_sizes
 from pagedllm.worker.device_inputs import step_layout
-from pagedllm.worker.input_prep import _graph_shape, stage_uniform_batch
+from pagedllm.worker.input_prep import graph_shape, stage_uniform_batch
 from tests.worker.test_runner_drafts import (  # noqa: F401  (the worker fixture)
     MAX_TOKENS,
     PROMPTS,
@@ -46,14 +46,14 @@ def _fake_runner(q: int = 4) -> SimpleNamespace:
 def test_graph_shape_choice():
     runner = _fake_runner(q=4)
     lens = np.array([10, 20, 30])
-    assert _graph_shape(None, 3, 1, lens) == (None, 1)
-    assert _graph_shape(runner, 3, 1, lens) == (4, 1)  # pure decode: a decode graph
-    assert _graph_shape(runner, 3, 4, lens) == (4, 4)  # verification of up to 3 drafts
-    assert _graph_shape(runner, 3, 2, lens) == (4, 4)  # fewer drafts: padded with dummy queries
-    assert _graph_shape(runner, 3, 5, lens) == (None, 1)  # a longer query (prefill): eager
-    assert _graph_shape(runner, 5, 2, np.arange(5) + 10) == (None, 1)  # more requests than any verify graph
-    assert _graph_shape(runner, 3, 2, np.array([10, 3, 30])) == (None, 1)  # a context shorter than 1 + k
-    assert _graph_shape(runner, 9, 1, np.arange(9) + 10) == (None, 1)
+    assert graph_shape(None, 3, 1, lens) == (None, 1)
+    assert graph_shape(runner, 3, 1, lens) == (4, 1)  # pure decode: a decode graph
+    assert graph_shape(runner, 3, 4, lens) == (4, 4)  # verification of up to 3 drafts
+    assert graph_shape(runner, 3, 2, lens) == (4, 4)  # fewer drafts: padded with dummy queries
+    assert graph_shape(runner, 3, 5, lens) == (None, 1)  # a longer query (prefill): eager
+    assert graph_shape(runner, 5, 2, np.arange(5) + 10) == (None, 1)  # more requests than any verify graph
+    assert graph_shape(runner, 3, 2, np.array([10, 3, 30])) == (None, 1)  # a context shorter than 1 + k
+    assert graph_shape(runner, 9, 1, np.arange(9) + 10) == (None, 1)
 
 
 def _stage(num_tokens: int, num_reqs: int) -> dict[str, np.ndarray]:
