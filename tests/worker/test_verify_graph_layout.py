@@ -135,3 +135,15 @@ def test_verify_layout_with_junk_drafts(worker, verify_graphs, expected):  # noq
     assert got == expected
     assert any(q == 5 for _, q in verify_graphs.replays)
     assert set(PROMPTS) == set(MAX_TOKENS)
+
+
+def test_verify_graph_shapes_and_gemm_rows(worker):  # noqa: F811
+    """Verify graphs next to the decode graphs: captured most tokens first, their token counts
+    tuned as GEMM rows, their input views cached."""
+    graphs = EagerReplay(worker, query_len=5)  # max_num_seqs 8
+    assert graphs.sizes == [1, 2, 4, 8] and graphs.verify_sizes == [1, 2, 4, 8] and graphs.max_verify_size == 8
+    assert graphs.shapes == [(8, 5), (4, 5), (2, 5), (8, 1), (1, 5), (4, 1), (2, 1), (1, 1)]
+    assert graphs.token_counts == [1, 2, 4, 5, 8, 10, 20, 40]
+    assert (40, 8) in graphs.inputs.recurring_shapes
+    plain = CUDAGraphRunner(worker.model, worker.backend, worker.model_runner.prep.inputs, 8, worker.device)
+    assert plain.verify_sizes == [] and plain.max_verify_size == 0 and plain.token_counts == [1, 2, 4, 8]
