@@ -416,9 +416,16 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 
 
 def _compute_dtype(query: torch.Tensor, kv_cache: torch.Tensor) -> torch.dtype:
-    """The dtype of the dot products: the cache's, or for a float8 cache (``kv_cache_dtype="fp8*"``,
-    upcast tile by tile as it is loaded) the query's."""
-    return query.dtype if kv_cache.element_size() == 1 else kv_cache.dtype
+    """The dtype of the dot products: the cache's; for a float8 cache (``kv_cache_dtype="fp8*"``,
+    upcast tile by tile as it is loaded) float16 under a half-precision query, else the query's.
+    Float8 -> float16 is one conversion instruction per pair of values on Hopper, -> bfloat16
+    several: with bfloat16 the upcast, not the memory, bounded the decode kernel (1.2x faster than
+    a bf16 cache instead of up to 2x; benchmarks/gpu/kv_fp8_decode_kernel.py). Both are exact for
+    the float8 tile; a bfloat16 query loses nothing in float16 unless a component is outside
+    float16's range (|q| > 65504, or below 6e-5 where it becomes subnormal)."""
+    if kv_cache.element_size() != 1:
+        return kv_cache.dtype
+    return torch.float16 if query.dtype in (torch.bfloat16, torch.float16) else query.dtype
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
