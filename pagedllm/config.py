@@ -43,6 +43,16 @@ class CacheConfig:
     cache_dtype: str = "auto"  # "auto" (the compute dtype) | "fp8_e4m3" | "fp8_e5m2" (attention/kv_dtype.py)
 
 
+def moe_sizes(hf_config: Any) -> tuple[int, int] | None:
+    """``(routed experts, each expert's intermediate size)`` of a mixture-of-experts config (Mixtral's
+    ``num_local_experts`` / ``intermediate_size``, Qwen-MoE's ``num_experts`` / ``moe_intermediate_size``),
+    None for a dense model."""
+    experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
+    if not experts:
+        return None
+    return int(experts), int(getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size)
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """How the model is split across devices and processes.
@@ -51,12 +61,15 @@ class ParallelConfig:
     ``pp_rank * tensor_parallel_size + tp_rank`` holds tensor-parallel slice ``tp_rank`` of pipeline
     stage ``pp_rank``. The engine core reads its step's output from ``output_rank`` (the last
     stage's first tensor-parallel rank). One engine core per data-parallel replica.
+    ``enable_expert_parallel``: a mixture-of-experts layer gives each tensor-parallel rank
+    ``experts / tensor_parallel_size`` whole experts instead of a slice of every expert.
     """
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     distributed_executor_backend: str = "uni"  # "uni" (one process) | "mp" (one process per rank) | "ray"
+    enable_expert_parallel: bool = False
 
     @property
     def world_size(self) -> int:
@@ -80,9 +93,29 @@ class ParallelConfig:
         if kv_heads % tp and tp % kv_heads:
             raise ValueError(f"tensor_parallel_size ({tp}) must divide the model's num_key_value_heads "
                              f"({kv_heads}) or be a multiple of it")
+        self._verify_experts(hf_config)
         layers = int(hf_config.num_hidden_layers)
         if layers % pp:
             raise ValueError(f"pipeline_parallel_size ({pp}) must divide the model's num_hidden_layers ({layers})")
+
+    def _verify_experts(self, hf_config: Any) -> None:
+        tp, sizes = self.tensor_parallel_size, moe_sizes(hf_config)
+        if sizes is None:
+            if self.enable_expert_parallel:
+                raise ValueError(f"enable_expert_parallel: the model has no experts "
+                                 f"(model_type={getattr(hf_config, 'model_type', None)!r})")
+            return
+        experts, expert_size = sizes
+        if self.enable_expert_parallel and experts % tp:
+            raise ValueError(f"tensor_parallel_size ({tp}) must divide the model's number of experts ({experts}) "
+                             "with enable_expert_parallel")
+        shared = int(getattr(hf_config, "shared_expert_intermediate_size", None) or 0)
+        sliced = [("shared_expert_intermediate_size", shared)]
+        if not self.enable_expert_parallel:
+            sliced.append(("expert intermediate size", expert_size))
+        for name, total in sliced:
+            if total % tp:
+                raise ValueError(f"tensor_parallel_size ({tp}) must divide the model's {name} ({total})")
 
 
 @dataclass(frozen=True)
@@ -279,6 +312,9 @@ class EngineArgs:
     tensor_parallel_size: int = arg(1, "ranks (GPUs, or CPU processes) each layer is split over")
     pipeline_parallel_size: int = arg(1, "pipeline stages the decoder layers are split over (one process each)")
     data_parallel_size: int = arg(1, "engine replicas (only 1 is supported yet)")
+    enable_expert_parallel: bool = arg(False, "mixture-of-experts models: split the experts over the "
+                                       "tensor-parallel ranks (whole experts per rank) instead of "
+                                       "slicing every expert")
     distributed_executor_backend: str | None = arg(None, "uni (one process), mp (one process per rank) or "
                                                    "ray (not supported yet); default: uni at one rank, "
                                                    "mp above")
@@ -374,6 +410,8 @@ class EngineArgs:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise ValueError(f"enable_expert_parallel must be a boolean, got {self.enable_expert_parallel!r}")
         if self.data_parallel_size != 1:
             raise ValueError(f"data_parallel_size={self.data_parallel_size} is not supported yet (size 1 only)")
         backend = self.distributed_executor_backend

@@ -31,6 +31,9 @@ class TensorParallelGroup:
     size: int = 1
     group: Any = None  # a torch.distributed ProcessGroup when size > 1
     small_all_reduce: Any = None  # a SymmMemAllReduce for small activations (CUDA), or None
+    # MoE layers split their experts over the ranks (E/size whole experts each) instead of each
+    # expert's intermediate dim (vLLM's ``enable_expert_parallel``; layers/fused_moe.py).
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
@@ -136,12 +139,14 @@ def shard_range(total: int, rank: int, size: int, name: str) -> tuple[int, int]:
 
 
 def init_distributed(rank: int, world_size: int, tensor_parallel_size: int, init_method: str,
-                     backend: str, dtype: torch.dtype = torch.bfloat16) -> TensorParallelGroup:
+                     backend: str, dtype: torch.dtype = torch.bfloat16,
+                     enable_expert_parallel: bool = False) -> TensorParallelGroup:
     """Join the ``torch.distributed`` world of ``world_size`` ranks (``backend``: "gloo" on the CPU,
     "nccl" on CUDA) and make this process's tensor-parallel group: the ``tensor_parallel_size``
     consecutive ranks ``rank`` belongs to (one group per pipeline stage; every rank creates every
     group, as ``torch.distributed.new_group`` requires) and its pipeline stage (``rank //
-    tensor_parallel_size``). Returns the tensor-parallel group it set."""
+    tensor_parallel_size``); ``enable_expert_parallel``: its MoE layers split experts over the group.
+    Returns the tensor-parallel group it set."""
     import datetime
 
     torch.distributed.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
@@ -161,7 +166,7 @@ def init_distributed(rank: int, world_size: int, tensor_parallel_size: int, init
         if envs.PAGEDLLM_SYMM_MEM_ALL_REDUCE:
             small = make_symm_all_reduce(group, torch.device("cuda", torch.cuda.current_device()),
                                          SYMM_ALL_REDUCE_BYTES, dtype)
-    tp_group = TensorParallelGroup(rank % tp, tp, group, small)
+    tp_group = TensorParallelGroup(rank % tp, tp, group, small, enable_expert_parallel)
     set_tp_group(tp_group)
     set_pp_group(PipelineParallelGroup(rank // tp, world_size // tp, rank, tp))
     return tp_group

@@ -67,6 +67,7 @@ def create_engine_config(args: EngineArgs, usage_context: str = "ENGINE_CONTEXT"
         data_parallel_size=args.data_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend or (
             "mp" if args.tensor_parallel_size * args.pipeline_parallel_size > 1 else "uni"),
+        enable_expert_parallel=args.enable_expert_parallel,
     )
     parallel_config.verify_model(hf_config)
     _check_quantization_under_tp(quant_config, parallel_config)

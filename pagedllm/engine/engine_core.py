@@ -9,11 +9,25 @@ launches step N, then waits for step N-1's tokens and applies them. The CPU work
 one; the scheduler counts each in-flight sampled token as a placeholder so that step N can
 already compute it, and the runner feeds its id to step N on the GPU.
 
-Structured output: a step with constrained requests needs their bitmask before it samples, and
-the bitmask needs every earlier token accepted by the matchers. Such a step runs
-execute_model(N) -> apply step N-1's tokens (update_from_output advances the matchers) -> fill
-N's bitmask on the CPU -> sample_tokens(N, bitmask): the CPU work overlaps N's forward pass. A
-step without constrained requests keeps the plain order (no cost).
+Structured output: a step with constrained requests samples with their bitmask, and the bitmask
+needs every earlier token accepted by the matchers: sample(N-1) -> accept(N-1) -> fill(N) ->
+sample(N) is a chain no order can shorten. What the order decides is what runs beside it.
+Without async scheduling a step is serial: execute(N) -> fill(N) -> sample(N) -> wait -> apply(N).
+With it, a constrained step N runs
+
+    schedule(N) -> sample(N-1) -> execute(N) -> wait(N-1) -> apply(N-1) -> start fill(N) -> return
+
+and the next step samples N before it executes N+1. The fill runs on the manager's fill thread
+(xgrammar's batched fill, outside the GIL, on its own threads) while the engine thread returns,
+the outputs of N-1 are processed and N+1 is scheduled, and while the GPU runs forward N. The next
+step then waits for what is left of the fill, samples N and launches forward N+1 right behind
+it, so the GPU computes N+1 while the engine thread applies N. Against the unconstrained order
+the engine thread adds only the matchers' accepts in the update, the choice of the rows, and the
+part of the fill that outlasts output processing plus scheduling
+(``StructuredOutputManager.bitmask_wait_s``). ``_unsampled`` holds the step between its fill's
+start and its sample; the runner never sees the difference (execute and sample still alternate).
+A step without constrained requests keeps the plain order (no cost).
+``benchmarks/structured_step_overhead.py`` measures the cost against a simulated GPU.
 """
 
 from __future__ import annotations
@@ -32,6 +46,7 @@ from pagedllm.executor import executor_class
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.structured_output import StructuredOutputManager
+from pagedllm.structured_output.manager import BitmaskJob
 
 logger = logging.getLogger("pagedllm")
 
@@ -40,11 +55,18 @@ class EngineCore:
     """The scheduler and the executor, stepped together.
 
     Invariant: with async scheduling at most one launched step is not yet applied to the
-    scheduler (``_in_flight``); without it none. Cost per step: one schedule, one executor launch,
+    scheduler: sampled (``_in_flight``), or waiting for its bitmask (``_unsampled``, structured
+    output: its forward is launched, its sample is the first thing the next step launches);
+    without it none. Cost per step: one schedule, one executor launch,
     one wait for a step's tokens and one ``update_from_output``, all O(scheduled requests).
     ``stop_checker`` (the engine's stop-string check) is handed to the scheduler's update.
     ``structured_output`` (built from ``tokenizer``; None without one) owns the grammars.
     """
+
+    # Async structured output: (SchedulerOutput, BitmaskJob) of a step whose forward is launched and
+    # whose bitmask is being filled; the next step samples it first (module doc). A class default
+    # so that engines built without __init__ (benchmarks' fake cores) start without one.
+    _unsampled: tuple[SchedulerOutput, BitmaskJob] | None = None
 
     def __init__(self, config: EngineConfig, stop_checker: StopChecker | None = None, tokenizer=None) -> None:
         t0 = time.perf_counter()
@@ -116,10 +138,13 @@ class EngineCore:
         t0 = time.perf_counter()
         sched_out = self.scheduler.schedule()
         t1 = time.perf_counter()
-        self.executor.execute_model(sched_out)
         grammars = self.structured_output
         if grammars is not None and grammars.num_requests:
             grammars.release(sched_out.finished_req_ids)
+        if self._unsampled is not None:
+            self._sample_unsampled()  # before the next forward: the runner samples in launch order
+        self.executor.execute_model(sched_out)
+        if grammars is not None and grammars.num_requests:
             if grammars.has_requests_in(sched_out):
                 return self._step_with_grammar(sched_out, t0, t1)
             if sched_out.is_empty and (self._in_flight is None or self._in_flight[0].is_empty):
@@ -141,27 +166,36 @@ class EngineCore:
         return outputs
 
     def _step_with_grammar(self, sched_out: SchedulerOutput, t0: float, t1: float) -> list[EngineCoreOutput]:
-        """The rest of a step with constrained requests (module doc): apply the step in flight
-        (async) first, so that the bitmask is filled from matchers that accepted its tokens."""
-        outputs: list[EngineCoreOutput] = []
-        t2 = t1
-        if self.async_scheduling:
-            done_out, done_handle = self._in_flight or (SchedulerOutput(), None)
-            self._in_flight = None
-            runner_out = done_handle.result() if done_handle is not None else ModelRunnerOutput([], [])
+        """The rest of a step with constrained requests (module doc). Async: apply the step in
+        flight, so that the matchers have accepted its tokens, start filling this step's bitmask on
+        the fill thread and return; the next step samples this one once the fill is done.
+        Without async scheduling: fill, sample, wait, apply."""
+        grammars = self.structured_output
+        if not self.async_scheduling:
+            handle = self.executor.sample_tokens(grammars.grammar_bitmask(sched_out, self.scheduler.requests))
+            runner_out = handle.result()
             t2 = time.perf_counter()
-            outputs = self.scheduler.update_from_output(done_out, runner_out)
-        grammar_output = self.structured_output.grammar_bitmask(sched_out, self.scheduler.requests)
-        handle = self.executor.sample_tokens(grammar_output)
-        if self.async_scheduling:
-            self._in_flight = (sched_out, handle)
+            outputs = self.scheduler.update_from_output(sched_out, runner_out)
             self._add_timings(t0, t1, t2, time.perf_counter())
             return outputs
-        runner_out = handle.result()
+        done_out, done_handle = self._in_flight or (SchedulerOutput(), None)
+        self._in_flight = None
+        runner_out = done_handle.result() if done_handle is not None else ModelRunnerOutput([], [])
         t2 = time.perf_counter()
-        outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        outputs = self.scheduler.update_from_output(done_out, runner_out)
+        job = grammars.start_bitmask(sched_out, self.scheduler.requests)
+        if job is None:  # no constrained request samples in this step (partial prefills)
+            self._in_flight = (sched_out, self.executor.sample_tokens())
+        else:
+            self._unsampled = (sched_out, job)
         self._add_timings(t0, t1, t2, time.perf_counter())
         return outputs
+
+    def _sample_unsampled(self) -> None:
+        """Sample the step whose bitmask was being filled (it becomes the step in flight)."""
+        sched_out, job = self._unsampled
+        self._unsampled = None
+        self._in_flight = (sched_out, self.executor.sample_tokens(self.structured_output.finish_bitmask(job)))
 
     def _add_timings(self, t0: float, t1: float, t2: float, t3: float) -> None:
         timings = self.step_timings
@@ -174,7 +208,7 @@ class EngineCore:
         if self.scheduler.has_unfinished_requests():  # the usual answer, checked first (every step)
             return True
         in_flight = self._in_flight is not None and not self._in_flight[0].is_empty
-        return in_flight or self.scheduler.has_finished_requests()
+        return in_flight or self._unsampled is not None or self.scheduler.has_finished_requests()
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_requests()

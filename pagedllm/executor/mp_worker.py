@@ -70,7 +70,8 @@ def _build_worker(config: EngineConfig, rank: int, init_method: str) -> Any:
         torch.set_num_threads(max(1, intra_op_threads(for_server=False) // pc.world_size))
         backend = "gloo"
     dtype = getattr(torch, config.model_config.dtype)
-    init_distributed(rank, pc.world_size, pc.tensor_parallel_size, init_method, backend, dtype)
+    init_distributed(rank, pc.world_size, pc.tensor_parallel_size, init_method, backend, dtype,
+                     pc.enable_expert_parallel)
     return Worker(config)
 
 

@@ -44,6 +44,21 @@ class DeviceTuning:
     # cuBLASLt is chosen for a (shape, rows) pair when start-up timed it below
     # ``(1 - cublaslt_margin)`` times cuBLAS (``gemm_library.GemmLibrary.tune``).
     cublaslt_margin: float = 0.03
+    # Fused-MoE grouped GEMM launch parameters ``(block_m, block_n, block_k, group_m, num_warps,
+    # num_stages)`` (``kernels/fused_moe.py``) by the mean assignments per expert (tokens x top_k /
+    # experts): up to the first bound, narrow column blocks (at decode of a few tokens only the
+    # active experts' blocks run: more programs to stream their weights); then 16-row blocks; then
+    # 64-row blocks (prefill). The published fused-MoE designs' defaults; not yet measured here.
+    moe_gemm_configs: tuple[tuple[float, tuple[int, int, int, int, int, int]], ...] = (
+        (1.0, (16, 32, 128, 1, 4, 4)),
+        (16.0, (16, 64, 128, 1, 4, 3)),
+        (float("inf"), (64, 64, 64, 8, 4, 3)),
+    )
+
+    def moe_gemm_config(self, num_assignments: int, num_experts: int) -> tuple[int, int, int, int, int, int]:
+        """The fused-MoE launch parameters for ``num_assignments`` (tokens x top_k) over ``num_experts``."""
+        per_expert = num_assignments / num_experts
+        return next(config for bound, config in self.moe_gemm_configs if per_expert <= bound)
 
 
 HOPPER = DeviceTuning()

@@ -95,12 +95,15 @@ class Architecture:
     model_type: str  # HF ``config.model_type`` (and the GGUF ``general.architecture`` name)
     hf_class: str  # HF ``config.architectures`` entry
     implementation: str  # our model class, "module:Class"
-    config_defaults: dict[str, Any]  # transformers' class defaults for the attributes we read
-    config_types: dict[str, Any]  # field -> predicate a value must satisfy (else AutoConfig judges it)
+    # transformers' class defaults for the attributes we read, and field -> predicate a value must
+    # satisfy (else AutoConfig judges it); None: the plain config reader leaves the type to AutoConfig.
+    config_defaults: dict[str, Any] | None
+    config_types: dict[str, Any] | None
     gguf_permutes_qk: bool  # llama.cpp permutes Q/K rows for its rotary kernel (its "llama" arch)
 
 
 _LLAMA_IMPL = "pagedllm.models.llama:LlamaForCausalLM"
+_MOE_IMPL = "pagedllm.models.moe:MoeForCausalLM"
 ARCHITECTURES: dict[str, Architecture] = {
     a.model_type: a
     for a in (
@@ -109,6 +112,10 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("mistral", "MistralForCausalLM", _LLAMA_IMPL, _DEFAULTS["mistral"], _TYPES["mistral"], False),
         Architecture("qwen2", "Qwen2ForCausalLM", _LLAMA_IMPL, _DEFAULTS["qwen2"], _TYPES["qwen2"], False),
         Architecture("qwen3", "Qwen3ForCausalLM", _LLAMA_IMPL, _DEFAULTS["qwen3"], _TYPES["qwen3"], False),
+        # Mixture of experts: configs read by AutoConfig (their expert fields vary across versions).
+        Architecture("mixtral", "MixtralForCausalLM", _MOE_IMPL, None, None, False),
+        Architecture("qwen2_moe", "Qwen2MoeForCausalLM", _MOE_IMPL, None, None, False),
+        Architecture("qwen3_moe", "Qwen3MoeForCausalLM", _MOE_IMPL, None, None, False),
     )
 }
 SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)

@@ -112,7 +112,7 @@ def read_plain_config(folder: str | os.PathLike) -> PlainConfig | None:
         return None
     model_type = raw.get("model_type")
     arch = ARCHITECTURES.get(model_type)
-    if arch is None or "auto_map" in raw or not isinstance(raw.get("quantization_config", {}), dict):
+    if arch is None or arch.config_defaults is None or "auto_map" in raw or not isinstance(raw.get("quantization_config", {}), dict):
         return None
     if "partial_rotary_factor" in raw:
         return None

@@ -85,13 +85,13 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
         self.head_dim = head_dim_of(cfg)
         attention_bias = bool(getattr(cfg, "attention_bias", False))
-        qkv_bias = attention_bias or cfg.model_type == "qwen2"
+        qkv_bias = attention_bias or cfg.model_type == "qwen2" or bool(getattr(cfg, "qkv_bias", False))  # Qwen2-MoE
         self.qkv_proj = QKVLinear(cfg.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias)
         self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, cfg.hidden_size, bias=attention_bias)
         # This rank's heads (all of them at one tensor-parallel rank).
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_norm = self.k_norm = None
-        if cfg.model_type == "qwen3":
+        if cfg.model_type in ("qwen3", "qwen3_moe"):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.rotary_emb = rotary_emb
@@ -165,10 +165,14 @@ class LlamaModel(nn.Module):
         head_dim = head_dim_of(cfg)
         rotary_dim = int(head_dim * get_rope_parameters(cfg).get("partial_rotary_factor", 1.0))
         self.rotary_emb = RotaryEmbedding(cfg, head_dim, cfg.max_position_embeddings, rotary_dim)  # shared
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, self.rotary_emb) if i in self.layer_range
+        self.layers = nn.ModuleList(self.make_layer(cfg, i) if i in self.layer_range
                                     else OtherStageLayer() for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.residual = ResidualForm()
+
+    def make_layer(self, cfg: Any, index: int) -> nn.Module:
+        """Decoder layer ``index`` (a subclass may vary the layer by index, e.g. MoE or dense MLP)."""
+        return LlamaDecoderLayer(cfg, self.rotary_emb)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         if self.pp.is_first:
@@ -199,11 +203,12 @@ class LlamaForCausalLM(nn.Module):
     # Our merged layers -> the checkpoint modules each stands for (a quantization config's ignore
     # list names the latter; vLLM's attribute name). The same facts as ``STACKED_PARAMS``.
     packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    model_class: type[LlamaModel] = LlamaModel  # the decoder stack (a subclass may swap its layers)
 
     def __init__(self, hf_config: Any) -> None:
         super().__init__()
         self.config = hf_config
-        self.model = LlamaModel(hf_config)
+        self.model = self.model_class(hf_config)
         tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.lm_head = LMHead(hf_config.vocab_size, hf_config.hidden_size, self.model.embed_tokens if tied else None)
         self.max_supported_len: int | None = sliding_window_of(hf_config)
@@ -259,11 +264,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name.startswith("model.layers.") and int(name.split(".")[2]) not in self.model.layer_range:
                 continue  # another pipeline stage's layer
-            target, shard_id = name, None
-            for ckpt_part, our_part, shard in STACKED_PARAMS:
-                if ckpt_part in name:
-                    target, shard_id = name.replace(ckpt_part, our_part), shard
-                    break
+            target, shard_id = self.checkpoint_target(name)
             param = params.get(target)
             if param is None:
                 unexpected.append(name)
@@ -283,6 +284,14 @@ class LlamaForCausalLM(nn.Module):
                 f"checkpoint does not match {arch}: "
                 f"missing weights {_preview(missing)}; unexpected weights {_preview(unexpected)}"
             )
+
+
+    def checkpoint_target(self, name: str) -> tuple[str, object]:
+        """``(our parameter name, shard id)`` for checkpoint weight ``name`` (``STACKED_PARAMS``)."""
+        for ckpt_part, our_part, shard in STACKED_PARAMS:
+            if ckpt_part in name:
+                return name.replace(ckpt_part, our_part), shard
+        return name, None
 
 
 def _preview(names: list[str], limit: int = 8) -> str:

@@ -73,6 +73,9 @@ def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device | str,
     its linear layers get their quantization methods; the caller's load then ends with
     ``process_quantized_weights`` (``load_model`` and ``init_dummy_weights`` do)."""
     cls = get_model_class(hf_config)
+    if quant_config is not None and not getattr(cls, "supports_quantization", True):
+        raise ValueError(f"quantization is not supported for {hf_config.model_type!r} models yet "
+                         f"({cls.__name__} has no quantized form of its experts)")
     with torch.device(device), _default_dtype(dtype):
         model = cls(hf_config)
         quantize_model(model, quant_config)

@@ -9,7 +9,8 @@ Three costs, paid in three places:
 - ``GrammarMatcher`` (microseconds): one per request, when it is first scheduled.
 
 Per step, the bitmask rows of all constrained requests are filled by one ``BatchGrammarMatcher``
-call that runs on xgrammar's own threads (one per usable CPU) without the GIL.
+call that runs on xgrammar's own threads without the GIL: one per usable CPU but one, which the
+engine thread keeps (it processes outputs and schedules while the fill runs: engine_core.py).
 
 The vocabulary comes from the engine's HF tokenizer, padded to the model's logits width (ids past
 the tokenizer's are never allowed). ``TokenizerInfo`` costs a fraction of a second, so it is built
@@ -89,7 +90,7 @@ class XgrammarBackend:
     def batch_fill_bitmask(self, matchers: list[xgr.GrammarMatcher], bitmask, rows: list[int]) -> None:
         """Fill ``bitmask[rows[i]]`` with the next-token mask of ``matchers[i]``, in parallel."""
         if self._batch is None:
-            self._batch = xgr.BatchGrammarMatcher(max_threads=usable_cpus())
+            self._batch = xgr.BatchGrammarMatcher(max_threads=max(1, usable_cpus() - 1))
         self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
 
     @staticmethod

@@ -6,8 +6,10 @@ Flow of one constrained request:
    for the request yet, so a refused request leaves no state anywhere.
 2. ``EngineCore.add_request`` -> ``attach(request)``: the request gets its
    ``StructuredOutputRequest``; the scheduler keeps it waiting (others run) until ``is_ready()``.
-3. Each step that samples for it: ``grammar_bitmask`` fills its bitmask row(s) on the CPU (while
-   the GPU runs the forward), the runner applies them to the logits; the scheduler's update
+3. Each step that samples for it: ``start_bitmask`` starts filling its bitmask row(s) on the fill
+   thread and ``finish_bitmask`` waits for them (``grammar_bitmask`` does both; the engine core
+   does its own work in between: engine_core.py), the runner applies them to the logits; the
+   scheduler's update
    advances its matcher by the accepted tokens and stops it when the grammar terminates; with
    jump-forward on, it then appends the tokens the grammar forces (jump_forward.py).
 4. The step after it finishes or is aborted (``SchedulerOutput.finished_req_ids``): ``release``.
@@ -37,6 +39,16 @@ _RUNNING = RequestStatus.RUNNING
 
 
 @dataclass
+class BitmaskJob:
+    """A step's bitmask being filled on the manager's fill thread (``start_bitmask``).
+    ``future`` gives the fill's seconds; the rows are ``bitmask[:num_rows]``, ``req_ids`` in order."""
+
+    req_ids: list[str]
+    num_rows: int
+    future: Future
+
+
+@dataclass
 class StructuredOutputStats:
     """The manager's counters at one moment (cumulative since the engine started), plus the compile
     times of the grammars compiled since the previous ``StructuredOutputManager.stats()`` call.
@@ -58,12 +70,14 @@ class StructuredOutputManager:
     enters it only after its constraint parsed; at most ``max_cached_grammars`` keys are kept
     (least recently used dropped). Cost: ``prepare`` is a dict lookup on a hit, a parse (about a
     millisecond) on a miss; ``grammar_bitmask`` is O(structured requests of the step) matcher
-    calls into one reused int32 buffer, the fills batched into one multi-threaded call.
+    calls into one reused int32 buffer, the fills batched into one multi-threaded call on the fill
+    thread (one fill in flight at a time: the engine core finishes a job before it starts another).
 
     Counters (the engine's metrics read them): ``num_compiled``, ``compile_time_s`` (summed;
     ``take_compile_times`` gives each), ``num_cache_hits`` (requests whose constraint was already
-    compiled or compiling), ``bitmask_time_s`` and ``num_bitmask_steps`` (CPU time spent filling
+    compiled or compiling), ``bitmask_time_s`` and ``num_bitmask_steps`` (time spent filling
     bitmasks, over the steps that had structured requests: their ratio is the time per step),
+    ``bitmask_wait_s`` (the part of it the engine thread waited for: the rest overlapped its work),
     ``num_jumped_tokens`` (tokens appended by jump-forward).
 
     ``jump_forward``: requests that ask for no logprobs get the shared ``JumpForward``
@@ -78,6 +92,7 @@ class StructuredOutputManager:
         self._backend = None  # built on the first constraint: importing xgrammar takes a while
         self.vocab_size = vocab_size
         self._pool: ThreadPoolExecutor | None = None  # started on the first constraint
+        self._fill_thread: ThreadPoolExecutor | None = None  # one worker: the bitmask fills, in order
         self._max_compile_threads = max_compile_threads
         # Least recently used first; requests hold their own future, so evicting one is safe.
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
@@ -90,6 +105,7 @@ class StructuredOutputManager:
         self._new_compile_times_s: list[float] = []  # since the last take_compile_times()
         self.num_cache_hits = 0
         self.bitmask_time_s = 0.0
+        self.bitmask_wait_s = 0.0
         self.num_bitmask_steps = 0
 
     @property
@@ -191,56 +207,88 @@ class StructuredOutputManager:
         return bool(live) and any(req_id in live for req_id in scheduler_output.num_scheduled_tokens)
 
     def grammar_bitmask(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]) -> GrammarOutput | None:
-        """The bitmask rows of the step's structured requests that sample in it (their matchers
-        have accepted every token before the step), or None if there are none.
+        """The bitmask rows of the step's structured requests that sample in it, filled before
+        returning (``start_bitmask`` then ``finish_bitmask``), or None if there are none."""
+        job = self.start_bitmask(scheduler_output, requests)
+        return self.finish_bitmask(job) if job is not None else None
+
+    def start_bitmask(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]) -> BitmaskJob | None:
+        """Choose the rows of the step's structured requests that sample in it (their matchers have
+        accepted every token before the step) and start filling them on the fill thread; None if
+        there are none. Until ``finish_bitmask(job)`` the chosen requests' matchers belong to the
+        fill thread: the caller may schedule, add and abort requests, not advance those matchers.
 
         A request samples in the step iff it still has placeholders once the previous step's
         tokens are applied (1 + its drafts); a partial prefill has none."""
         t0 = time.perf_counter()
-        chosen: list[tuple[str, StructuredOutputRequest, list[int]]] = []
-        num_rows = 0
+        scheduled = scheduler_output.num_scheduled_tokens
         drafts_of = scheduler_output.scheduled_spec_decode_tokens
-        for req_id in scheduler_output.num_scheduled_tokens:
-            state = self._requests.get(req_id)
-            request = requests.get(req_id) if state is not None else None
+        max_rows = len(scheduled) + (sum(map(len, drafts_of.values())) if drafts_of else 0)
+        if self._bitmask.shape[0] < max_rows:
+            self._bitmask = np.zeros((max(max_rows, 2 * self._bitmask.shape[0]), self._bitmask.shape[1]), np.int32)
+        bitmask = self._bitmask
+        req_ids: list[str] = []
+        matchers, rows = [], []  # the rows the fill thread fills
+        num_rows = 0
+        live = self._requests
+        for req_id in scheduled:
+            state = live.get(req_id)
+            if state is None:
+                continue
+            request = requests.get(req_id)
             if request is None or request.status != _RUNNING or not request.num_output_placeholders:
                 continue
-            drafts = drafts_of.get(req_id, []) if drafts_of else []
-            chosen.append((req_id, state, drafts))
-            num_rows += len(drafts) + 1
-        if not chosen:
-            return None
-        if self._bitmask.shape[0] < num_rows:
-            self._bitmask = np.zeros((max(num_rows, 2 * self._bitmask.shape[0]), self._bitmask.shape[1]), np.int32)
-        self._fill_rows(chosen)
-        # The runner copies the rows before sample_tokens returns, so the buffer is reused next step.
-        output = GrammarOutput([req_id for req_id, _, _ in chosen], self._bitmask[:num_rows])
-        self.bitmask_time_s += time.perf_counter() - t0
-        self.num_bitmask_steps += 1
-        return output
-
-    def _fill_rows(self, chosen: list[tuple[str, StructuredOutputRequest, list[int]]]) -> None:
-        """Fill each chosen request's rows, in order. Requests without drafts (the common case)
-        are filled by one batched xgrammar call on its own threads, outside the GIL: the fill is
-        the step's largest CPU cost (tens of microseconds per request for a JSON schema), and it
-        overlaps the GPU's forward only if it ends before the forward does."""
-        bitmask = self._bitmask
-        matchers, rows = [], []
-        row = 0
-        for _, state, drafts in chosen:
-            if drafts:
-                state.fill_bitmask(bitmask, row, drafts)
-            elif state.is_terminated():
-                bitmask[row] = -1
+            req_ids.append(req_id)
+            drafts = drafts_of.get(req_id) if drafts_of else None
+            if drafts:  # rare (speculative decoding): walked here, on this thread
+                state.fill_bitmask(bitmask, num_rows, drafts)
+                num_rows += len(drafts) + 1
+                continue
+            if state.is_terminated():
+                bitmask[num_rows] = -1
             else:
                 matchers.append(state.matcher)
-                rows.append(row)
-            row += len(drafts) + 1
+                rows.append(num_rows)
+            num_rows += 1
+        if not req_ids:
+            return None
+        self.bitmask_time_s += time.perf_counter() - t0  # choosing the rows, walking the drafts
+        if not matchers:  # every row already written (terminated grammars, drafts)
+            future: Future = Future()
+            future.set_result(0.0)
+            return BitmaskJob(req_ids, num_rows, future)
+        if self._fill_thread is None:
+            self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-bitmask")
+        started = threading.Event()
+        future = self._fill_thread.submit(self._fill_rows, matchers, rows, started)
+        # Hand the GIL to the fill thread until it is inside xgrammar (which releases it): left to
+        # the interpreter, a thread waiting for the GIL gets it only after the switch interval.
+        started.wait()
+        return BitmaskJob(req_ids, num_rows, future)
+
+    def finish_bitmask(self, job: BitmaskJob) -> GrammarOutput:
+        """Wait for ``job``'s fill; its rows, in the order of ``job.req_ids``."""
+        t0 = time.perf_counter()
+        self.bitmask_time_s += job.future.result()  # re-raises the fill's error, if any
+        self.bitmask_wait_s += time.perf_counter() - t0
+        self.num_bitmask_steps += 1
+        # The runner copies the rows before sample_tokens returns, so the buffer is reused next step.
+        return GrammarOutput(job.req_ids, self._bitmask[:job.num_rows])
+
+    def _fill_rows(self, matchers: list, rows: list[int], started: threading.Event) -> float:
+        """Fill ``bitmask[rows[i]]`` from ``matchers[i]`` (on the fill thread); returns the seconds
+        it took. One batched xgrammar call on its own threads, outside the GIL: the fill is the
+        step's largest CPU cost (tens of microseconds per request for a JSON schema), so the
+        engine thread does other work meanwhile."""
+        t0 = time.perf_counter()
+        started.set()
         if len(matchers) == 1:
-            matchers[0].fill_next_token_bitmask(bitmask, rows[0])
-        elif matchers:
-            self.backend.batch_fill_bitmask(matchers, bitmask, rows)
+            matchers[0].fill_next_token_bitmask(self._bitmask, rows[0])
+        else:
+            self.backend.batch_fill_bitmask(matchers, self._bitmask, rows)
+        return time.perf_counter() - t0
 
     def shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._pool, self._fill_thread):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)

@@ -22,8 +22,11 @@ class StructuredOutputRequest:
 
     Invariant: once the future is done and succeeded, ``matcher`` (created on first use) has
     accepted exactly the request's output tokens so far (jumped ones included); draft tokens it is walked over to fill
-    their bitmask rows are rolled back before ``fill_bitmask`` returns. Cost: each call is one
-    xgrammar call (microseconds) per token.
+    their bitmask rows are rolled back before ``fill_bitmask`` returns. ``_terminated`` is the
+    matcher's ``is_terminated()``, kept here (the grammar terminates only by accepting one of
+    ``_stop_set``, so only such a token, or a rollback, makes it ask xgrammar again): the
+    scheduler asks after every step, and a call into xgrammar costs as much as accepting a token.
+    Cost: each call is one xgrammar call (about a microsecond) per token.
     """
 
     def __init__(self, compiled: Future, stop_token_ids: list[int] | None, new_matcher,
@@ -32,6 +35,8 @@ class StructuredOutputRequest:
         self._stop_token_ids = stop_token_ids
         self._new_matcher = new_matcher
         self._matcher = None
+        self._stop_set: frozenset[int] = frozenset()  # the matcher's stop tokens, set with it
+        self._terminated = False
         self._jump = jump  # None: this request samples every token (jump-forward off, or logprobs)
 
     @property
@@ -51,22 +56,26 @@ class StructuredOutputRequest:
     def matcher(self):
         if self._matcher is None:
             self._matcher = self._new_matcher(self._compiled.result(), self._stop_token_ids)
+            self._stop_set = frozenset(self._matcher.stop_token_ids)
         return self._matcher
 
     def accept_tokens(self, token_ids: list[int]) -> bool:
         """Advance by the request's new tokens; False (the matcher unchanged from the first
         refused one on) if the grammar refuses one."""
-        matcher = self.matcher
+        matcher = self._matcher or self.matcher
         for token_id in token_ids:
             if not matcher.accept_token(token_id):
                 logger.error("structured output: token %d refused by the grammar", token_id)
                 return False
+            if token_id in self._stop_set:
+                self._terminated = matcher.is_terminated()
         return True
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens (rejected drafts)."""
         if num_tokens:
             self.matcher.rollback(num_tokens)
+            self._terminated = self._matcher.is_terminated()
 
     def jump_forward(self, max_tokens: int) -> list[int]:
         """The tokens the grammar forces next, at most ``max_tokens``, already accepted by the
@@ -82,12 +91,14 @@ class StructuredOutputRequest:
             if not matcher.accept_token(token_id):
                 break
             accepted.append(token_id)
+            if token_id in self._stop_set:
+                self._terminated = matcher.is_terminated()
         self._jump.record(len(accepted))
         return accepted
 
     def is_terminated(self) -> bool:
         """The grammar is complete and its stop token was accepted."""
-        return self._matcher is not None and self._matcher.is_terminated()
+        return self._terminated
 
     def fill_bitmask(self, bitmask: np.ndarray, first_row: int, draft_token_ids: list[int]) -> None:
         """Fill ``bitmask[first_row + j]`` for the step's ``len(draft_token_ids) + 1`` positions:

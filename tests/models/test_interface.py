@@ -7,7 +7,9 @@ import torch
 from pagedllm.loader.architectures import ARCHITECTURES, architecture_for, gguf_permutes_qk
 from pagedllm.models import LlamaForCausalLM, build_model, get_model_class, supported_architectures
 from pagedllm.models.interface import CausalLM, check_model, check_model_class
+from pagedllm.models.moe import MoeForCausalLM
 from tests.helpers import tiny_config
+from tests.models.moe_tiny import MOE_ARCHS, tiny_moe_config
 
 
 def test_llama_provides_the_interface():
@@ -32,9 +34,10 @@ def test_a_class_lacking_a_member_is_refused():
 def test_one_table_serves_registry_and_loader():
     assert supported_architectures() == sorted(a.hf_class for a in ARCHITECTURES.values())
     for arch in ARCHITECTURES.values():
-        cfg = tiny_config(arch.model_type)
+        moe = arch.model_type in MOE_ARCHS
+        cfg = tiny_moe_config(arch.model_type) if moe else tiny_config(arch.model_type)
         cfg.architectures = [arch.hf_class]
-        assert get_model_class(cfg) is LlamaForCausalLM
+        assert get_model_class(cfg) is (MoeForCausalLM if moe else LlamaForCausalLM)
         assert architecture_for(None, arch.model_type) is arch  # GGUF configs: model_type only
     assert architecture_for(["NopeForCausalLM"], "nope") is None
     assert gguf_permutes_qk("llama") and not gguf_permutes_qk("qwen2") and not gguf_permutes_qk("unknown")

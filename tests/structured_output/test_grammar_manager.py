@@ -114,3 +114,39 @@ def test_a_compile_that_fails_later_marks_the_request_failed(manager):
     gate.set()
     state.compiled.exception()
     assert state.is_ready() and state.failed
+
+
+def test_start_bitmask_returns_while_the_fill_thread_fills(manager, tokenizer):
+    params = StructuredOutputsParams(json=SCHEMA)
+    requests = {r: running_request(manager, r, params) for r in ("a", "b", "c")}
+    for request in requests.values():
+        request.structured_output_request.compiled.result()
+    so = SchedulerOutput(num_scheduled_tokens=dict.fromkeys(requests, 1))
+    expected = manager.grammar_bitmask(so, requests).bitmask.copy()  # filled, then waited for
+    release, fill, threads = threading.Event(), manager._fill_rows, []
+
+    def gated(*args):
+        seconds = fill(*args)
+        threads.append(threading.current_thread().name)
+        assert release.wait(30)
+        return seconds
+
+    manager._fill_rows = gated
+    manager._bitmask[:] = 0
+    job = manager.start_bitmask(so, requests)
+    assert job.req_ids == ["a", "b", "c"] and not job.future.done()  # the caller goes on meanwhile
+    release.set()
+    out = manager.finish_bitmask(job)
+    assert threads[0].startswith("pagedllm-bitmask") and threading.current_thread().name not in threads
+    np.testing.assert_array_equal(out.bitmask, expected)
+    assert manager.num_bitmask_steps == 2 and manager.bitmask_wait_s > 0
+
+
+def test_is_terminated_follows_stop_tokens_and_rollback(manager, tokenizer):
+    request = running_request(manager, "r", StructuredOutputsParams(regex="[0-9]+"), eos=2)
+    state = request.structured_output_request
+    [one] = tokenizer.encode("1", add_special_tokens=False)
+    assert state.accept_tokens([one]) and not state.is_terminated()
+    assert state.accept_tokens([2]) and state.is_terminated()
+    state.rollback(1)  # the stop token was a rejected draft
+    assert not state.is_terminated() and state.accept_tokens([one, 2]) and state.is_terminated()

@@ -193,3 +193,47 @@ def test_steps_without_constrained_requests_keep_the_plain_path(llm, monkeypatch
     steps = m.num_bitmask_steps
     out = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 3 and m.num_bitmask_steps == steps and m.num_requests == 0
+
+
+def test_async_steps_fill_the_bitmask_beside_the_next_schedule(engines, monkeypatch):
+    """Async: a constrained step returns with its bitmask still filling (it is sampled by the next
+    step, after that step has scheduled), and the text still follows the grammar."""
+    llm = engines(True)
+    engine, m = llm.llm_engine, grammars(llm)
+    core = engine.engine_core
+    events: list[str] = []
+    release, fill, schedule = threading.Event(), m._fill_rows, core.scheduler.schedule
+
+    def gated_fill(*args):
+        seconds = fill(*args)
+        assert release.wait(30)
+        return seconds
+
+    def recorded(name, fn):
+        def call(*args):
+            result = fn(*args)
+            if result is not None:  # None: no constrained request samples in the step
+                events.append(name)
+            return result
+        return call
+
+    for name in ("start_bitmask", "finish_bitmask"):
+        monkeypatch.setattr(m, name, recorded(name, getattr(m, name)))
+    monkeypatch.setattr(core.scheduler, "schedule", lambda: (events.append("schedule"), schedule())[1])
+    monkeypatch.setattr(m, "_fill_rows", gated_fill)
+    engine.add_request("r", PROMPT, constrained(json=SCHEMA, max_tokens=80))
+    state = core.scheduler.get_request("r").structured_output_request
+    state.compiled.result(timeout=60)
+    for _ in range(20):
+        engine.step()
+        if core._unsampled is not None:
+            break
+    assert core._unsampled is not None and not core._unsampled[1].future.done()  # step() returned first
+    release.set()
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o for o in engine.step() if o.finished]
+    check("json", finished[0].outputs[0].text)
+    starts = [i for i, event in enumerate(events) if event == "start_bitmask"]
+    assert len(starts) > 3 and all(events[i + 1:i + 3] == ["schedule", "finish_bitmask"] for i in starts)
+    assert core._unsampled is None and m.num_requests == 0

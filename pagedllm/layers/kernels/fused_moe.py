@@ -1,0 +1,150 @@
+"""The fused-MoE grouped GEMM: every expert's tokens in two launches (the published fused-MoE design).
+
+An *assignment* is one (token, slot) pair of the router's top-k, numbered ``token * top_k + slot``.
+``align_assignments`` sorts the assignments by expert and pads each expert's run to a multiple of
+``block_m`` (padding rows hold the sentinel ``T * top_k``), so that every block of ``block_m``
+sorted rows belongs to one expert (``block_expert``). ``_moe_gemm_kernel`` then computes, per block
+of rows and block of output columns, ``A[rows] @ W[expert]^T`` reading only that expert's weight:
+
+1. gate_up: ``A`` = the tokens (row ``assignment // top_k``), ``W = w13``; the gate and up columns
+   are two accumulators of the same program and the epilogue writes ``silu(gate) * up`` ``[T*k, I]``;
+2. down: ``A`` = that activation (row ``assignment``), ``W = w2``; the epilogue multiplies by the
+   routing weight and writes row ``assignment`` of ``[T*k, H]``;
+
+and the caller sums the top-k rows of each token. Rounding as the torch path (``fused_moe.grouped_experts``):
+gate and up rounded to the input dtype before the float32 SiLU, its result rounded, the product
+rounded; the down product rounded before the float32 weight multiply. Under expert parallel the
+assignments to another rank's experts get no rows (and their output rows stay zero).
+
+Everything is sized from host shapes (the grid from the worst-case padded length ``T*k +
+min(E, T*k) * (block_m - 1)``, blocks past the real padded length exit at once), with no host sync:
+the whole path is capturable in a CUDA graph. Cost: the weights of the experts that received
+tokens are read once per column block of rows (``block_m`` rows share each weight tile), plus
+``T*k*(I + H)`` activations written and read once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def align_assignments(topk_ids: torch.Tensor, num_local_experts: int, first_expert: int,
+                      block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(sorted_ids [R] int32, block_expert [R / block_m] int32, num_padded [1] int32)`` for the
+    router's ``topk_ids [T, k]``: the assignments to local experts ``first_expert ..`` sorted by
+    expert (stable), each expert's run padded to a multiple of ``block_m`` with the sentinel
+    ``T*k``; ``num_padded`` rows of the ``R`` (the host-known worst case) are in use, and block ``b``
+    of them belongs to expert ``block_expert[b]`` (beyond ``num_padded``: unspecified)."""
+    device = topk_ids.device
+    flat = topk_ids.reshape(-1).to(torch.int64) - first_expert
+    n, experts = flat.numel(), num_local_experts
+    bucket = torch.where((flat >= 0) & (flat < experts), flat, experts)  # ``experts``: another rank's
+    counts = torch.zeros(experts + 1, dtype=torch.int64, device=device).scatter_add_(0, bucket, torch.ones_like(bucket))
+    padded = (counts[:experts] + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    starts = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(bucket, stable=True)
+    sorted_bucket = bucket[order]
+    rank_in_expert = torch.arange(n, device=device) - starts[sorted_bucket]
+    rows = triton.cdiv(n + min(experts, n) * (block_m - 1), block_m) * block_m
+    local = sorted_bucket < experts
+    first_row = (padded_end - padded)[sorted_bucket.clamp(max=experts - 1)]
+    dest = torch.where(local, first_row + rank_in_expert, rows)  # row ``rows``: dropped below
+    sorted_ids = torch.full((rows + 1,), n, dtype=torch.int32, device=device)
+    sorted_ids.scatter_(0, dest, order.to(torch.int32))
+    block_starts = torch.arange(0, rows, block_m, device=device)
+    block_expert = torch.searchsorted(padded_end, block_starts, right=True).to(torch.int32)
+    return sorted_ids[:rows], block_expert, padded_end[-1:].to(torch.int32)
+
+
+@triton.jit
+def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
+                     N, K, num_assignments, a_row_divisor, num_row_blocks,
+                     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_cm, stride_cn,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                     SILU_AND_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # Grouped order of (row block, column block) programs: GROUP_M row blocks share column tiles in L2.
+    pid = tl.program_id(0)
+    col_blocks = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * col_blocks
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_row_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    assignment = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_mask = assignment < num_assignments
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_rows = (assignment // a_row_divisor).to(tl.int64)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    w_ptrs = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_mask = offs_k < K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        if SILU_AND_MUL:  # the up rows sit N rows below the gate rows of the same expert
+            w_up = tl.load(w_ptrs + N * stride_wn, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+            acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        w_ptrs += BLOCK_K * stride_wk
+    io_dtype = c_ptr.dtype.element_ty
+    out = acc.to(io_dtype).to(tl.float32)
+    if SILU_AND_MUL:
+        up = acc_up.to(io_dtype).to(tl.float32)
+        out = (out / (1.0 + tl.exp(-out))).to(io_dtype).to(tl.float32) * up
+    if MUL_WEIGHT:
+        routed = tl.load(weights_ptr + assignment, mask=row_mask, other=0.0)
+        out = out * routed[:, None]
+    c_ptrs = c_ptr + assignment[:, None].to(tl.int64) * stride_cm + cols[None, :] * stride_cn
+    tl.store(c_ptrs, out.to(io_dtype), mask=row_mask[:, None] & col_mask[None, :])
+
+
+def _moe_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, weights: torch.Tensor, aligned: tuple,
+              a_row_divisor: int, silu_and_mul: bool, config: tuple[int, ...]) -> None:
+    sorted_ids, block_expert, num_padded = aligned
+    block_m, block_n, block_k, group_m, num_warps, num_stages = config
+    n = out.shape[1]
+    k = a.shape[1]
+    row_blocks = sorted_ids.numel() // block_m
+    grid = (row_blocks * triton.cdiv(n, block_n),)
+    _moe_gemm_kernel[grid](
+        a, w, out, weights, sorted_ids, block_expert, num_padded,
+        n, k, out.shape[0], a_row_divisor, row_blocks,
+        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
+        SILU_AND_MUL=silu_and_mul, MUL_WEIGHT=not silu_and_mul,
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, first_expert: int, expert_parallel: bool,
+                  config: tuple[int, int, int, int, int, int]) -> torch.Tensor:
+    """``FusedMoE``'s experts for ``x [T, H]`` (contiguous rows): ``w13 [E, 2I, H]``, ``w2 [E, H,
+    I]`` of local experts ``first_expert ..``; ``topk_weights`` float32 and ``topk_ids`` ``[T, k]``;
+    ``expert_parallel``: some assignments may go to another rank's experts (their rows are zeroed).
+    ``config``: ``(block_m, block_n, block_k, group_m, num_warps, num_stages)``."""
+    num_tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    intermediate = w13.shape[1] // 2
+    num_assignments = num_tokens * top_k
+    if num_tokens == 0:
+        return torch.zeros_like(x)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    aligned = align_assignments(topk_ids, w13.shape[0], first_expert, config[0])
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    act = torch.empty(num_assignments, intermediate, dtype=x.dtype, device=x.device)
+    _moe_gemm(x, w13, act, weights, aligned, top_k, True, config)
+    rows = (torch.zeros if expert_parallel else torch.empty)(num_assignments, hidden, dtype=x.dtype, device=x.device)
+    _moe_gemm(act, w2, rows, weights, aligned, 1, False, config)
+    return rows.view(num_tokens, top_k, hidden).sum(dim=1)
