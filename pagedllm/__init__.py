@@ -1,7 +1,18 @@
 """pagedllm: a readable LLM inference and serving engine (paged KV cache, continuous batching)."""
 
 from pagedllm.config import EngineArgs
-from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedllm.lora.request import LoRARequest
+from pagedllm.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+)
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from pagedllm.version import __version__
 
@@ -10,7 +21,13 @@ __all__ = [
     "LLMEngine",
     "AsyncLLMEngine",
     "EngineArgs",
+    "LoRARequest",
     "SamplingParams",
+    "PoolingParams",
+    "PoolingOutput",
+    "PoolingRequestOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "StructuredOutputsParams",
     "RequestOutputKind",
     "RequestMetrics",

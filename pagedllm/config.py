@@ -14,6 +14,8 @@ from typing import Any
 _DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float", "bf16", "fp16", "fp32")
 _DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}
 _KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+_RUNNERS = ("auto", "generate", "pooling")
+_TASKS = ("auto", "generate", "embed")
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,8 @@ class SchedulerConfig:
     # A request not scheduled within this many seconds of its arrival is finished as aborted
     # (``QUEUE_TIMEOUT_REASON``); None: requests wait as long as it takes.
     timeout_s: float | None = None
+    # With LoRA: the most distinct adapters one step may run (vLLM's rule); None: LoRA is off.
+    max_loras: int | None = None
 
 
 @dataclass(frozen=True)
@@ -208,6 +212,20 @@ class StructuredOutputsConfig:
     jump_forward: bool = False
 
 
+# vLLM's accepted max_lora_rank values.
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA (``enable_lora``): ``max_loras`` adapters in device slots at once (and at most that
+    many distinct ones per step), ranks up to ``max_lora_rank``, ``max_cpu_loras`` kept on the CPU."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 1
+
+
 @dataclass(frozen=True)
 class ObservabilityConfig:
     log_stats: bool = False  # the periodic stats line (vLLM's ``disable_log_stats=False``)
@@ -231,6 +249,9 @@ class ModelConfig:
     skip_tokenizer_init: bool = False
     # The quantization scheme served (a ``pagedllm.quantization.QuantizationConfig``), or None.
     quant_config: Any = None
+    runner: str = "generate"  # "generate" (LM head + sampler) | "pooling" (embeddings, no sampler)
+    # runner "pooling": how the model pools (a ``pagedllm.pooling_params.PoolerConfig``); else None.
+    pooler_config: Any = None
 
     @property
     def vocab_size(self) -> int:
@@ -311,13 +332,15 @@ class EngineArgs:
                                         "(default: on for CUDA)")
     tensor_parallel_size: int = arg(1, "ranks (GPUs, or CPU processes) each layer is split over")
     pipeline_parallel_size: int = arg(1, "pipeline stages the decoder layers are split over (one process each)")
-    data_parallel_size: int = arg(1, "engine replicas (only 1 is supported yet)")
+    data_parallel_size: int = arg(1, "engine cores (replicas, each with its own tensor x pipeline parallel "
+                                  "workers) behind one server, requests balanced by their load; AsyncLLMEngine "
+                                  "and pagedllm serve only")
     enable_expert_parallel: bool = arg(False, "mixture-of-experts models: split the experts over the "
                                        "tensor-parallel ranks (whole experts per rank) instead of "
                                        "slicing every expert")
     distributed_executor_backend: str | None = arg(None, "uni (one process), mp (one process per rank) or "
-                                                   "ray (not supported yet); default: uni at one rank, "
-                                                   "mp above")
+                                                   "ray (one Ray actor per rank, on the cluster of RAY_ADDRESS "
+                                                   "or a local one); default: uni at one rank, mp above")
     quantization: str | None = arg(None, "quantize the weights: fp8 (float8 weights, per-output-channel scales, "
                                    "quantized at load; per-token dynamic FP8 activations); a checkpoint's own "
                                    "quantization_config (fp8, compressed-tensors FP8, gptq and awq int4) is "
@@ -329,6 +352,14 @@ class EngineArgs:
                                   "default: no limit")
     otlp_traces_endpoint: str | None = arg(None, "export one OpenTelemetry span per request (OTLP) to this "
                                            "endpoint; needs the 'tracing' extra")
+    runner: str = arg("auto", "generate (an LM), pooling (an embedding model: LLM.embed, /v1/embeddings) or auto "
+                      "(pooling for encoder-only models such as BERT, else generate)")
+    task: str = arg("auto", "vLLM's older name for the runner: embed means runner pooling, generate means "
+                    "runner generate")
+    enable_lora: bool = arg(False, "serve LoRA adapters (a request's lora_request; the server's --lora-modules)")
+    max_loras: int = arg(1, "LoRA: most adapters in one step (device slots)")
+    max_lora_rank: int = arg(16, f"LoRA: the largest adapter rank, one of {list(LORA_RANKS)}")
+    max_cpu_loras: int | None = arg(None, "LoRA: adapters kept in CPU memory (default: max_loras)")
     speculative_config: dict | str | None = arg(None, "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\" or "
                                           "\"draft_model\", \"num_speculative_tokens\": k, \"prompt_lookup_min\", "
                                           "\"prompt_lookup_max\" (ngram), \"model\" (the draft)}")
@@ -382,6 +413,8 @@ class EngineArgs:
         if self.load_format not in ("auto", "dummy", "gguf", "gguf_dequantized"):
             raise ValueError(f"load_format must be 'auto', 'dummy', 'gguf' or 'gguf_dequantized', got {self.load_format!r}")
         self._validate_parallel()
+        self._validate_runner()
+        self._validate_lora()
         if self.quantization is not None and not isinstance(self.quantization, str):
             raise ValueError(f"quantization must be a string or None, got {self.quantization!r}")
         if not isinstance(self.structured_outputs_jump_forward, bool):
@@ -405,6 +438,17 @@ class EngineArgs:
                 f"(got {self.max_num_batched_tokens} < {self.max_model_len}): a prompt could never be scheduled"
             )
 
+    def _validate_runner(self) -> None:
+        if self.runner not in _RUNNERS:
+            raise ValueError(f"runner must be one of {_RUNNERS}, got {self.runner!r}")
+        if self.task not in _TASKS:
+            raise ValueError(f"task must be one of {_TASKS}, got {self.task!r}")
+        implied = {"embed": "pooling", "generate": "generate"}.get(self.task)
+        if implied is not None and self.runner not in ("auto", implied):
+            raise ValueError(f"task={self.task!r} contradicts runner={self.runner!r}: give one of them")
+        if implied is not None:
+            self.runner, self.task = implied, "auto"
+
     def _validate_parallel(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             v = getattr(self, name)
@@ -412,18 +456,44 @@ class EngineArgs:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if not isinstance(self.enable_expert_parallel, bool):
             raise ValueError(f"enable_expert_parallel must be a boolean, got {self.enable_expert_parallel!r}")
-        if self.data_parallel_size != 1:
-            raise ValueError(f"data_parallel_size={self.data_parallel_size} is not supported yet (size 1 only)")
         backend = self.distributed_executor_backend
+        if self.data_parallel_size > 1 and backend == "ray":
+            raise ValueError("data_parallel_size > 1 with distributed_executor_backend='ray' is not supported yet: "
+                             "the replicas' workers run as processes of this host ('mp' or 'uni')")
         if backend not in (None, "uni", "mp", "ray"):
             raise ValueError(f"distributed_executor_backend must be 'uni', 'mp' or 'ray', got {backend!r}")
         if backend == "ray":
-            raise ValueError("distributed_executor_backend='ray' is not supported yet: use 'mp' (one process "
-                             "per rank on this host)")
+            import importlib.util
+
+            if importlib.util.find_spec("ray") is None:
+                raise ValueError("distributed_executor_backend='ray' needs Ray: pip install 'pagedllm[ray]'")
         world_size = self.tensor_parallel_size * self.pipeline_parallel_size
         if backend == "uni" and world_size > 1:
             raise ValueError(f"distributed_executor_backend='uni' runs one rank, but tensor_parallel_size x "
                              f"pipeline_parallel_size is {world_size}: use 'mp'")
+
+    def _validate_lora(self) -> None:
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora must be a boolean, got {self.enable_lora!r}")
+        for name in ("max_loras", "max_cpu_loras"):
+            v = getattr(self, name)
+            if v is not None and not _is_positive_int(v):
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.max_loras is None:
+            raise ValueError("max_loras must be a positive integer, got None")
+        if self.max_lora_rank not in LORA_RANKS or isinstance(self.max_lora_rank, bool):
+            raise ValueError(f"max_lora_rank must be one of {list(LORA_RANKS)}, got {self.max_lora_rank!r}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        if self.enable_lora and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise ValueError("enable_lora is not supported with tensor_parallel_size or pipeline_parallel_size "
+                             "above 1 yet")
+
+    def lora_config(self) -> LoRAConfig | None:
+        """The LoRA config (None without ``enable_lora``)."""
+        if not self.enable_lora:
+            return None
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras or self.max_loras)
 
     def replace(self, **changes: Any) -> EngineArgs:
         return dataclasses.replace(self, **changes)
@@ -446,6 +516,7 @@ class EngineConfig:
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     async_scheduling: bool = False  # one step in flight while the next is scheduled (CUDA default)
     speculative_config: SpeculativeConfig | None = None  # None: no drafts (the plain decode path)
+    lora_config: LoRAConfig | None = None  # None: LoRA is off (no adapter slot is allocated)
 
     @property
     def log_stats(self) -> bool:

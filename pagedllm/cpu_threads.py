@@ -63,10 +63,11 @@ def intra_op_threads(for_server: bool, cgroup_root: Path = _CGROUP) -> int:
     return cpus - 1 if for_server and cpus > 2 else cpus
 
 
-def configure_torch_threads(for_server: bool) -> int:
-    """Set torch's intra-op thread count (before a model is loaded) and return it."""
+def configure_torch_threads(for_server: bool, num_processes: int = 1) -> int:
+    """Set torch's intra-op thread count (before a model is loaded) and return it; with
+    ``num_processes`` engine processes sharing the CPUs (data parallel), this one's share."""
     import torch  # here: the server's front end imports this module without needing torch
 
-    threads = intra_op_threads(for_server)
+    threads = max(1, intra_op_threads(for_server) // num_processes)
     torch.set_num_threads(threads)
     return threads

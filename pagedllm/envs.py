@@ -78,6 +78,9 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "Where the compiled CPU kernels and converted model files are kept."),
     EnvVar("PAGEDLLM_API_KEY", "str", None,
            "The server's API key when --api-key is not given."),
+    EnvVar("PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING", "bool", False,
+           "The server serves POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+           "VLLM_ALLOW_RUNTIME_LORA_UPDATING): adapters added and removed while it runs."),
     EnvVar("PAGEDLLM_LOG_LEVEL", "str", "INFO",
            "Log level of the command-line tools."),
     EnvVar("PAGEDLLM_COMMIT", "str", None,
@@ -88,6 +91,8 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("OMP_NUM_THREADS", "int", None,
            "OpenMP's thread count; used as the CPU thread count when PAGEDLLM_CPU_THREADS is unset."),
     EnvVar("CC", "str", "cc", "The C compiler that builds the CPU kernels."),
+    EnvVar("RAY_ADDRESS", "str", None,
+           "The Ray cluster distributed_executor_backend='ray' joins (unset: a local Ray instance is started)."),
     EnvVar("TRITON_INTERPRET", "bool", False,
            "Triton's interpreter runs the kernels on the CPU (tests); programmatic dependent launch is off."),
 )}

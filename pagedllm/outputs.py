@@ -66,3 +66,55 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # Timings differ from run to run: left out of equality (two runs' outputs compare equal).
     metrics: RequestMetrics | None = field(default=None, repr=False, compare=False)
+
+
+# -- pooling (embedding) requests: vLLM's shapes ------------------------------------------------
+@dataclass
+class PoolingOutput:
+    """A pooling request's result: ``data`` is the pooled vector (a float32 CPU ``torch.Tensor``)."""
+
+    data: object
+
+
+@dataclass
+class EmbeddingOutput:
+    """An embedding as vLLM's ``LLM.embed`` returns it: ``embedding`` is a list of floats."""
+
+    embedding: list[float]
+
+    @classmethod
+    def from_base(cls, output: PoolingOutput) -> EmbeddingOutput:
+        return cls(output.data.tolist())
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class PoolingRequestOutput:
+    """What ``LLMEngine.step`` returns for a pooling request (``LLM.encode``'s items): one output,
+    when it finishes. An aborted request ends with ``outputs`` None."""
+
+    request_id: str
+    outputs: PoolingOutput | None
+    prompt_token_ids: list[int]
+    finished: bool
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """``LLM.embed``'s items: ``outputs.embedding`` is the vector as a list of floats."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        if output.outputs is None:
+            raise ValueError(f"request {output.request_id!r} was aborted: it has no embedding")
+        return cls(output.request_id, EmbeddingOutput.from_base(output.outputs), output.prompt_token_ids,
+                   output.finished)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Any
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -52,13 +53,21 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         max_tokens: int | None = None,
+        pooling_params: Any = None,
+        lora_request: Any = None,
     ) -> None:
         self.request_id = request_id
+        # A pooling request (``PoolingParams``): its prompt is computed, pooled and the request
+        # finishes; ``sampling_params`` is then the engine's placeholder (one token, never sampled).
+        self.pooling_params = pooling_params
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.priority = priority
+        # The adapter it runs (a pagedllm.lora LoRARequest), or None: the base model. Its
+        # ``lora_int_id`` keys the prefix cache and counts against the scheduler's max_loras.
+        self.lora_request = lora_request
         self.max_tokens = max_tokens if max_tokens is not None else (sampling_params.max_tokens or 1)
         # Token ids that may stop this request (its stop_token_ids, plus EOS unless ignore_eos): one
         # set lookup per sampled token; the scheduler applies the rules (min_tokens, stop reason).

@@ -20,10 +20,10 @@ def test_scheduler_policy_errors_name_the_field():
         EngineArgs(scheduling_policy="fcfs", scheduler_policy="priority")
 
 
-def test_data_parallel_is_refused_until_built():
-    assert EngineArgs(data_parallel_size=1).data_parallel_size == 1
-    with pytest.raises(ValueError, match="data_parallel_size=2 is not supported yet"):
-        EngineArgs(data_parallel_size=2)
+def test_data_parallel_is_accepted_but_not_with_ray():
+    assert EngineArgs(data_parallel_size=2, tensor_parallel_size=2).data_parallel_size == 2
+    with pytest.raises(ValueError, match="data_parallel_size > 1 with distributed_executor_backend='ray'"):
+        EngineArgs(data_parallel_size=2, distributed_executor_backend="ray")
 
 
 @pytest.mark.parametrize("field", ["tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"])
@@ -41,10 +41,18 @@ def test_tensor_and_pipeline_parallel_run_on_the_multiprocess_executor():
 
 
 def test_other_executor_backends_are_refused_by_name():
-    with pytest.raises(ValueError, match="distributed_executor_backend"):
-        EngineArgs(distributed_executor_backend="ray")
     with pytest.raises(ValueError, match="distributed_executor_backend must be"):
         EngineArgs(distributed_executor_backend="threads")
+
+
+def test_ray_backend_is_accepted_with_ray_and_refused_without(monkeypatch):
+    import importlib.util
+
+    assert EngineArgs(tensor_parallel_size=2, distributed_executor_backend="ray").distributed_executor_backend == "ray"
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else find_spec(name, *a))
+    with pytest.raises(ValueError, match=r"distributed_executor_backend='ray' needs Ray: pip install 'pagedllm\[ray\]'"):
+        EngineArgs(distributed_executor_backend="ray")
 
 
 SMOLLM2 = SimpleNamespace(num_attention_heads=9, num_key_value_heads=3, vocab_size=49152, intermediate_size=1536,

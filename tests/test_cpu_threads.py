@@ -65,3 +65,16 @@ def test_configure_sets_torch(four_cpus, monkeypatch):
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_engine_processes_sharing_the_cpus_take_their_share(four_cpus, monkeypatch):
+    import torch
+
+    before = torch.get_num_threads()
+    monkeypatch.setenv("PAGEDLLM_CPU_THREADS", "6")
+    try:
+        assert cpu_threads.configure_torch_threads(for_server=True, num_processes=2) == 3
+        assert cpu_threads.configure_torch_threads(for_server=True, num_processes=8) == 1
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

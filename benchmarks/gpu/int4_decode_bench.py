@@ -2,11 +2,14 @@
 
 Two parts, each variant in its own process (a clean GPU for each engine):
 
-1. kernels: the int4 dequantize-in-the-GEMM kernels (``quantization/kernels/int4_gemm.py``) against
-   the bf16 GEMM the float layer runs (``F.linear``: cuBLAS), on the 8B projections (qkv, o,
-   gate_up, down) at 1, 2, 16 and 64 rows, each timed as 20 calls replayed from a CUDA graph; at
-   one row also a sweep of GEMV launch sizes (the default first), so the tuning can be read off;
-   and the GGUF block kernels (``kernels/gguf_gemm.py``, Q4_0 .. Q6_K) on the o and gate_up shapes.
+1. kernels: the int4 dequantize-in-the-GEMM kernels (``quantization/kernels/int4_gemm.py``) in both
+   layouts (``rows``: the row-layout GEMV, the fallback; ``n8``: the word-row GEMV the engine loads
+   on CUDA; ``n8-act-order``: with the input gather) against the bf16 GEMM the float layer runs
+   (``F.linear``: cuBLAS), on the 8B projections (qkv, o, gate_up, down) at 1, 2, 4, 16 and 64
+   rows, each timed as 20 calls replayed from a CUDA graph, with the bytes each reads per second
+   (int4: packed codes + fp16 scales and zeros; bf16: the weight); at one row also a sweep of
+   word-row launch sizes (the default first), so the tuning can be read off; and the GGUF block
+   kernels (``kernels/gguf_gemm.py``, Q4_0 .. Q6_K) on the o and gate_up shapes.
 2. engine: the decode step (``bench latency``'s measure: (time for N tokens - time for 1) / (N - 1),
    best of 2) at batch 1 and 64 with 1024-token prompts, for bf16 weights, GPTQ int4 group 128,
    and GPTQ int4 group 128 with act-order; each against its floor (weight bytes as stored, without
@@ -16,6 +19,7 @@ Two parts, each variant in its own process (a clean GPU for each engine):
 Prints two tables and writes ``$OUT/int4-decode-8b.json`` (``--out`` to change). From the repo root:
 
     python benchmarks/gpu/int4_decode_bench.py            # about 5 minutes on an H100
+    python benchmarks/gpu/int4_decode_bench.py --skip-engine   # the kernel tables only
 """
 
 from __future__ import annotations
@@ -31,10 +35,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "benchmarks/configs/llama-3.1-8b/config.json"
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-# (block_n, block_k, num_warps, word_tiles) of the GEMV at one row; None: the default (gemv_config).
-GEMV_SWEEP = [None, (8, 1024, 4, False), (16, 1024, 8, True), (8, 2048, 8, True), (4, 2048, 4, True),
-              (4, 1024, 4, True), (8, 512, 4, True), (16, 512, 4, True), (16, 256, 4, True), (32, 256, 4, True),
-              (16, 512, 4, False), (8, 2048, 8, False), (32, 128, 4, False)]
+# (num_warps, split_k) of the word-row GEMV swept at one row (after its default, gemv_n8_config's;
+# the run is the layout's, int4.n8_run); sizes that do not divide a shape's K are skipped.
+N8_SWEEP = [(4, 1), (4, 2), (4, 4), (4, 7), (2, 1), (2, 2), (2, 7), (1, 1), (1, 7), (8, 1), (8, 2)]
+ROWS = (1, 2, 4, 16, 64)
 VARIANTS = {
     "bf16": None,
     "gptq-g128": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True},
@@ -70,27 +74,38 @@ def graph_time_us(fn, calls: int = 20) -> float:
 
 
 def time_shape(name: str, n: int, k: int) -> list[dict]:
-    """The int4 kernels and bf16 ``F.linear`` for one ``[n, k]`` weight at 1, 2, 16 and 64 rows."""
+    """The int4 kernels (both layouts) and bf16 ``F.linear`` for one ``[n, k]`` weight (GPTQ g128)."""
     import torch
     import torch.nn.functional as F
 
+    from pagedllm.quantization.int4 import N8_LAYOUT, ROWS_LAYOUT, n8_run
     from pagedllm.quantization.kernels import int4_gemm
 
-    qweight = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), dtype=torch.int32, device="cuda")
+    words = {ROWS_LAYOUT: torch.randint(-(2**31), 2**31 - 1, (n, k // 8), dtype=torch.int32, device="cuda"),
+             N8_LAYOUT: torch.randint(-(2**31), 2**31 - 1, (n // 8, k), dtype=torch.int32, device="cuda")}
     scales = torch.full((n, k // 128), 0.01, dtype=torch.float16, device="cuda")
     zeros = torch.full((n, k // 128), 8.0, dtype=torch.float16, device="cuda")
+    perm = torch.randperm(k, device="cuda").to(torch.int32)
     weight = torch.randn(n, k, dtype=torch.bfloat16, device="cuda")
     int4_bytes = n * k / 2 + 4 * n * (k // 128)
     rows = []
-    for m in (1, 2, 16, 64):
+    for m in ROWS:
         x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
         bf16_us = graph_time_us(lambda x=x: F.linear(x, weight))
-        for config in GEMV_SWEEP if m == 1 else [None]:
-            us = graph_time_us(lambda x=x, c=config: int4_gemm.int4_linear(x, qweight, scales, zeros, None, 128, None,
-                                                                           config=c))
-            rows.append({"layer": name, "n": n, "k": k, "m": m, "config": config or "default",
-                         "int4_us": us, "bf16_us": bf16_us, "ratio": us / bf16_us,
-                         "int4_gb_per_s": int4_bytes / us / 1e3, "bf16_gb_per_s": 2 * n * k / bf16_us / 1e3})
+        runs = [("rows", ROWS_LAYOUT, None, None), ("n8", N8_LAYOUT, None, None)]
+        run = n8_run(k, 128)
+        runs += [("n8 sweep", N8_LAYOUT, None, (w, run, split)) for w, split in (N8_SWEEP if m == 1 else [])
+                 if k % (32 * w * run * split) == 0]
+        runs.append(("n8-act-order", N8_LAYOUT, perm, None))
+        for kernel, layout, p, config in runs:
+            us = graph_time_us(lambda x=x, lay=layout, p=p, c=config: int4_gemm.int4_linear(
+                x, words[lay], scales, zeros, p, 128, None, config=c, layout=lay))
+            if m <= int4_gemm.GEMV_MAX_ROWS and layout == N8_LAYOUT and config is None:
+                config = int4_gemm.gemv_n8_config(m, n, k, 128, int4_gemm.num_sms(torch.cuda.current_device()))
+            rows.append({"layer": name, "n": n, "k": k, "m": m, "kernel": kernel,
+                         "config": list(config) if config else "default", "int4_us": us, "bf16_us": bf16_us,
+                         "ratio": us / bf16_us, "int4_gb_per_s": int4_bytes / us / 1e3,
+                         "bf16_gb_per_s": 2 * n * k / bf16_us / 1e3})
     return rows
 
 
@@ -168,11 +183,13 @@ def run_child(args: list[str]) -> dict:
 
 
 def print_tables(result: dict) -> None:
-    print("\nkernels (us per call, CUDA graph; int4 GPTQ g128 vs bf16 F.linear)")
-    print(f"{'layer':8} {'m':>3} {'config':>20} {'int4 us':>9} {'bf16 us':>9} {'ratio':>6} {'int4 GB/s':>10}")
+    print("\nkernels (us per call, CUDA graph; int4 GPTQ g128 vs bf16 F.linear; GB/s: bytes read per second)")
+    print(f"{'layer':8} {'m':>3} {'kernel':13} {'config':>13} {'int4 us':>8} {'int4 GB/s':>9} {'bf16 us':>8} "
+          f"{'bf16 GB/s':>9} {'ratio':>6}")
     for r in result.get("kernels", {}).get("kernels", []):
-        print(f"{r['layer']:8} {r['m']:>3} {str(r['config']):>20} {r['int4_us']:>9.1f} {r['bf16_us']:>9.1f} "
-              f"{r['ratio']:>6.2f} {r['int4_gb_per_s']:>10.0f}")
+        config = "default" if r["config"] == "default" else ",".join(map(str, r["config"]))
+        print(f"{r['layer']:8} {r['m']:>3} {r['kernel']:13} {config:>13} {r['int4_us']:>8.1f} "
+              f"{r['int4_gb_per_s']:>9.0f} {r['bf16_us']:>8.1f} {r['bf16_gb_per_s']:>9.0f} {r['ratio']:>6.2f}")
     print("\nGGUF block kernels (us per call, CUDA graph; random blocks) vs bf16 F.linear")
     print(f"{'layer':8} {'qtype':6} {'m':>3} {'us':>9} {'bf16 us':>9} {'ratio':>6} {'GB/s':>7}")
     for r in result.get("kernels", {}).get("gguf", []):

@@ -2,7 +2,9 @@
 
 Prefix caching: a *full* block (``block_size`` token ids) is identified by a hash chained over
 every block before it, ``hash((parent_hash, tuple(block_token_ids)))`` with ``parent_hash=None``
-for the first block, so equal hashes mean equal whole prefixes, not just equal blocks.
+for the first block, so equal hashes mean equal whole prefixes, not just equal blocks. A request
+with a LoRA adapter chains its first block to ``hash(("lora", lora_int_id))`` instead of None: its
+KV depends on the adapter, so two adapters (or an adapter and the base model) never share a block.
 
 Collision risk: Python's ``hash`` of a tuple is 64 bits. With N distinct cached blocks the chance
 that any two collide is about N**2 / 2**65 (for a million blocks about 3e-8); a collision would
@@ -30,9 +32,15 @@ def update_block_hashes(request: Request, block_size: int) -> list[int]:
     num_full_blocks = request.num_tokens // block_size
     token_ids = request.all_token_ids
     for i in range(len(hashes), num_full_blocks):
-        parent = hashes[i - 1] if i > 0 else None
+        parent = hashes[i - 1] if i > 0 else _first_block_parent(request)
         hashes.append(hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size]))
     return hashes
+
+
+def _first_block_parent(request: Request) -> int | None:
+    """What the first block's hash chains to: None for the base model, the adapter's key with LoRA."""
+    lora = request.lora_request
+    return None if lora is None else hash(("lora", lora.lora_int_id))
 
 
 def cdiv(a: int, b: int) -> int:

@@ -9,6 +9,7 @@ per-request records are slotted dataclasses: one of each is built per request pe
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -26,6 +27,10 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    # A pooling request's PoolingParams (its sampling_params are the engine's placeholder); None
+    # for a generation request.
+    pooling_params: Any = None
+    lora_request: Any = None  # a pagedllm.lora LoRARequest, or None: the base model
 
 
 @dataclass(slots=True)
@@ -88,6 +93,9 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # req_id -> drafts the runner's proposer made for the next step (None: no proposer).
     draft_token_ids: dict[str, list[int]] | None = None
+    # req_id -> the pooled vector (an opaque CPU tensor, never read here) of each pooling request
+    # whose prompt was fully computed this step; None on a generation runner.
+    pooler_output: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -101,6 +109,7 @@ class EngineCoreOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    pooling_output: Any = None  # a finished pooling request's vector (opaque, from the runner)
 
     @property
     def finished(self) -> bool:

@@ -14,9 +14,11 @@ One step, in order:
 2. Waiting requests, in policy order, only if nobody was preempted in this step: prefix-cache
    lookup, then as many tokens as the budget allows. The queue never skips ahead: if the head
    cannot be allocated (or, without chunked prefill, does not fit the rest of the budget),
-   nothing behind it is admitted either. The one exception: a request whose grammar
-   (structured output) is still compiling is passed over, holding nothing, until it is ready;
-   one whose grammar failed to compile is finished as FINISHED_ABORTED.
+   nothing behind it is admitted either. The exceptions: a request whose grammar
+   (structured output) is still compiling is passed over, holding nothing, until it is ready
+   (one whose grammar failed to compile is finished as FINISHED_ABORTED); with LoRA, a request
+   whose adapter would make the running requests' distinct adapters more than ``max_loras`` is
+   passed over (vLLM's rule: a step never runs more adapters than the worker has slots).
 
 Semantics fixed here:
 - ``num_computed_tokens`` advances in ``schedule()`` (as in vLLM): the output carries each
@@ -505,8 +507,16 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput) -> None:
         config = self.scheduler_config
         num_skipped = 0  # requests at the front whose grammar is still compiling: passed over
+        # LoRA: the adapters of the running requests; a waiting request whose adapter would make
+        # them more than max_loras is passed over (vLLM's rule), holding nothing.
+        loras = self._running_loras() if config.max_loras is not None else None
         while len(self.waiting) > num_skipped and len(self.running) < config.max_num_seqs and self._budget_left(out) > 0:
             request = self.waiting[num_skipped]
+            if loras is not None and request.lora_request is not None:
+                lora_id = request.lora_request.lora_int_id
+                if lora_id not in loras and len(loras) >= config.max_loras:
+                    num_skipped += 1
+                    continue
             grammar = request.structured_output_request
             if grammar is not None and (not grammar.is_ready() or grammar.failed):
                 if grammar.failed:
@@ -534,6 +544,12 @@ class Scheduler:
             else:
                 self.waiting.popleft()
             self._admit(request, num_hit_tokens, out)
+            if loras is not None and request.lora_request is not None:
+                loras.add(request.lora_request.lora_int_id)
+
+    def _running_loras(self) -> set[int]:
+        """The adapter ids of the running requests. Cost: O(running), only with LoRA on."""
+        return {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
 
     def _can_never_run(self, request: Request, num_new_tokens: int) -> bool:
         if cdiv(request.num_tokens, self.block_size) > self.kv_cache_manager.num_blocks:
@@ -589,6 +605,8 @@ class Scheduler:
                 sampling_params=request.sampling_params,
                 block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
                 num_computed_tokens=num_hit_tokens,
+                pooling_params=request.pooling_params,
+                lora_request=request.lora_request,
             )
         )
         self._schedule_tokens(out, [request], [])
@@ -604,6 +622,8 @@ class Scheduler:
         loop body is the per-request cost of every decode step, so it is kept flat.
         """
         outputs, self._pending_outputs = self._pending_outputs, []
+        if model_runner_output.pooler_output:
+            outputs.extend(self._finish_pooled(model_runner_output.pooler_output))
         req_ids = list(scheduler_output.num_scheduled_tokens)
         rows: Iterable[int | None]
         if model_runner_output.req_ids == req_ids:
@@ -674,6 +694,21 @@ class Scheduler:
             if finished:
                 self.running.remove(request)
                 self._release(request)
+        return outputs
+
+    def _finish_pooled(self, pooler_output: dict[str, object]) -> list[EngineCoreOutput]:
+        """Finish the pooling requests whose vectors came back ("stop"): their blocks are freed now
+        (a pooled prompt's KV is never read again), so the loop after this skips them."""
+        outputs = []
+        for req_id, vector in pooler_output.items():
+            request = self.requests.get(req_id)
+            if request is None or request.status != _RUNNING:
+                continue  # aborted while the step ran
+            request.status, request.num_output_placeholders = _FINISHED_STOPPED, 0
+            outputs.append(EngineCoreOutput(req_id, [], finish_reason="stop", num_cached_tokens=request.num_cached_tokens,
+                                            pooling_output=vector))
+            self.running.remove(request)
+            self._release(request)
         return outputs
 
     def _settle_extras(
@@ -820,6 +855,8 @@ class Scheduler:
         assert running_ids | waiting_ids | held_ids == set(self.requests), "a request is lost or stale"
         assert set(self._held_siblings) <= set(self.requests), "siblings held by a finished request"
         assert len(self.running) <= self.scheduler_config.max_num_seqs
+        if self.scheduler_config.max_loras is not None:
+            assert len(self._running_loras()) <= self.scheduler_config.max_loras, "more adapters than max_loras"
         assert self.running.is_sorted() and self.waiting.is_sorted()
         assert set(self.kv_cache_manager.req_to_blocks) == running_ids, "blocks held outside running"
         for request in self.running:

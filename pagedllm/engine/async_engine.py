@@ -30,6 +30,7 @@ from typing import Any
 
 from pagedllm.config import EngineArgs, EngineConfig, ModelConfig
 from pagedllm.engine.config_builder import create_engine_config
+from pagedllm.engine.data_parallel import DataParallelEngines
 from pagedllm.engine.engine_loop import (
     AbortCommand,
     Accepted,
@@ -161,7 +162,8 @@ class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine | EngineConfig, log_stats: bool | None = None, log_interval_s: float = 10.0,
                  idle_poll_s: float = 0.5) -> None:
         """``engine``: an LLMEngine, run on a thread of this process; or an EngineConfig, from which
-        a child process builds its LLMEngine (raises ``EngineProcessError`` if it cannot start).
+        a child process builds its LLMEngine (raises ``EngineProcessError`` if it cannot start), one
+        child per replica above one ``data_parallel_size`` (``data_parallel.py``).
         ``log_stats``: log the periodic stats line (None: unless the config's ``disable_log_stats``);
         the Prometheus metrics are recorded either way."""
         if isinstance(engine, EngineConfig):
@@ -186,8 +188,11 @@ class AsyncLLMEngine:
         self._num_running = 0
         self._dead: str | None = None  # why the loop died
         self._stopping = False
-        if isinstance(engine, EngineConfig):
-            self._backend: EngineThread | EngineProcess = EngineProcess(engine, self._on_event, idle_poll_s)
+        if isinstance(engine, EngineConfig) and engine.parallel_config.data_parallel_size > 1:
+            self._backend: EngineThread | EngineProcess | DataParallelEngines = DataParallelEngines(
+                engine, self._on_event, idle_poll_s)
+        elif isinstance(engine, EngineConfig):
+            self._backend = EngineProcess(engine, self._on_event, idle_poll_s)
         else:
             self._backend = EngineThread(engine, self._on_event, idle_poll_s)
 
@@ -196,8 +201,9 @@ class AsyncLLMEngine:
         cls, engine_args: EngineArgs, usage_context: str = "ENGINE_CONTEXT", engine_process: bool = False,
         **kwargs: Any,
     ) -> AsyncLLMEngine:
-        """``engine_process``: run the engine in a child process instead of a thread of this one."""
-        if engine_process:
+        """``engine_process``: run the engine in a child process instead of a thread of this one
+        (always so above one ``data_parallel_size`` replica: one process per engine core)."""
+        if engine_process or engine_args.data_parallel_size > 1:
             return cls(create_engine_config(engine_args, usage_context), **kwargs)
         return cls(LLMEngine.from_engine_args(engine_args, usage_context), **kwargs)
 

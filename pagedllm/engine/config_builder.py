@@ -20,6 +20,7 @@ from pagedllm.config import (
     SchedulerConfig,
     SpeculativeConfig,
     StructuredOutputsConfig,
+    moe_sizes,
 )
 
 # Who builds the engine (vLLM's UsageContext): the offline ``LLM`` class, the OpenAI server, or
@@ -70,16 +71,30 @@ def create_engine_config(args: EngineArgs, usage_context: str = "ENGINE_CONTEXT"
         enable_expert_parallel=args.enable_expert_parallel,
     )
     parallel_config.verify_model(hf_config)
+    if args.enable_lora and moe_sizes(hf_config) is not None:
+        raise ValueError("enable_lora is not supported for mixture-of-experts models yet (LoRA layers cover "
+                         "the dense q/k/v/o/gate/up/down projections)")
     _check_quantization_under_tp(quant_config, parallel_config)
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("device='cuda' was requested but CUDA is not available")
-    if device.startswith("cuda") and parallel_config.world_size > torch.cuda.device_count():
-        raise ValueError(f"tensor_parallel_size x pipeline_parallel_size ({parallel_config.world_size}) must not "
-                         f"exceed the GPUs of this host ({torch.cuda.device_count()})")
+    num_gpus = parallel_config.world_size * parallel_config.data_parallel_size
+    if (device.startswith("cuda") and parallel_config.distributed_executor_backend != "ray"
+            and num_gpus > torch.cuda.device_count()):  # Ray counts its cluster's GPUs
+        raise ValueError(f"tensor_parallel_size x pipeline_parallel_size x data_parallel_size ({num_gpus}) must "
+                         f"not exceed the GPUs of this host ({torch.cuda.device_count()})")
     dtype = _resolve_dtype(args.dtype, hf_config, device)
+    runner, is_encoder = _resolve_runner(args.runner, hf_config)
+    pooling = _pooling_setup(args, source, hf_config, is_encoder) if runner == "pooling" else None
+    if pooling is not None:
+        pooler_config, st_max_len, args = pooling
+        hf_config_len = _resolve_max_model_len(None, hf_config) if args.max_model_len is None else None
+        if hf_config_len is not None and st_max_len is not None:  # sentence-transformers truncates there
+            args = args.replace(max_model_len=min(hf_config_len, st_max_len))
+    else:
+        pooler_config = None
     max_model_len = _resolve_max_model_len(args.max_model_len, hf_config)
     on_gpu = device.startswith("cuda")
     max_num_seqs = args.max_num_seqs or 256
@@ -87,6 +102,8 @@ def create_engine_config(args: EngineArgs, usage_context: str = "ENGINE_CONTEXT"
         max_batched = args.max_num_batched_tokens
     elif args.enable_chunked_prefill:
         max_batched = default_max_num_batched_tokens(device, usage_context)
+    elif pooling is not None:  # an encoder: whole prompts, with the budget chunked prefill would have
+        max_batched = max(max_model_len, default_max_num_batched_tokens(device, usage_context))
     else:
         max_batched = max(max_model_len, 2048)
     if not args.enable_chunked_prefill and max_batched < max_model_len:
@@ -108,6 +125,8 @@ def create_engine_config(args: EngineArgs, usage_context: str = "ENGINE_CONTEXT"
         load_format=args.load_format,
         skip_tokenizer_init=args.skip_tokenizer_init,
         quant_config=quant_config,
+        runner=runner,
+        pooler_config=pooler_config,
     )
     return EngineConfig(
         model_config=model_config,
@@ -128,6 +147,7 @@ def create_engine_config(args: EngineArgs, usage_context: str = "ENGINE_CONTEXT"
             scheduling_policy=args.scheduling_policy,
             preemption_mode=args.preemption_mode,
             timeout_s=args.timeout_s,
+            max_loras=args.max_loras if args.enable_lora else None,
         ),
         device=device,
         enforce_eager=args.enforce_eager or not on_gpu,
@@ -139,7 +159,45 @@ def create_engine_config(args: EngineArgs, usage_context: str = "ENGINE_CONTEXT"
         structured_outputs_config=StructuredOutputsConfig(jump_forward=args.structured_outputs_jump_forward),
         async_scheduling=on_gpu if args.async_scheduling is None else args.async_scheduling,
         speculative_config=_speculative_config(args.speculative_config, model_config),
+        lora_config=args.lora_config(),
     )
+
+
+def _resolve_runner(runner: str, hf_config: Any) -> tuple[str, bool]:
+    """("generate" | "pooling", whether the model is an encoder): "auto" is "pooling" for an
+    encoder-only architecture (BERT) and, as vLLM, for a bare backbone (``architectures`` naming
+    ``*Model``, e.g. the ``Qwen3Model`` of Qwen3-Embedding), else "generate"; the registry
+    refuses a runner the architecture cannot serve, naming ``runner``."""
+    from pagedllm.models.registry import architecture_of, model_class_of
+
+    arch = architecture_of(hf_config)
+    if runner == "auto":
+        first = (getattr(hf_config, "architectures", None) or [""])[0]
+        backbone = first.endswith("Model") and not first.endswith(("ChatModel", "LMHeadModel"))
+        runner = "pooling" if arch.is_encoder or backbone else "generate"
+    model_class_of(arch, runner)
+    return runner, arch.is_encoder
+
+
+def _pooling_setup(args: EngineArgs, source: Any, hf_config: Any, is_encoder: bool) -> tuple[Any, int | None, EngineArgs]:
+    """A pooling model's ``PoolerConfig``, its sentence-transformers length cap, and ``args`` with
+    what pooling needs: no prefix caching (a cached prefix's hidden states are not recomputed, and
+    mean / CLS pooling needs them), and for an encoder no chunked prefill either (bidirectional
+    attention needs the whole prompt in one step). Both are turned off whatever ``args`` say."""
+    from pagedllm.loader.pooling_config import read_pooler_config, sentence_transformers_max_len
+
+    folder = source.path if source.kind == "hf" else None
+    if args.speculative_config is not None:
+        raise ValueError("speculative_config is not supported with runner='pooling' (nothing is generated)")
+    changes: dict[str, Any] = {"enable_prefix_caching": False}
+    if is_encoder:
+        if args.max_num_batched_tokens is not None and args.max_model_len is not None \
+                and args.max_num_batched_tokens < args.max_model_len:
+            raise ValueError(f"max_num_batched_tokens ({args.max_num_batched_tokens}) must be >= max_model_len "
+                             f"({args.max_model_len}) for an encoder: each prompt runs whole in one step")
+        changes["enable_chunked_prefill"] = False
+    args = dataclasses.replace(args, **changes)
+    return read_pooler_config(folder, hf_config, is_encoder), sentence_transformers_max_len(folder), args
 
 
 def _speculative_config(spec: dict | str | None, target: ModelConfig) -> SpeculativeConfig | None:

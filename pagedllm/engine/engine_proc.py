@@ -62,13 +62,17 @@ class EngineProcess:
     """Parent side: starts the child, sends it commands, hands its events to ``on_event`` on a
     reader thread. Construction returns once the engine is ready (or raises its start-up error)."""
 
-    def __init__(self, config: EngineConfig, on_event: Callable[[Event], None], idle_poll_s: float = 0.5) -> None:
+    def __init__(self, config: EngineConfig, on_event: Callable[[Event], None], idle_poll_s: float = 0.5,
+                 num_processes: int = 1) -> None:
+        """``num_processes``: engine processes sharing this host's CPUs (data-parallel replicas);
+        the child takes its share of the CPU threads."""
         ctx = multiprocessing.get_context("spawn")
         child_commands, self._commands = ctx.Pipe(duplex=False)
         self._events, child_events = ctx.Pipe(duplex=False)
         log_level = logging.getLogger("pagedllm").getEffectiveLevel()
         self._process = ctx.Process(target=run_engine_process, name="pagedllm-engine", daemon=True,
-                                    args=(config, child_commands, child_events, idle_poll_s, log_level))
+                                    args=(config, child_commands, child_events, idle_poll_s, log_level,
+                                          num_processes))
         self._process.start()
         # Only the child holds its ends now: when it dies, the event pipe closes for good.
         child_commands.close()
@@ -141,7 +145,7 @@ class EngineProcess:
 
 # -- the child ------------------------------------------------------------------------------------
 def run_engine_process(config: EngineConfig, commands: Connection, events: Connection, idle_poll_s: float,
-                       log_level: int) -> None:
+                       log_level: int, num_processes: int = 1) -> None:
     """The child's main: build the engine, say Ready (or why not), serve commands until stopped."""
     # Ctrl-C reaches the whole process group; the parent decides when the engine stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -150,7 +154,8 @@ def run_engine_process(config: EngineConfig, commands: Connection, events: Conne
     from pagedllm.engine.llm_engine import LLMEngine
 
     try:
-        configure_torch_threads(for_server=True)  # the parent's event loop keeps a CPU (cpu_threads.py)
+        # The parent's event loop keeps a CPU (cpu_threads.py); replicas split the rest.
+        configure_torch_threads(for_server=True, num_processes=num_processes)
         engine = LLMEngine(config)
     except BaseException as e:
         events.send(StartupFailed(f"{type(e).__name__}: {e}", traceback.format_exc()))

@@ -26,7 +26,11 @@ from pagedllm.engine.input_processor import tokenize_prompt, validate_prompt
 from pagedllm.engine.metrics import EngineMetrics
 from pagedllm.engine.metrics_reader import Metric
 from pagedllm.engine.output_processor import OutputProcessor, ParentRequest, RequestState
-from pagedllm.outputs import RequestOutput
+from pagedllm.engine.pooling import POOLING_PLACEHOLDER_PARAMS, PoolingRequests, validate_pooling_prompt
+from pagedllm.lora.peft_config import read_adapter_spec
+from pagedllm.lora.request import LoRARequest
+from pagedllm.outputs import PoolingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.request import Request
 from pagedllm.sampling_params import SamplingParams
 
@@ -37,6 +41,11 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer=None) -> None:
         from pagedllm.loader import load_tokenizer
 
+        dp = config.parallel_config.data_parallel_size
+        if dp > 1:
+            raise ValueError(f"data_parallel_size ({dp}) needs one engine core per replica: serve it with pagedllm "
+                             "serve --data-parallel-size or AsyncLLMEngine; LLM and LLMEngine drive one core (for "
+                             "offline data parallel run one LLM per process, as with vLLM)")
         self.config = config
         self.model_config = config.model_config
         mc = config.model_config
@@ -44,10 +53,13 @@ class LLMEngine:
             tokenizer = load_tokenizer(mc.source, mc.tokenizer)
         self.tokenizer = tokenizer  # None with skip_tokenizer_init: prompts must be token ids
         self.output_processor = OutputProcessor(self.tokenizer)
+        # runner "pooling": every request is a pooling request, tracked here instead (engine/pooling.py).
+        self.pooling_requests = PoolingRequests() if mc.runner == "pooling" else None
         # Stop strings are decided in the scheduler's update, by the output processor's detokenizers.
         self.engine_core = EngineCore(config, stop_checker=self.output_processor.check_stop_strings,
                                       tokenizer=self.tokenizer)
-        self._pending_abort_outputs: list[RequestOutput] = []
+        self._pending_abort_outputs: list[RequestOutput | PoolingRequestOutput] = []
+        self._lora_paths: dict[int, str] = {}  # lora_int_id -> its checked adapter folder
         self.eos_token_id = self._eos_token_id()
         self.stat_logger: EngineMetrics | None = None
         if config.log_stats:
@@ -123,7 +135,7 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: Any,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         lora_request: Any = None,
         tokenization_kwargs: dict[str, Any] | None = None,
@@ -132,16 +144,21 @@ class LLMEngine:
     ) -> None:
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
-        if self.output_processor.has_request(request_id):
+        if self.output_processor.has_request(request_id) or (
+                self.pooling_requests is not None and self.pooling_requests.has_request(request_id)):
             raise ValueError(f"request_id {request_id!r} is already in use by a live request")
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        self._check_params_type(params)
         if lora_request is not None:
-            raise ValueError("lora_request is not supported: this engine serves base models only")
+            self.check_lora_request(lora_request)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise TypeError(f"priority must be an integer, got {priority!r}")
         if trace_headers is not None:
             self._check_trace_headers(trace_headers)
+        if isinstance(params, PoolingParams):
+            if lora_request is not None:
+                raise ValueError("lora_request is not supported for pooling requests (adapters serve generation)")
+            self._add_pooling_request(request_id, prompt, params, arrival_time, tokenization_kwargs, priority)
+            return
         self._check_logprobs(params)
         if self.tokenizer is None and (params.stop or params.bad_words):
             raise ValueError("stop strings and bad_words need a tokenizer (the engine was started with skip_tokenizer_init)")
@@ -160,7 +177,8 @@ class LLMEngine:
         requests = []
         for index, child_id in enumerate(child_ids):
             child_params = params if num_seqs == 1 else self._child_params(params, index)
-            request = Request(child_id, prompt_ids, child_params, self.eos_token_id, arrival, priority, max_tokens)
+            request = Request(child_id, prompt_ids, child_params, self.eos_token_id, arrival, priority, max_tokens,
+                              lora_request=lora_request)
             state = RequestState(child_id, parent.request_id if parent else None, index, prompt_text, prompt_ids,
                                  child_params, self.tokenizer, params.output_kind,
                                  hide_logprobs=params.logprobs is None, request=request)
@@ -172,6 +190,49 @@ class LLMEngine:
             self.stat_logger.on_request_added(request_id, arrival)
         if self.tracer is not None:
             self._traced[request_id] = (params, trace_headers)
+
+    def check_lora_request(self, lora_request: Any) -> None:
+        """Refuse a ``lora_request`` the engine cannot run (``ValueError`` / ``TypeError`` naming the
+        field): LoRA off, not a ``LoRARequest``, an id already naming another folder, or an adapter
+        folder that ``lora.peft_config`` refuses (rank, targets, shapes). A folder is checked once."""
+        if self.config.lora_config is None:
+            raise ValueError("lora_request needs LoRA, which is off: start the engine with enable_lora=True "
+                             "(--enable-lora)")
+        if not isinstance(lora_request, LoRARequest):
+            raise TypeError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        known = self._lora_paths.get(lora_request.lora_int_id)
+        if known == lora_request.lora_path:
+            return
+        if known is not None:
+            raise ValueError(f"lora_request: lora_int_id {lora_request.lora_int_id} already names the adapter at "
+                             f"{known!r}, not {lora_request.lora_path!r}: give each adapter its own id")
+        read_adapter_spec(lora_request.lora_path, self.config.lora_config.max_lora_rank,
+                          self.model_config.hf_config)
+        self._lora_paths[lora_request.lora_int_id] = lora_request.lora_path
+
+    def _check_params_type(self, params: Any) -> None:
+        """SamplingParams on a generation runner, PoolingParams on a pooling runner (TypeError
+        naming ``params`` otherwise)."""
+        pooling = self.pooling_requests is not None
+        expected = PoolingParams if pooling else SamplingParams
+        if not isinstance(params, expected):
+            what = "a pooling model (runner='pooling')" if pooling else "a generation model (runner='generate')"
+            raise TypeError(f"params must be {expected.__name__} for {what}, got {type(params).__name__}")
+
+    def _add_pooling_request(self, request_id: str, prompt: Any, params: PoolingParams, arrival_time: float | None,
+                             tokenization_kwargs: dict[str, Any] | None, priority: int) -> None:
+        """Queue a pooling request (``engine/pooling.py``): prefill only, no sampler."""
+        mc = self.model_config
+        params = mc.pooler_config.resolve(params, mc.served_model_name)
+        _, prompt_ids = tokenize_prompt(prompt, self.tokenizer, tokenization_kwargs)
+        validate_pooling_prompt(prompt_ids, mc.vocab_size, mc.max_model_len)
+        arrival = time.time() if arrival_time is None else arrival_time
+        request = Request(request_id, prompt_ids, POOLING_PLACEHOLDER_PARAMS, None, arrival, priority, 1,
+                          pooling_params=params)
+        self.pooling_requests.add(request_id, prompt_ids)
+        self.engine_core.add_request(request)
+        if self.stat_logger is not None:
+            self.stat_logger.on_request_added(request_id, arrival)
 
     def _check_trace_headers(self, trace_headers: Any) -> None:
         if self.tracer is None:
@@ -219,16 +280,22 @@ class LLMEngine:
         """Abort requests now (blocks freed at once); unknown or finished ids are ignored. Their
         final outputs, with finish_reason "abort", come from the next step()."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        if self.pooling_requests is not None:
+            live = [r for r in ids if self.pooling_requests.has_request(r)]
+            self.engine_core.abort_requests(live)
+            self._pending_abort_outputs.extend(self.pooling_requests.finish_aborted(live))
+            return
         live = [r for r in ids if self.output_processor.has_request(r)]
         seq_ids = [c for r in live for c in self.output_processor.child_ids(r)]
         self.engine_core.abort_requests(seq_ids)
         self._pending_abort_outputs.extend(self.output_processor.finish_aborted(live))
 
     # -- the loop -------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput] | list[PoolingRequestOutput]:
         outputs, self._pending_abort_outputs = self._pending_abort_outputs, []
         if self.engine_core.has_unfinished_requests():
-            outputs.extend(self.output_processor.process_outputs(self.engine_core.step()))
+            processor = self.output_processor if self.pooling_requests is None else self.pooling_requests
+            outputs.extend(processor.process_outputs(self.engine_core.step()))
         if self.tracer is not None:
             self._trace_finished(outputs)
         if self.stat_logger is not None:

@@ -172,12 +172,15 @@ class EngineMetrics:
         times = self._requests.pop(out.request_id, None)
         if times is None:
             return
-        reason = out.outputs[0].finish_reason if out.outputs else "abort"
+        if not isinstance(out, RequestOutput):  # a pooling request: "stop", or aborted (no vector)
+            reason = "stop" if out.outputs is not None else "abort"
+        else:
+            reason = out.outputs[0].finish_reason if out.outputs else "abort"
         self._success.labels(self.model_name, reason or "abort").inc()
         if times.first_token_time is not None:
             self.request_prompt_tokens.observe(times.num_prompt_tokens)
             self.request_generation_tokens.observe(times.num_generation_tokens)
-        m = out.metrics
+        m = getattr(out, "metrics", None)
         if m is None:
             return
         if m.finished_time is not None:

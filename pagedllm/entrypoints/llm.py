@@ -14,7 +14,8 @@ from pagedllm.engine.input_processor import tokenize_prompt
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.metrics_reader import Metric
 from pagedllm.entrypoints.chat_utils import apply_chat_template
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -44,22 +45,26 @@ class LLM:
         lora_request: Any = None,
         priority: list[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for one prompt or a list; outputs come back in input order."""
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
-        prompts = list(prompts)
-        params = _per_prompt(sampling_params, len(prompts))
+        """Generate for one prompt or a list; outputs come back in input order. ``lora_request``: one
+        ``LoRARequest`` for every prompt, or a list with one per prompt (None: the base model)."""
+        prompts = _as_prompt_list(prompts)
+        params = _per_prompt(sampling_params, len(prompts), SamplingParams, "sampling_params")
+        return self._add_and_run(prompts, params, use_tqdm, priority, lora_request)
+
+    def _add_and_run(self, prompts: list, params: list, use_tqdm: bool, priority: list[int] | None,
+                     lora_request: Any = None) -> list:
+        """Add one request per prompt (aborting those added if one is refused), run them to the end."""
+        loras = _loras_per_prompt(lora_request, len(prompts))
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority must have one entry per prompt ({len(prompts)}), got {len(priority)}")
         ids = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
-                p = p.clone()
-                p.output_kind = RequestOutputKind.FINAL_ONLY
+                if isinstance(p, SamplingParams):
+                    p = p.clone()
+                    p.output_kind = RequestOutputKind.FINAL_ONLY
                 rid = f"offline-{next(self._counter)}"
-                self.llm_engine.add_request(rid, prompt, p, lora_request=lora_request,
+                self.llm_engine.add_request(rid, prompt, p, lora_request=loras[i],
                                             priority=priority[i] if priority else 0)
                 ids.append(rid)
         except Exception:
@@ -69,8 +74,8 @@ class LLM:
             raise
         return self._run(ids, use_tqdm)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        results: dict[str, RequestOutput] = {}
+    def _run(self, ids: list[str], use_tqdm: bool) -> list:
+        results: dict[str, Any] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         out_tokens = 0
         try:
@@ -78,12 +83,38 @@ class LLM:
                 for out in self.llm_engine.step():
                     if out.finished:
                         results[out.request_id] = out
-                        out_tokens += sum(len(c.token_ids) for c in out.outputs)
+                        if isinstance(out, RequestOutput):
+                            out_tokens += sum(len(c.token_ids) for c in out.outputs)
                         bar.update(1)
                         bar.set_postfix(output_toks=out_tokens, refresh=False)
         finally:
             bar.close()
         return [results[r] for r in ids]
+
+    def encode(self, prompts: Any, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+               use_tqdm: bool = True, priority: list[int] | None = None) -> list[PoolingRequestOutput]:
+        """Pool one prompt or a list with a pooling model (``runner="pooling"``); outputs in input order,
+        ``.outputs.data`` the vector (a float32 CPU tensor)."""
+        prompts = self._pretokenized(_as_prompt_list(prompts))
+        params = _per_prompt(pooling_params, len(prompts), PoolingParams, "pooling_params")
+        return self._add_and_run(prompts, params, use_tqdm, priority)
+
+    def _pretokenized(self, prompts: list) -> list:
+        """Text prompts as token-id prompts, tokenized in one batched call (the fast tokenizer
+        splits a batch over threads; an embedding run is mostly short prompts, where tokenizing
+        them one by one would cost as much as computing them). Empty strings stay text so that
+        ``add_request`` refuses them by name."""
+        tokenizer = self.llm_engine.tokenizer
+        texts = [p for p in prompts if isinstance(p, str) and p]
+        if tokenizer is None or len(texts) < 2:
+            return prompts
+        ids = iter(tokenizer(texts, add_special_tokens=True)["input_ids"])
+        return [{"prompt": p, "prompt_token_ids": next(ids)} if isinstance(p, str) and p else p for p in prompts]
+
+    def embed(self, prompts: Any, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              use_tqdm: bool = True, priority: list[int] | None = None) -> list[EmbeddingRequestOutput]:
+        """Embed one prompt or a list (vLLM's ``LLM.embed``): ``.outputs.embedding`` is a list of floats."""
+        return [EmbeddingRequestOutput.from_base(o) for o in self.encode(prompts, pooling_params, use_tqdm, priority)]
 
     def beam_search(self, prompts: Any, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """vLLM's beam search: one BeamSearchOutput per prompt whose ``sequences`` (prompt + generated
@@ -128,12 +159,27 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
 
-def _per_prompt(sampling_params, n: int) -> list[SamplingParams]:
-    if sampling_params is None:
-        return [SamplingParams()] * n
-    if isinstance(sampling_params, SamplingParams):
-        return [sampling_params] * n
-    params = list(sampling_params)
+def _as_prompt_list(prompts: Any) -> list:
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
+
+
+def _per_prompt(params: Any, n: int, kind: type, name: str) -> list:
+    """One ``kind`` params object per prompt (``kind()`` when None)."""
+    if params is None:
+        return [kind()] * n
+    if isinstance(params, kind):
+        return [params] * n
+    params = list(params)
     if len(params) != n:
-        raise ValueError(f"sampling_params must be one SamplingParams or one per prompt ({n}), got {len(params)}")
+        raise ValueError(f"{name} must be one {kind.__name__} or one per prompt ({n}), got {len(params)}")
     return params
+
+
+def _loras_per_prompt(lora_request: Any, n: int) -> list:
+    if isinstance(lora_request, (list, tuple)):
+        if len(lora_request) != n:
+            raise ValueError(f"lora_request must be one LoRARequest or one per prompt ({n}), got {len(lora_request)}")
+        return list(lora_request)
+    return [lora_request] * n

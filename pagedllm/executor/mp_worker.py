@@ -1,5 +1,7 @@
-"""The body of one worker process of the multiprocess executor: join the world, build a ``Worker``,
-then serve the driver's calls from a pipe until told to stop, the pipe closes or the driver dies.
+"""The body of one worker rank: join the world, build a ``Worker``, then serve the driver's calls
+from a connection until told to stop, the connection closes or the driver dies. A spawned process
+of the multiprocess executor runs it as its main (``worker_main``); a Ray actor runs it on a thread
+(``ray_worker.py``); both through ``serve_rank``.
 
 Messages from the driver are pickled ``(method, args)`` tuples (``execute_model``'s argument in
 the wire form of ``step_codec.py``). Replies are ``("ok", value)`` or
@@ -47,14 +49,21 @@ def _exit_with_parent(parent_pid: int, period_s: float = 0.5) -> None:
     threading.Thread(target=watch, name="pagedllm-parent-watch", daemon=True).start()
 
 
-def _rank_config(config: EngineConfig, rank: int) -> EngineConfig:
-    """The config a rank runs with: on CUDA, device ``cuda:rank`` (one GPU per rank on this host)."""
+def first_device_index(config: EngineConfig) -> int:
+    """The GPU index of rank 0 on this host: ``K`` of ``cuda:K`` (a data-parallel replica's first
+    GPU), else 0."""
+    _, _, index = config.device.partition(":")
+    return int(index) if index else 0
+
+
+def _rank_config(config: EngineConfig, device_index: int) -> EngineConfig:
+    """The config a rank runs with: on CUDA, device ``cuda:device_index`` (one GPU per rank)."""
     if not config.device.startswith("cuda"):
         return config
-    return dataclasses.replace(config, device=f"cuda:{rank}")
+    return dataclasses.replace(config, device=f"cuda:{device_index}")
 
 
-def _build_worker(config: EngineConfig, rank: int, init_method: str) -> Any:
+def _build_worker(config: EngineConfig, rank: int, init_method: str, device_index: int) -> Any:
     import torch
 
     from pagedllm.cpu_threads import intra_op_threads
@@ -62,7 +71,7 @@ def _build_worker(config: EngineConfig, rank: int, init_method: str) -> Any:
     from pagedllm.worker.worker import Worker
 
     pc = config.parallel_config
-    config = _rank_config(config, rank)
+    config = _rank_config(config, device_index)
     if config.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(config.device))
         backend = "nccl"
@@ -116,14 +125,20 @@ def _serve(worker: Any, rank: int, is_output_rank: bool, conn: Connection, defer
 
 
 def worker_main(config: EngineConfig, rank: int, init_method: str, conn: Connection, parent_pid: int) -> None:
-    """Entry point of worker process ``rank`` (spawned by ``MultiprocExecutor``). Ends the process
-    itself once its resources are released: the interpreter's own teardown of torch and the model
-    takes seconds and frees nothing the exit does not."""
+    """Entry point of worker process ``rank`` (spawned by ``MultiprocExecutor``): rank ``r`` of a
+    replica whose first GPU is ``cuda:K`` takes ``cuda:K+r``."""
     _exit_with_parent(parent_pid)
+    serve_rank(config, rank, init_method, conn, first_device_index(config) + rank)
+
+
+def serve_rank(config: EngineConfig, rank: int, init_method: str, conn: Connection, device_index: int) -> None:
+    """Build rank ``rank``'s worker (on GPU ``device_index`` on CUDA), reply ``ready``, serve the
+    driver's calls, then end the process itself once its resources are released: the interpreter's
+    own teardown of torch and the model takes seconds and frees nothing the exit does not."""
     worker = None
     exit_code = 0
     try:
-        worker = _build_worker(config, rank, init_method)
+        worker = _build_worker(config, rank, init_method, device_index)
         conn.send(("ok", None))
         _serve(worker, rank, rank == config.parallel_config.output_rank, conn, config.async_scheduling)
     except BaseException:  # noqa: BLE001 - every failure goes to the driver, with its traceback

@@ -18,6 +18,11 @@ class UniProcExecutor(Executor):
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
+        if config.device.startswith("cuda:"):
+            import torch
+
+            # e.g. a data-parallel replica's own GPU: Triton launches on the current device.
+            torch.cuda.set_device(torch.device(config.device))
         self.worker = Worker(config)
 
     def determine_num_blocks(self) -> int:

@@ -57,6 +57,12 @@ class Linear(CustomOp):
     ``fuses_kernels = False`` and ``gemm_tunable = False`` (instance attributes: its weight is no
     float matrix for the fused kernels or the cuBLAS table) and is neither prepacked nor folded.
     ``quant_method`` None: the plain layer above, unchanged.
+
+    LoRA (``pagedllm.lora``): ``lora`` is None (no LoRA: nothing allocated) or the layer's stacked
+    adapter matrices (``lora.layers.LoRALinearWeights``). ``set_lora_active(True)`` makes every
+    call run ``forward_lora``, the implementation chosen at load plus each token's adapter delta,
+    with ``fuses_kernels = False`` so that no fused kernel bypasses it; ``set_lora_active(False)``
+    restores the implementation and the fused kernels of the plain layer.
     """
 
     fuses_kernels = True
@@ -76,6 +82,8 @@ class Linear(CustomOp):
         # A ``pagedllm.quantization`` ``QuantizeMethodBase`` (not imported: quantization sits above
         # layers and imports them), or None: the plain layer.
         self.quant_method = None
+        self.lora = None  # a pagedllm.lora LoRALinearWeights, or None (not imported: lora sits above layers)
+        self._impl_without_lora: str | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         default_weight_loader(param, loaded_weight)
@@ -101,6 +109,25 @@ class Linear(CustomOp):
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
+
+    def set_lora_active(self, active: bool) -> None:
+        """Add the LoRA delta to every call from now on (``active``), or stop (see the class doc).
+        Precondition: ``lora`` is set; the LoRA manager calls this only when the state changes."""
+        if active:
+            self._impl_without_lora = self.impl
+            self._fuses_without_lora = self.__dict__.get("fuses_kernels")
+            self.fuses_kernels = False
+            self.use_impl("lora")
+        else:
+            self.use_impl(self._impl_without_lora)
+            if self._fuses_without_lora is None:
+                del self.fuses_kernels  # the class's value again
+            else:
+                self.fuses_kernels = self._fuses_without_lora
+
+    def forward_lora(self, x: torch.Tensor) -> torch.Tensor:
+        y = getattr(self, f"forward_{self._impl_without_lora}")(x)
+        return self.lora.apply(x, y)
 
     def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu_packed_weight is not None and x.device.type == "cpu" and x.dtype == self.weight.dtype:

@@ -100,22 +100,34 @@ class Architecture:
     config_defaults: dict[str, Any] | None
     config_types: dict[str, Any] | None
     gguf_permutes_qk: bool  # llama.cpp permutes Q/K rows for its rotary kernel (its "llama" arch)
+    # The class serving it with runner="pooling" (embeddings), "module:Class"; None: no pooling.
+    pooling_implementation: str | None = None
+    # Encoder-only (bidirectional attention): served with runner="pooling" only, each prompt in one step.
+    is_encoder: bool = False
 
 
 _LLAMA_IMPL = "pagedllm.models.llama:LlamaForCausalLM"
 _MOE_IMPL = "pagedllm.models.moe:MoeForCausalLM"
+_DECODER_EMBEDDING = "pagedllm.models.decoder_embedding:DecoderForEmbedding"
+_BERT_IMPL = "pagedllm.models.bert:BertModel"
 ARCHITECTURES: dict[str, Architecture] = {
     a.model_type: a
     for a in (
-        Architecture("llama", "LlamaForCausalLM", _LLAMA_IMPL, _DEFAULTS["llama"], _TYPES["llama"], True),
+        Architecture("llama", "LlamaForCausalLM", _LLAMA_IMPL, _DEFAULTS["llama"], _TYPES["llama"], True,
+                     _DECODER_EMBEDDING),
         # Mistral checkpoints convert to GGUF under llama.cpp's "llama" architecture (permuted there).
-        Architecture("mistral", "MistralForCausalLM", _LLAMA_IMPL, _DEFAULTS["mistral"], _TYPES["mistral"], False),
-        Architecture("qwen2", "Qwen2ForCausalLM", _LLAMA_IMPL, _DEFAULTS["qwen2"], _TYPES["qwen2"], False),
-        Architecture("qwen3", "Qwen3ForCausalLM", _LLAMA_IMPL, _DEFAULTS["qwen3"], _TYPES["qwen3"], False),
+        Architecture("mistral", "MistralForCausalLM", _LLAMA_IMPL, _DEFAULTS["mistral"], _TYPES["mistral"], False,
+                     _DECODER_EMBEDDING),
+        Architecture("qwen2", "Qwen2ForCausalLM", _LLAMA_IMPL, _DEFAULTS["qwen2"], _TYPES["qwen2"], False,
+                     _DECODER_EMBEDDING),
+        Architecture("qwen3", "Qwen3ForCausalLM", _LLAMA_IMPL, _DEFAULTS["qwen3"], _TYPES["qwen3"], False,
+                     _DECODER_EMBEDDING),
         # Mixture of experts: configs read by AutoConfig (their expert fields vary across versions).
         Architecture("mixtral", "MixtralForCausalLM", _MOE_IMPL, None, None, False),
         Architecture("qwen2_moe", "Qwen2MoeForCausalLM", _MOE_IMPL, None, None, False),
         Architecture("qwen3_moe", "Qwen3MoeForCausalLM", _MOE_IMPL, None, None, False),
+        # sentence-transformers' BERT-family encoders (all-MiniLM, BGE); BertForMaskedLM folders too.
+        Architecture("bert", "BertModel", _BERT_IMPL, None, None, False, _BERT_IMPL, is_encoder=True),
     )
 }
 SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)

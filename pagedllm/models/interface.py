@@ -53,20 +53,27 @@ class CausalLM(Protocol):
 
 MEMBERS = ("forward", "compute_logits", "attention_layers", "num_attention_layers", "kv_cache_shape_per_layer",
            "bind_kv_caches", "load_weights")
+# A pooling model (runner "pooling": embeddings) is a CausalLM without the LM head: the runner pools
+# its hidden states (``layers/pooler.py``) and never asks for logits. An encoder (BERT) has no paged
+# attention layers at all (``attention_layers`` is empty): its prompt is computed in one step.
+POOLING_MEMBERS = tuple(name for name in MEMBERS if name != "compute_logits")
 INSTANCE_ATTRIBUTES = ("config", "max_supported_len")
 
 
-def check_model_class(cls: type) -> None:
-    """Raise TypeError unless ``cls`` defines every method and property of ``CausalLM``."""
-    missing = [name for name in MEMBERS if not hasattr(cls, name)]
+def check_model_class(cls: type, runner: str = "generate") -> None:
+    """Raise TypeError unless ``cls`` defines every method and property of ``CausalLM`` (of a
+    pooling model with ``runner="pooling"``)."""
+    members = POOLING_MEMBERS if runner == "pooling" else MEMBERS
+    missing = [name for name in members if not hasattr(cls, name)]
     if missing:
         raise TypeError(f"model class {cls.__name__} lacks {', '.join(missing)} (models/interface.py: CausalLM)")
 
 
-def check_model(model: object) -> None:
-    """Raise TypeError unless ``model`` provides the whole ``CausalLM`` interface."""
-    check_model_class(type(model))
+def check_model(model: object, runner: str = "generate") -> None:
+    """Raise TypeError unless ``model`` provides the whole ``CausalLM`` interface (that of a pooling
+    model with ``runner="pooling"``)."""
+    check_model_class(type(model), runner)
     missing = [name for name in INSTANCE_ATTRIBUTES if not hasattr(model, name)]
-    if missing or not isinstance(model, CausalLM):
+    if missing or (runner != "pooling" and not isinstance(model, CausalLM)):
         raise TypeError(f"model {type(model).__name__} lacks {', '.join(missing) or 'a CausalLM member'} "
                         "(models/interface.py: CausalLM)")

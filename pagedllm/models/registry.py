@@ -29,16 +29,22 @@ def supported_architectures() -> list[str]:
     return sorted(arch.hf_class for arch in ARCHITECTURES.values())
 
 
-def model_class_of(arch: Architecture) -> type[nn.Module]:
-    """The class implementing ``arch`` (its ``implementation``, imported), checked against ``CausalLM``."""
-    module_name, class_name = arch.implementation.split(":")
+def model_class_of(arch: Architecture, runner: str = "generate") -> type[nn.Module]:
+    """The class implementing ``arch`` for ``runner`` (its ``implementation``, or its
+    ``pooling_implementation`` for "pooling", imported), checked against ``CausalLM``."""
+    if runner == "pooling" and arch.pooling_implementation is None:
+        raise ValueError(f"runner: {arch.hf_class} cannot be served as a pooling model")
+    if runner != "pooling" and arch.is_encoder:
+        raise ValueError(f"runner: {arch.hf_class} is an encoder-only model: serve it with runner='pooling'")
+    implementation = arch.pooling_implementation if runner == "pooling" else arch.implementation
+    module_name, class_name = implementation.split(":")
     cls = getattr(importlib.import_module(module_name), class_name)
-    check_model_class(cls)
+    check_model_class(cls, runner)
     return cls
 
 
-def get_model_class(hf_config: Any) -> type[nn.Module]:
-    """The class for ``hf_config.architectures`` (first match), else for ``hf_config.model_type``."""
+def architecture_of(hf_config: Any) -> Architecture:
+    """The entry for ``hf_config.architectures`` (first match), else for ``hf_config.model_type``."""
     model_type = getattr(hf_config, "model_type", None)
     archs = getattr(hf_config, "architectures", None)
     arch = architecture_for(archs, model_type)
@@ -47,7 +53,12 @@ def get_model_class(hf_config: Any) -> type[nn.Module]:
             f"model: architecture {archs} (model_type={model_type!r}) is not supported; "
             f"supported: {', '.join(supported_architectures())}"
         )
-    return model_class_of(arch)
+    return arch
+
+
+def get_model_class(hf_config: Any, runner: str = "generate") -> type[nn.Module]:
+    """The class serving ``hf_config`` with ``runner`` ("generate" or "pooling")."""
+    return model_class_of(architecture_of(hf_config), runner)
 
 
 def max_supported_len(hf_config: Any) -> int | None:
@@ -67,27 +78,27 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device | str,
-                quant_config: Any = None) -> nn.Module:
+                quant_config: Any = None, runner: str = "generate") -> nn.Module:
     """The model for ``hf_config`` on ``device`` in ``dtype`` (floating parameters), weights uninitialized.
     RoPE tables stay float32. ``quant_config`` (a ``pagedllm.quantization.QuantizationConfig``):
     its linear layers get their quantization methods; the caller's load then ends with
     ``process_quantized_weights`` (``load_model`` and ``init_dummy_weights`` do)."""
-    cls = get_model_class(hf_config)
+    cls = get_model_class(hf_config, runner)
     if quant_config is not None and not getattr(cls, "supports_quantization", True):
         raise ValueError(f"quantization is not supported for {hf_config.model_type!r} models yet "
                          f"({cls.__name__} has no quantized form of its experts)")
     with torch.device(device), _default_dtype(dtype):
         model = cls(hf_config)
         quantize_model(model, quant_config)
-    check_model(model)
+    check_model(model, runner)
     return model.eval()
 
 
 def load_model(source: Any, hf_config: Any, dtype: torch.dtype, device: torch.device | str,
-               quant_config: Any = None) -> nn.Module:
+               quant_config: Any = None, runner: str = "generate") -> nn.Module:
     """``build_model`` + the checkpoint's weights. ``source`` is a ``pagedllm.loader.ModelSource`` (used
     through its ``iter_weights()`` method: models and loader do not import each other)."""
-    model = build_model(hf_config, dtype, device, quant_config)
+    model = build_model(hf_config, dtype, device, quant_config, runner)
     model.load_weights(source.iter_weights() if quant_config is None else quant_config.weight_iterator(source))
     process_quantized_weights(model)
     return model
@@ -103,7 +114,7 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float | None = None
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
+        if name.lower().endswith("norm.weight"):  # RMSNorm and LayerNorm (BERT's "LayerNorm.weight")
             param.fill_(1.0)
         elif name.endswith(".bias"):
             param.zero_()

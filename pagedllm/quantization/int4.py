@@ -5,8 +5,15 @@ unsigned 4-bit integers, ``s`` float; ``g(k)`` the group of input column ``k``).
 ``q`` and ``z`` eight to an int32 in different ways (``gptq.py`` and ``awq.py`` describe theirs);
 after the load, ``Int4LinearMethod.process_weights_after_loading`` rewrites both into one form:
 
-- ``qweight`` int32 ``[N, K / 8]``: nibble ``j`` (bits ``4j .. 4j+3``) of ``qweight[n, i]`` is
+- ``qweight`` int32 in one of two layouts (``layer.int4_layout``), chosen once at load:
+  ``ROWS_LAYOUT`` ``[N, K / 8]``: nibble ``j`` (bits ``4j .. 4j+3``) of ``qweight[n, i]`` is
   ``q[n, 8i + j]`` (each output row's codes in input order, contiguous like a float weight row);
+  ``N8_LAYOUT`` ``[N / 8, K]`` ("word rows"): a word holds eight output rows of one input column
+  (nibble ``j`` is row ``8b + j``: one activation value feeds eight codes), and a word row's
+  columns are stored in the order of the CUDA GEMV's loads (``n8_memory_order``): its thread
+  ``lane`` of a warp streams the ``run`` columns ``lane * run ..`` (inside one group) while the
+  warp's 32 threads read 512 contiguous bytes a load. It is taken on CUDA where the shape suits
+  the GEMV (``choose_layout``), the row layout elsewhere;
 - ``scales`` and ``zeros`` float16 ``[N, G]`` (the zero points are integers: exact);
 - groups are contiguous: column ``k`` is in group ``k // group_size`` (``group_size`` = K for
   ``-1``). A checkpoint whose ``g_idx`` orders columns otherwise (GPTQ act-order) has its columns
@@ -16,8 +23,8 @@ after the load, ``Int4LinearMethod.process_weights_after_loading`` rewrites both
 Memory: 4 bits a weight plus 4 bytes per group and output row (3% at group 128).
 
 The product (``int4_linear``): on CUDA the Triton kernels of ``kernels/int4_gemm.py`` read the
-packed weights once (a GEMV at a few rows, a tiled GEMM above); elsewhere, and for shapes they do
-not take, ``int4_linear_reference`` dequantizes a tile of rows at a time in float32.
+packed weights once (a GEMV at a few rows, dequantize + cuBLAS above); elsewhere, and for shapes
+they do not take, ``int4_linear_reference`` dequantizes a tile of rows at a time in float32.
 """
 
 from __future__ import annotations
@@ -39,6 +46,8 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 # Float32 weight elements the reference path dequantizes at a time (8 MiB).
 TILE_ELEMENTS = 1 << 21
+ROWS_LAYOUT = "rows"  # qweight [N, K / 8] (module doc)
+N8_LAYOUT = "n8"  # qweight [N / 8, K] (module doc)
 
 
 def _shifts(order: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -68,45 +77,100 @@ def pack_cols(values: torch.Tensor, order: tuple[int, ...] = SEQUENTIAL_ORDER) -
     return _to_int32((v << shifts[None, None, :]).sum(dim=2))
 
 
+def pack_rows(values: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``unpack_rows``: ``[8R, C]`` integers in 0..15 -> ``[R, C]`` int32."""
+    v = values.to(torch.int64).reshape(-1, PACK, values.shape[1])
+    shifts = _shifts(SEQUENTIAL_ORDER, values.device).to(torch.int64)
+    return _to_int32((v << shifts[None, :, None]).sum(dim=1))
+
+
+def n8_run(in_features: int, group_size: int) -> int | None:
+    """The columns a GEMV thread streams in the word-row layout (``run``, 32 to 4 words: a power
+    of two dividing the group size, a warp's 32 runs dividing K, preferably four warps' runs), or
+    None where K is no multiple of 128."""
+    runs = [r for r in (32, 16, 8, 4) if group_size % r == 0 and in_features % (32 * r) == 0]
+    return next((r for r in runs if in_features % (128 * r) == 0), runs[0] if runs else None)
+
+
+def n8_memory_order(in_features: int, run: int, device: torch.device | None = None) -> torch.Tensor:
+    """``[K]`` int64: the input column stored at each position of a word row. In each tile of ``32 *
+    run`` columns, load ``r`` of thread ``lane`` (columns ``lane * run + 4r .. +3``) sits at
+    positions ``128 r + 4 lane .. +3``."""
+    cols = torch.arange(in_features, device=device).view(-1, 32, run // 4, 4)  # (tile, lane, load, 4)
+    return cols.transpose(1, 2).reshape(-1)
+
+
+def pack_n8(q: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Codes ``[N, K]`` (0..15) -> the word-row layout ``[N / 8, K]`` int32 (module doc)."""
+    return pack_rows(q)[:, n8_memory_order(q.shape[1], n8_run(q.shape[1], group_size), q.device)]
+
+
+def unpack_n8(qweight: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Inverse of ``pack_n8``: ``[N / 8, K]`` int32 -> codes ``[N, K]``."""
+    k = qweight.shape[1]
+    words = torch.empty_like(qweight)
+    words[:, n8_memory_order(k, n8_run(k, group_size), qweight.device)] = qweight
+    return unpack_rows(words)
+
+
 def _to_int32(words: torch.Tensor) -> torch.Tensor:
     """Unsigned 32-bit words (int64) as the int32 with the same bits."""
     return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
 
 
+def num_outputs(qweight: torch.Tensor, layout: str) -> int:
+    """N of a packed weight in ``layout``."""
+    return qweight.shape[0] * PACK if layout == N8_LAYOUT else qweight.shape[0]
+
+
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-               rows: slice | None = None) -> torch.Tensor:
+               rows: slice | None = None, layout: str = ROWS_LAYOUT) -> torch.Tensor:
     """The float32 ``W[n, k]`` of a serving-form weight (module doc), for output rows ``rows`` (all
-    by default)."""
-    rows = rows if rows is not None else slice(0, qweight.shape[0])
-    q = unpack_cols(qweight[rows]).float()
+    by default; in the word-row layout ``rows`` starts and stops on multiples of 8)."""
+    rows = rows if rows is not None else slice(0, num_outputs(qweight, layout))
+    if layout == N8_LAYOUT:
+        q = unpack_n8(qweight[rows.start // PACK: rows.stop // PACK], group_size).float()
+    else:
+        q = unpack_cols(qweight[rows]).float()
     k = q.shape[1]
     expand = lambda t: t[rows].float().repeat_interleave(group_size, dim=1)[:, :k]  # noqa: E731
     return (q - expand(zeros)) * expand(scales)
 
 
 def int4_linear_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                          perm: torch.Tensor | None, group_size: int) -> torch.Tensor:
+                          perm: torch.Tensor | None, group_size: int, layout: str = ROWS_LAYOUT) -> torch.Tensor:
     """``[M, N]`` float32: ``x[:, perm] @ W^T``, dequantizing a tile of weight rows at a time (any device)."""
     xf = x.float() if perm is None else x.float().index_select(1, perm.long())
-    n, k = qweight.shape[0], qweight.shape[1] * PACK
-    step = max(1, TILE_ELEMENTS // max(k, 1))
+    n, k = num_outputs(qweight, layout), x.shape[1]
+    step = max(PACK, TILE_ELEMENTS // max(k, 1) // PACK * PACK)  # whole word rows
     out = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
     for start in range(0, n, step):
         stop = min(n, start + step)
-        out[:, start:stop] = xf @ dequantize(qweight, scales, zeros, group_size, slice(start, stop)).t()
+        out[:, start:stop] = xf @ dequantize(qweight, scales, zeros, group_size, slice(start, stop), layout).t()
     return out
 
 
+def choose_layout(device: torch.device, in_features: int, group_size: int) -> str:
+    """The layout a weight is served in (module doc): word rows on CUDA where the GEMV takes the
+    shape, else rows."""
+    if not (HAS_TRITON and device.type == "cuda"):
+        return ROWS_LAYOUT
+    from pagedllm.quantization.kernels import int4_gemm
+
+    return N8_LAYOUT if int4_gemm.n8_layout_fits(in_features, group_size) else ROWS_LAYOUT
+
+
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                perm: torch.Tensor | None, group_size: int, bias: torch.Tensor | None) -> torch.Tensor:
+                perm: torch.Tensor | None, group_size: int, bias: torch.Tensor | None,
+                layout: str = ROWS_LAYOUT) -> torch.Tensor:
     """``x [M, K] @ W^T (+ bias)`` in x's dtype: the Triton kernels on CUDA where they apply, else the
     reference path."""
     if HAS_TRITON and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16, torch.float32):
         from pagedllm.quantization.kernels import int4_gemm
 
-        if int4_gemm.fits(x, qweight, group_size):
-            return int4_gemm.int4_linear(x, qweight, scales, zeros, perm, group_size, bias)
-    y = int4_linear_reference(x, qweight, scales, zeros, perm, group_size)
+        if int4_gemm.fits(x, qweight, group_size, layout):
+            return int4_gemm.int4_linear(x, qweight, scales, zeros, perm, group_size, bias, layout=layout)
+    y = int4_linear_reference(x, qweight, scales, zeros, perm, group_size, layout)
     if bias is not None:
         y += bias.float()
     return y.to(x.dtype)
@@ -188,7 +252,8 @@ class Int4LinearMethod(QuantizeMethodBase):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         q, scales, zeros, perm = self.to_serving_form(layer)
-        qweight = pack_cols(q)
+        layout = choose_layout(q.device, layer.in_features, self.layer_group_size(layer))
+        qweight = pack_n8(q, self.layer_group_size(layer)) if layout == N8_LAYOUT else pack_cols(q)
         for name in ("qweight", "qzeros", "scales", "g_idx"):
             if hasattr(layer, name):
                 delattr(layer, name)
@@ -196,10 +261,12 @@ class Int4LinearMethod(QuantizeMethodBase):
         layer.scales = nn.Parameter(scales.to(torch.float16).contiguous(), requires_grad=False)
         layer.zeros = nn.Parameter(zeros.to(torch.float16).contiguous(), requires_grad=False)
         layer.perm = None if perm is None else nn.Parameter(perm.to(torch.int32), requires_grad=False)
+        layer.int4_layout = layout
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        y = int4_linear(x2, layer.qweight, layer.scales, layer.zeros, layer.perm, self.layer_group_size(layer), bias)
+        y = int4_linear(x2, layer.qweight, layer.scales, layer.zeros, layer.perm, self.layer_group_size(layer), bias,
+                        layer.int4_layout)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
 

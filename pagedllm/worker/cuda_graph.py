@@ -13,6 +13,10 @@ argument copies beyond the step's one input copy; padded rows carry slot -1 (KV 
 and seq_len 0 (attention writes zeros), and their outputs are discarded. All graphs share one
 memory pool; capture time is part of start-up.
 Graphs of ``pdl.MAX_TOKENS`` request are captured with programmatic dependent launch.
+With LoRA (``capture_lora``) a second set of graphs, one per size, runs the layers with their
+adapter delta over the LoRA manager's fixed mapping (``lora/mapping.GraphMapping``), which a
+step fills before ``replay_lora``; those graphs are captured without PDL (the LoRA kernels do not
+wait on their predecessor in a dependent launch).
 
 Invariant: ``self.graphs[bs, q]`` was captured with metadata built by the backend's builder over
 ``DeviceInputs.device_views(bs * q, bs)``: the device views that a step padded to ``bs`` requests
@@ -81,6 +85,8 @@ class CUDAGraphRunner:
         inputs.recurring_shapes.update((bs * verify_query_len, bs) for bs in self.verify_sizes)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.lora_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # with the LoRA delta (capture_lora)
+        self.lora_outputs: dict[int, torch.Tensor] = {}
         self.pool = None
 
     @property
@@ -169,6 +175,33 @@ class CUDAGraphRunner:
                     "tokens) in %.1f s", len(self.graphs), self.max_size, self.max_verify_size,
                     self.verify_query_len, elapsed)
         return elapsed
+
+    @torch.inference_mode()
+    def capture_lora(self, lora_manager) -> float:
+        """Capture every size again with the LoRA delta (``LoRAModelManager.graph_step``; every
+        adapter group empty while capturing). Call after ``capture_all``. Returns seconds."""
+        t0 = time.perf_counter()
+        lora_manager.enable_graphs(self.max_size)
+        for bs in reversed(self.sizes):
+            dev = self._safe_inputs(bs)
+            meta = self.metadata(bs)
+            ids, pos = dev["input_ids"], dev["positions"]
+            with forward_context(meta, self.backend), pdl.for_graph(bs, False), lora_manager.graph_step(bs):
+                self._forward(ids, pos)  # warm-up: the LoRA kernels compile outside the capture
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    out = self._forward(ids, pos)
+            self.lora_graphs[bs], self.lora_outputs[bs] = graph, out
+        torch.cuda.synchronize(self.device)
+        elapsed = time.perf_counter() - t0
+        logger.info("captured %d CUDA graphs with LoRA in %.1f s", len(self.sizes), elapsed)
+        return elapsed
+
+    def replay_lora(self, bs: int) -> torch.Tensor:
+        """``replay`` of the graph of size ``bs`` with the LoRA delta (its mapping staged)."""
+        self.lora_graphs[bs].replay()
+        return self.lora_outputs[bs]
 
     def replay(self, bs: int, q: int = 1) -> torch.Tensor:
         """Run the graph of shape ``(bs, q)``; returns its logits ``[bs * q, vocab]`` (valid until the

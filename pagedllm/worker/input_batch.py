@@ -35,6 +35,8 @@ class InputBatch:
         # Bumped on every add: a late result for a row that was freed and reused is recognised.
         self.generation = np.zeros(max_num_reqs, dtype=np.int64)
         self.params: list[SamplingParams | None] = [None] * max_num_reqs
+        # The LoRA adapter id each row runs (0: the base model).
+        self.lora_int_id = np.zeros(max_num_reqs, dtype=np.int64)
         self.req_id_to_row: dict[str, int] = {}
         self.free_rows: list[int] = list(range(max_num_reqs - 1, -1, -1))
 
@@ -50,6 +52,7 @@ class InputBatch:
         self.block_table[row, : len(new.block_ids)] = new.block_ids
         self.num_blocks[row] = len(new.block_ids)
         self.params[row] = new.sampling_params
+        self.lora_int_id[row] = new.lora_request.lora_int_id if new.lora_request is not None else 0
         self.num_pending[row] = 0
         self.generation[row] += 1
         self.req_id_to_row[new.req_id] = row

@@ -20,6 +20,7 @@ sampled at their positions (StepHandle, spec_decode/rejection_sampler.py). A pro
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -91,6 +92,8 @@ class ModelRunner:
                                   max(sc.max_num_batched_tokens, sc.max_num_seqs), sc.max_num_seqs,
                                   self.max_blocks_per_req)
         self.graph_runner: CUDAGraphRunner | None = None  # set by the worker after capture
+        # LoRA (``enable_lora``): the worker's adapters and LoRA layers (lora/manager.py); None: off.
+        self.lora_manager = None
         self.proposer: Proposer | None = None
         self.sync_policy = StepSyncPolicy(sc.max_num_seqs)
         self.timings: dict[str, float] = {"prepare": 0.0}
@@ -128,13 +131,30 @@ class ModelRunner:
             self._last_handle.result()
         trace_start = self.trace.begin() if self.trace is not None else None
         t0 = time.perf_counter()
-        inp = self.prep.prepare(so, rows, self.graph_runner)
+        lora_slots, graph_runner = None, self.graph_runner
+        if self.lora_manager is not None:
+            lora_slots = self.lora_manager.prepare_step(batch.lora_int_id[rows], np.fromiter(
+                so.num_scheduled_tokens.values(), dtype=np.int64, count=len(rows)))
+            # No graphs with the delta (LoRA graphs are decode-only: with verify graphs too, a step
+            # with adapters could be a verification): a step with adapters runs eagerly.
+            if lora_slots is not None and (graph_runner is None or not graph_runner.lora_graphs
+                                           or graph_runner.verify_sizes):
+                graph_runner = None
+        inp = self.prep.prepare(so, rows, graph_runner)
         self.timings["prepare"] += time.perf_counter() - t0
         hidden = logits = None
         if inp.graph_size is not None:  # the graph ends with the LM head (a decode or verify step)
-            logits = self.graph_runner.replay(inp.graph_size, inp.graph_query_len)[inp.logits_indices]
+            if lora_slots is None:
+                logits = self.graph_runner.replay(inp.graph_size, inp.graph_query_len)[inp.logits_indices]
+            else:
+                self.lora_manager.stage_graph(lora_slots)
+                logits = self.graph_runner.replay_lora(inp.graph_size)[inp.logits_indices]
         else:
-            with attention_forward_context(inp.attn_metadata, self.backend):
+            lora_step = contextlib.nullcontext()
+            if self.lora_manager is not None:  # None: the layers run without a delta
+                lora_step = self.lora_manager.step(None if lora_slots is None
+                                                   else self.lora_manager.eager_mapping(lora_slots))
+            with attention_forward_context(inp.attn_metadata, self.backend), lora_step:
                 hidden = self.model(inp.input_ids, inp.positions)
             if inp.sample_req_idx and hidden is not None:  # None: a pipeline stage before the last
                 # logits in the model dtype: the sampler upcasts where it needs
@@ -237,6 +257,8 @@ class ModelRunner:
         for req_id in so.finished_req_ids:
             self.prompt_logprobs.forget(req_id)
         for new in so.scheduled_new_reqs:
+            if self.lora_manager is not None:
+                self.lora_manager.add_request(new.lora_request)
             row = batch.add(new)
             self.sync_policy.add_request(row, new.sampling_params)
             self.prep.inputs.queue_block_update(row, 0, new.block_ids)

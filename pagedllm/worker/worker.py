@@ -41,6 +41,7 @@ from pagedllm.spec_decode.draft_model import DraftModelProposer
 from pagedllm.worker import kv_cache as kvc
 from pagedllm.worker.cuda_graph import CUDAGraphRunner
 from pagedllm.worker.model_runner import ModelRunner, StepHandle
+from pagedllm.worker.pooling_runner import PoolingModelRunner
 from pagedllm.worker.proposer import build_proposer, draft_bytes_per_block, load_draft_model
 
 logger = logging.getLogger("pagedllm")
@@ -68,26 +69,37 @@ class Worker:
         self.max_model_len = mc.max_model_len
         self.startup_seconds: dict[str, float] = {}
         t0 = time.perf_counter()
+        self.pooling = mc.runner == "pooling"
         if mc.load_format == "dummy":
-            self.model = init_dummy_weights(build_model(mc.hf_config, self.dtype, self.device, mc.quant_config),
-                                            seed=mc.seed)
+            self.model = init_dummy_weights(build_model(mc.hf_config, self.dtype, self.device, mc.quant_config,
+                                                        mc.runner), seed=mc.seed)
         else:
-            self.model = load_model(mc.source, mc.hf_config, self.dtype, self.device, mc.quant_config)
+            self.model = load_model(mc.source, mc.hf_config, self.dtype, self.device, mc.quant_config, mc.runner)
         self.model.eval()
+        self.lora_manager = self._build_lora_manager()  # before the kernel plan folds the norms
         self._prepare_model_kernels()
+        if self.lora_manager is not None:
+            self.lora_manager.use_folded_norms(self.kernel_plan.norms_folded)
         self.draft_model = load_draft_model(config, self.device, self.dtype)  # speculative decoding
         logger.info("model loaded in %.1f s", time.perf_counter() - t0)
         self.backend = get_attention_backend(config.attention_backend, self.device)
-        # This rank's KV heads (all of them at one tensor-parallel rank).
-        num_kv_heads = self.model.attention_layers[0].num_kv_heads
+        # This rank's KV heads (all of them at one tensor-parallel rank); an encoder has no cache.
+        layers = self.model.attention_layers
+        num_kv_heads = layers[0].num_kv_heads if layers else mc.num_kv_heads
         self.kv_cache_dtype = kv_cache_torch_dtype(config.cache_config.cache_dtype, self.dtype, self.device)
         self.kv_cache_spec = self.backend.kv_cache_spec(num_kv_heads, mc.head_dim, self.kv_cache_dtype,
                                                         self.block_size)
-        self.model_runner = ModelRunner(config, self.model, self.backend, self.device, self.dtype)
+        if self.pooling:
+            self.model_runner = PoolingModelRunner(config, self.model, self.backend, self.device, self.dtype,
+                                                   pooling_type=mc.pooler_config.pooling_type)
+        else:
+            self.model_runner = ModelRunner(config, self.model, self.backend, self.device, self.dtype)
+        self.model_runner.lora_manager = self.lora_manager
         self._graphs: CUDAGraphRunner | None = None
         # No graphs across pipeline stages: a captured forward cannot hold the stage's send / receive.
+        # None for pooling: its steps are prefills (the graphs are of decode steps).
         if (self.device.type == "cuda" and not config.enforce_eager and self.backend.supports_decode_graphs
-                and config.parallel_config.pipeline_parallel_size == 1):
+                and config.parallel_config.pipeline_parallel_size == 1 and not self.pooling):
             spec = config.speculative_config  # verify graphs: 1 + k queries per request
             self._graphs = CUDAGraphRunner(self.model, self.backend, self.model_runner.prep.inputs,
                                            config.scheduler_config.max_num_seqs, self.device,
@@ -101,6 +113,17 @@ class Worker:
         implementation once (``layers/dispatch.py``: norm folding on CUDA, oneDNN prepacking on
         the CPU, the per-device tuning row)."""
         self.kernel_plan = prepare_model_kernels(self.model, self.device, self.config.kernel_config)
+
+    def _build_lora_manager(self):
+        """The adapters' slots on every LoRA-capable layer (``enable_lora``), or None: nothing is
+        allocated and no layer changes."""
+        lc = self.config.lora_config
+        if lc is None:
+            return None
+        from pagedllm.lora.manager import LoRAModelManager
+
+        return LoRAModelManager(self.model, lc.max_loras, lc.max_lora_rank, lc.max_cpu_loras, self.device,
+                                self.dtype, self.config.model_config.hf_config)
 
     def _tune_gemms(self, batch_sizes: list[int]) -> None:
         """Pick cuBLAS or cuBLASLt per weight shape and CUDA-graph batch size (``KernelPlan.tune_gemms``),
@@ -130,6 +153,8 @@ class Worker:
         sc = cfg.scheduler_config
         if cfg.cache_config.num_gpu_blocks_override:
             return cfg.cache_config.num_gpu_blocks_override
+        if not self.model.num_attention_layers:  # an encoder: blocks are bookkeeping, enough for all
+            return sc.max_num_seqs * self.model_runner.max_blocks_per_req + 1
         if self.device.type != "cuda":
             return kvc.cpu_num_blocks(cfg.cache_config.kv_cache_memory, self.bytes_per_block(), self.block_size,
                                       sc.max_num_seqs, self.max_model_len)
@@ -157,7 +182,7 @@ class Worker:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             hidden = logits = self._dummy_forward(lens, num_cached=0)
-            if hidden is not None:  # None: a pipeline stage before the last
+            if hidden is not None and not self.pooling:  # None: a pipeline stage before the last
                 logits = self.model.compute_logits(hidden[: sc.max_num_seqs])
                 torch.softmax(logits, dim=-1).sort(dim=-1)
             torch.cuda.synchronize(self.device)
@@ -189,8 +214,9 @@ class Worker:
         self.model_runner.proposer = build_proposer(self.config, self.draft_model, num_blocks, self.device, self.dtype)
 
     def warm_up(self) -> None:
-        """The stages after the KV cache exists (CUDA only): ``warm up``, ``tune``, ``capture``."""
-        if self.device.type != "cuda":
+        """The stages after the KV cache exists (CUDA only): ``warm up``, ``tune``, ``capture``. An
+        encoder has no paged attention kernels to warm up (its warm-up shapes need a cache)."""
+        if self.device.type != "cuda" or not self.model.num_attention_layers:
             return
         with self._stage("warm up"):
             self._warm_up_eager_kernels()
@@ -203,6 +229,9 @@ class Worker:
             proposer = self.model_runner.proposer
             if isinstance(proposer, DraftModelProposer):  # the draft model's own graphs
                 proposer.runner.capture_graphs(self.config.kernel_config.pdl)
+        if self.lora_manager is not None:
+            with self._stage("capture lora"):
+                self._graphs.capture_lora(self.lora_manager)
         self.model_runner.graph_runner = self._graphs
 
     @torch.inference_mode()
@@ -213,7 +242,7 @@ class Worker:
         hidden = None
         for query_lens in self.backend.warmup_query_lens(self.max_model_len - 2):
             hidden = self._dummy_forward(query_lens, num_cached=2)
-        if hidden is None:  # no warm-up shapes, or a pipeline stage before the last
+        if hidden is None or self.pooling:  # no warm-up shapes, a stage before the last, or no sampler
             return
         logits = self.model.compute_logits(hidden[[0, hidden.shape[0] - 1]], upcast=False)
         for temperature in (0.0, 1.0):

@@ -1,5 +1,6 @@
-"""The multiprocess executor on CUDA (NCCL): one rank in a worker process equals the in-process
-engine; with two GPUs, tensor_parallel_size=2 too (float32, so ids agree up to near-ties)."""
+"""The multiprocess and Ray executors on CUDA (NCCL): one rank in a worker process (or a Ray actor
+holding one GPU) equals the in-process engine; with two GPUs, tensor_parallel_size=2 too (float32,
+so ids agree up to near-ties)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,9 @@ def _outputs(folder: str, **parallel) -> dict[str, list[int]]:
 @pytest.mark.parametrize("parallel", [
     dict(distributed_executor_backend="mp"),
     pytest.param(dict(tensor_parallel_size=2), marks=pytest.mark.skipif(
+        torch.cuda.device_count() < 2, reason="needs two GPUs")),
+    dict(distributed_executor_backend="ray"),
+    pytest.param(dict(tensor_parallel_size=2, distributed_executor_backend="ray"), marks=pytest.mark.skipif(
         torch.cuda.device_count() < 2, reason="needs two GPUs")),
 ])
 def test_multiproc_on_cuda_equals_the_in_process_engine(tmp_path, parallel):

@@ -26,7 +26,7 @@ from pagedllm.models import build_model
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH_CONFIGS = sorted(p.parent for p in (ROOT / "benchmarks" / "configs").glob("*/config.json"))
-BENCH_FALLBACKS = {"llama-3.1-8b", "qwen3-30b-a3b"}  # llama3 RoPE, mixture of experts: AutoConfig's business
+BENCH_FALLBACKS = {"llama-3.1-8b", "llama-3.1-70b", "qwen3-30b-a3b", "bge-small-en-v1.5"}  # llama3 RoPE, MoE, BERT
 MISSING = object()
 
 _TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, vocab_size=1000,

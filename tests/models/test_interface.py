@@ -33,7 +33,7 @@ def test_a_class_lacking_a_member_is_refused():
 
 def test_one_table_serves_registry_and_loader():
     assert supported_architectures() == sorted(a.hf_class for a in ARCHITECTURES.values())
-    for arch in ARCHITECTURES.values():
+    for arch in (a for a in ARCHITECTURES.values() if not a.is_encoder):  # encoders: test_embedding_models.py
         moe = arch.model_type in MOE_ARCHS
         cfg = tiny_moe_config(arch.model_type) if moe else tiny_config(arch.model_type)
         cfg.architectures = [arch.hf_class]

@@ -65,6 +65,23 @@ def test_int4_checkpoint_gives_the_logits_of_its_dequantized_model(tiny_folder, 
     assert not torch.allclose(got, plain_logits, rtol=1e-3, atol=1e-3)  # the quantization shows
 
 
+@pytest.mark.parametrize("case", ["gptq-g32-act-order", "awq-g32"])
+def test_a_checkpoint_served_in_word_rows_gives_the_same_logits(tiny_folder, tmp_path, monkeypatch, case):
+    """The load-time repack into the CUDA GEMV's word-row layout (``int4.N8_LAYOUT``, taken here on
+    the CPU where K suits it: the down projections' 128 inputs), ``[N / 8, K]`` words read back by
+    the reference product to the same logits."""
+    quant_dir, float_dir = write_int4_checkpoint(tiny_folder, tmp_path / case, CASES[case])
+    rows_model = load(quant_dir)
+    monkeypatch.setattr(int4, "choose_layout", lambda device, k, group_size: int4.N8_LAYOUT
+                        if int4.n8_run(k, group_size) else int4.ROWS_LAYOUT)
+    model = load(quant_dir)
+    down = model.model.layers[0].mlp.down_proj
+    assert down.int4_layout == int4.N8_LAYOUT and down.qweight.shape == (down.out_features // 8, down.in_features)
+    assert model.model.layers[0].self_attn.qkv_proj.int4_layout == int4.ROWS_LAYOUT  # 64 inputs
+    assert rows_model.model.layers[0].mlp.down_proj.int4_layout == int4.ROWS_LAYOUT
+    torch.testing.assert_close(logits_of(model), logits_of(rows_model), rtol=1e-5, atol=1e-5)
+
+
 def test_layers_kept_in_float_stay_float(tiny_folder, tmp_path):
     qcfg = dict(awq_config(32), modules_to_not_convert=["mlp.down"])  # a substring, as vLLM reads it
     quant_dir, float_dir = write_int4_checkpoint(tiny_folder, tmp_path / "awq", qcfg, skip=("down_proj",))

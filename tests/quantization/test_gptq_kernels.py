@@ -18,8 +18,8 @@ from pagedllm.quantization import int4
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_cuda = pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs Triton and CUDA")
 
-# (rows M, outputs N, inputs K, group size, act-order perm, bias, dtype[, launch config]): GEMV (M <= 4;
-# word tiles at one row) and tiled GEMM, groups of 8 (per-column gather in the GEMM), 32, 128 and one
+# (rows M, outputs N, inputs K, group size, act-order perm, bias, dtype[, launch config]), the row
+# layout: GEMV (M <= 4; word tiles at one row) and dequantize + matmul, groups of 8, 32, 128 and one
 # group (-1), ragged N and K tails.
 INTERPRETER_CASES = [
     (1, 48, 64, 32, False, True, torch.float32),
@@ -31,11 +31,25 @@ INTERPRETER_CASES = [
     (17, 64, 256, 128, False, False, torch.float16),
     (9, 24, 64, 8, True, False, torch.float32),
 ]
+# The word-row layout (K a multiple of 128): its GEMV at 1-4 rows (per-element sums up to 2 rows,
+# per-step sums above), runs of 4 to 32 words, split K (partial sums + the reduce kernel), groups
+# of 8 to one, act-order; more rows through its dequantize kernel.
+N8_INTERPRETER_CASES = [
+    (1, 16, 256, 128, False, True, torch.float32),
+    (1, 24, 512, 128, True, True, torch.bfloat16, (1, 4, 2)),  # 32 threads x 4 words, K split in 2
+    (1, 16, 1024, -1, False, False, torch.float32, (2, 8, 2)),
+    (2, 16, 256, 32, True, False, torch.float16),
+    (3, 8, 384, 8, False, True, torch.float32, (1, 4, 3)),
+    (4, 16, 256, 64, True, True, torch.float32),
+    (7, 24, 256, 32, True, True, torch.float32),
+]
 
 
 @functools.lru_cache(maxsize=1)  # a GPU case reuses its 8B-sized weight for every row count
-def make_weight(n: int, k: int, group_size: int, act_order: bool, device, seed: int = 0):
-    """Random serving-form tensors: ``(qweight [N, K/8], scales [N, G], zeros [N, G], perm or None)``."""
+def make_weight(n: int, k: int, group_size: int, act_order: bool, device, seed: int = 0,
+                layout: str = int4.ROWS_LAYOUT):
+    """Random serving-form tensors: ``(qweight, scales [N, G], zeros [N, G], perm or None)``, qweight
+    in ``layout`` (``[N, K/8]`` or ``[N/8, K]``)."""
     gen = torch.Generator().manual_seed(seed)
     gs = group_size if group_size > 0 else k
     groups = -(-k // gs)
@@ -44,34 +58,37 @@ def make_weight(n: int, k: int, group_size: int, act_order: bool, device, seed: 
     zeros = torch.randint(0, 16, (n, groups), generator=gen).half()
     perm = torch.randperm(k, generator=gen).to(torch.int32) if act_order else None
     to = lambda t: None if t is None else t.to(device)  # noqa: E731
-    return to(int4.pack_cols(q)), to(scales), to(zeros), to(perm)
+    qweight = int4.pack_n8(q, gs) if layout == int4.N8_LAYOUT else int4.pack_cols(q)
+    return to(qweight), to(scales), to(zeros), to(perm)
 
 
-def check_case(case, device: str, seed: int = 0) -> float:
+def check_case(case, device: str, seed: int = 0, layout: str = int4.ROWS_LAYOUT) -> float:
     """Relative max error of the kernel against the reference for one case."""
     from pagedllm.quantization.kernels import int4_gemm
 
     m, n, k, group_size, act_order, with_bias, dtype, *config = case
-    qweight, scales, zeros, perm = make_weight(n, k, group_size, act_order, device, seed)
+    qweight, scales, zeros, perm = make_weight(n, k, group_size, act_order, device, seed, layout)
     gs = group_size if group_size > 0 else k
     gen = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(m, k, generator=gen).to(device, dtype)
     bias = torch.randn(n, generator=gen).to(device, dtype) if with_bias else None
-    assert int4_gemm.fits(x, qweight, gs)
-    want = int4.int4_linear_reference(x, qweight, scales, zeros, perm, gs)
+    assert int4_gemm.fits(x, qweight, gs, layout)
+    want = int4.int4_linear_reference(x, qweight, scales, zeros, perm, gs, layout)
     if bias is not None:
         want += bias.float()
-    got = int4_gemm.int4_linear(x, qweight, scales, zeros, perm, gs, bias, config=config[0] if config else None)
+    got = int4_gemm.int4_linear(x, qweight, scales, zeros, perm, gs, bias, config=config[0] if config else None,
+                                layout=layout)
     assert got.dtype == dtype and got.shape == (m, n)
     return float((got.float() - want).abs().max() / want.abs().max())
 
 
 def _interpreter_main() -> None:
-    for case in INTERPRETER_CASES:
-        err = check_case(case, "cpu")
-        tol = 1e-5 if case[6] == torch.float32 else 2e-3
-        assert err < tol, (case, err)
-        print("ok", case, err)
+    cases = [(c, int4.ROWS_LAYOUT) for c in INTERPRETER_CASES] + [(c, int4.N8_LAYOUT) for c in N8_INTERPRETER_CASES]
+    for case, layout in cases:
+        err = check_case(case, "cpu", layout=layout)
+        tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[case[6]]
+        assert err < tol, (case, layout, err)
+        print("ok", layout, case, err)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
@@ -81,7 +98,51 @@ def test_kernels_match_the_reference_in_the_triton_interpreter():
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
                           cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert proc.stdout.count("ok") == len(INTERPRETER_CASES)
+    assert proc.stdout.count("ok") == len(INTERPRETER_CASES) + len(N8_INTERPRETER_CASES)
+
+
+def test_word_rows_pack_eight_outputs_of_one_input_column():
+    """``N8_LAYOUT``: nibble ``j`` of a word of row ``b`` is ``q[8b + j, k]``, the columns stored in
+    the GEMV's load order; both layouts dequantize to the same W, and the reference reads either."""
+    q = torch.randint(0, 16, (16, 256), generator=torch.Generator().manual_seed(0))
+    words = int4.pack_rows(q)
+    assert words.shape == (2, 256) and words.dtype == torch.int32
+    assert int(words[1, 3]) & 0xF == q[8, 3] and (int(words[1, 3]) >> 28) & 0xF == q[15, 3]
+    assert torch.equal(int4.unpack_rows(words), q.int())
+    assert int4.n8_run(256, 8) == 8 and int4.n8_run(4096, 128) == 32 and int4.n8_run(14336, 128) == 16
+    assert int4.n8_run(136, 8) is None
+    order = int4.n8_memory_order(256, 8)  # tiles of 32 threads x 8 columns, 4 columns a load
+    assert order[:8].tolist() == [0, 1, 2, 3, 8, 9, 10, 11] and order[128:132].tolist() == [4, 5, 6, 7]
+    stored = int4.pack_n8(q, 8)
+    assert torch.equal(stored, words[:, order]) and torch.equal(int4.unpack_n8(stored, 8), q.int())
+    scales, zeros = torch.rand(16, 32).half(), torch.randint(0, 16, (16, 32)).half()
+    rows_form = int4.dequantize(int4.pack_cols(q), scales, zeros, 8)
+    torch.testing.assert_close(int4.dequantize(stored, scales, zeros, 8, layout=int4.N8_LAYOUT), rows_form)
+    torch.testing.assert_close(int4.dequantize(stored, scales, zeros, 8, slice(8, 16), int4.N8_LAYOUT), rows_form[8:])
+    x = torch.randn(3, 256)
+    torch.testing.assert_close(int4.int4_linear_reference(x, stored, scales, zeros, None, 8, int4.N8_LAYOUT),
+                               x @ rows_form.t())
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
+def test_the_layout_is_word_rows_on_cuda_where_the_gemv_takes_the_shape():
+    cuda = torch.device("cuda")
+    assert int4.choose_layout(cuda, 4096, 128) == int4.N8_LAYOUT
+    assert int4.choose_layout(cuda, 14336, 14336) == int4.N8_LAYOUT  # group_size -1
+    assert int4.choose_layout(cuda, 136, 8) == int4.ROWS_LAYOUT  # K not a multiple of 128
+    assert int4.choose_layout(torch.device("cpu"), 4096, 128) == int4.ROWS_LAYOUT
+
+
+def test_gemv_config_fills_the_gpu_and_divides_k():
+    """Splits K where the word rows alone give too few programs; runs stay inside groups."""
+    from pagedllm.quantization.kernels import int4_gemm
+
+    for m, n, k, gs in [(1, 4096, 4096, 128), (1, 4096, 14336, 128), (1, 28672, 4096, 128), (2, 6144, 4096, 128),
+                        (4, 4096, 4096, 32), (1, 1024, 256, 8), (3, 4096, 14336, 14336)]:
+        num_warps, run, split = int4_gemm.gemv_n8_config(m, n, k, gs, 132)
+        assert run == int4.n8_run(k, gs) and k % (32 * num_warps * run * split) == 0, (m, n, k, gs)
+        steps = k // (32 * num_warps * run)
+        assert split == steps or n // 8 * split >= int4_gemm.N8_PROGRAMS_PER_SM * 132, (m, n, k, gs)
 
 
 def test_off_cuda_the_reference_path_runs():
@@ -92,6 +153,44 @@ def test_off_cuda_the_reference_path_runs():
     torch.testing.assert_close(int4.int4_linear(x, qweight, scales, zeros, perm, 32, None), want)
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
+def test_word_row_gemv_compiles_for_hopper_without_spills():
+    """The interpreter does not compile: build the one-row GEMV (and the split-K sum) for sm_90 with
+    Triton's own ptxas, no GPU needed, and read its registers: none spilled to local memory."""
+    import shutil
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from pagedllm.quantization.kernels import int4_gemm
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        pytest.skip("Triton without its bundled ptxas")
+    target = GPUTarget("cuda", 90, 32)
+    ints = ("M", "N", "K", "GROUP_SIZE", "K_PER_SPLIT", "stride_xm", "stride_sn", "stride_om", "magic")
+    signature = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16", "b_ptr": "*bf16",
+                 "out_ptr": "*bf16", **dict.fromkeys(ints, "i32"),
+                 **dict.fromkeys(("HAS_BIAS", "SPLIT", "BLOCK_M", "THREADS", "RUN"), "constexpr")}
+    constants = {"HAS_BIAS": True, "SPLIT": 1, "BLOCK_M": 1, "THREADS": 128, "RUN": 32}
+    kernel = triton.compile(ASTSource(int4_gemm._int4_gemv_n8_kernel, signature, constants), target=target,
+                            options={"num_warps": 4})
+    assert "ld.global" in kernel.asm["ptx"] and "ld.local" not in kernel.asm["ptx"]
+    cuobjdump = shutil.which("cuobjdump") or os.path.join(os.path.dirname(ptxas), "cuobjdump")
+    if os.path.exists(cuobjdump):
+        cubin = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"int4_gemv_n8_{os.getpid()}.cubin")
+        with open(cubin, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        usage = subprocess.run([cuobjdump, "-res-usage", cubin], capture_output=True, text=True).stdout
+        os.unlink(cubin)
+        assert " LOCAL:0 " in usage and "STACK:0 " in usage, usage
+    sum_signature = {"ws_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32",
+                     "stride_om": "i32", "SPLIT": "constexpr", "HAS_BIAS": "constexpr", "BLOCK": "constexpr"}
+    triton.compile(ASTSource(int4_gemm._splitk_sum_kernel, sum_signature, {"SPLIT": 7, "HAS_BIAS": True,
+                                                                           "BLOCK": 1024}), target=target)
+
+
 # ---- CUDA (the lead runs these on a GPU) -------------------------------------------------------
 
 # Llama-3.1-8B's projections (qkv, o, gate_up, down) at decode and prefill row counts.
@@ -100,32 +199,48 @@ GPU_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("layout", [int4.ROWS_LAYOUT, int4.N8_LAYOUT])
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("act_order", [False, True])
-def test_kernels_match_the_reference_on_cuda(shape, act_order):
+def test_kernels_match_the_reference_on_cuda(shape, act_order, layout):
     n, k = shape
     for m in (1, 2, 3, 4, 16, 64, 300):
-        err = check_case((m, n, k, 128, act_order, m == 3, torch.bfloat16), "cuda")
+        err = check_case((m, n, k, 128, act_order, m == 3, torch.bfloat16), "cuda", layout=layout)
         assert err < 1e-2, (m, err)
 
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("config", [(4, 16, 1), (4, 16, 7), (2, 16, 7), (1, 16, 14)])
+def test_word_row_gemv_launch_sizes_on_cuda(config):
+    """The sizes the benchmark sweeps (split K included) on the down projection's shape."""
+    for m in (1, 2, 4):
+        err = check_case((m, 4096, 14336, 128, True, True, torch.bfloat16, config), "cuda", layout=int4.N8_LAYOUT)
+        assert err < 1e-2, (m, config, err)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("layout", [int4.ROWS_LAYOUT, int4.N8_LAYOUT])
 @pytest.mark.parametrize("m", [1, 64])
-def test_kernels_replay_in_a_cuda_graph(m):
+def test_kernels_replay_in_a_cuda_graph(m, layout):
     from pagedllm.quantization.kernels import int4_gemm
 
-    qweight, scales, zeros, perm = make_weight(4096, 4096, 128, True, "cuda")
+    qweight, scales, zeros, perm = make_weight(4096, 4096, 128, True, "cuda", layout=layout)
     x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
-    eager = int4_gemm.int4_linear(x, qweight, scales, zeros, perm, 128, None)
+
+    def run():
+        return int4_gemm.int4_linear(x, qweight, scales, zeros, perm, 128, None, layout=layout)
+
+    eager = run()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = int4_gemm.int4_linear(x, qweight, scales, zeros, perm, 128, None)
+        out = run()
     x.copy_(torch.randn_like(x))
     graph.replay()
     torch.cuda.synchronize()
-    torch.testing.assert_close(out, int4_gemm.int4_linear(x, qweight, scales, zeros, perm, 128, None))
+    torch.testing.assert_close(out, run())
     assert not torch.equal(out, eager)
 
 

@@ -1,7 +1,10 @@
 """The OpenAI-compatible HTTP server: ``pagedllm serve [MODEL]``.
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions (both stream and non-stream),
-GET /v1/models, POST /tokenize, POST /detokenize, GET /health, GET /version, GET /metrics.
+Endpoints: POST /v1/completions, POST /v1/chat/completions (both stream and non-stream) for a
+generation model, POST /v1/embeddings for a pooling model (``serving_embedding.py``), GET /v1/models, POST /tokenize, POST /detokenize, GET /health, GET /version, GET /metrics; with
+LoRA (--enable-lora --lora-modules name=path ...) each adapter is a model of its own, chosen by a
+request's ``model``, and with PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING POST /v1/load_lora_adapter and
+/v1/unload_lora_adapter add and remove adapters (``serving_lora.py``).
 Every error is OpenAI-shaped (``{"error": {"message", "type", "param", "code"}}``): 400 for a bad
 body (naming the field), 401 for a wrong API key (/v1/* and /metrics), 404 for an unknown model,
 413 for a body over --max-request-body-bytes, 503 with Retry-After when more than
@@ -51,6 +54,12 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat, render_chat
 from pagedllm.entrypoints.openai.serving_common import ServingContext, cancel_on_disconnect, parse_body
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_embedding import add_embedding_route
+from pagedllm.entrypoints.openai.serving_lora import (
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+    parse_lora_module,
+)
 from pagedllm.entrypoints.openai.serving_tools import ToolConfig
 from pagedllm.entrypoints.openai.tool_parsers import ToolParserManager, validate_tools
 from pagedllm.version import __version__
@@ -89,6 +98,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=True,
                    help="serve tool_choice 'auto' (vLLM needs this flag; here it is on unless "
                    "--no-enable-auto-tool-choice, which makes 'auto' a 400)")
+    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters served by name (with --enable-lora): name=path, or vLLM's JSON "
+                   "{\"name\": ..., \"path\": ..., \"base_model_name\": ...}")
     g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
                    help="run the engine (scheduling, model, detokenization) in a child process, so that it "
                    "shares no GIL with HTTP and SSE; if it dies, the server stops")
@@ -131,9 +143,12 @@ class APIKeyMiddleware:
 def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = None, chat_template: str | None = None,
               api_key: str | None = None, max_waiting_requests: int | None = 1024,
               shutdown_engine: bool = True, max_request_body_bytes: int | None = None,
-              tool_config: ToolConfig | None = None) -> FastAPI:
-    """The FastAPI app around a running AsyncLLMEngine."""
+              tool_config: ToolConfig | None = None, lora_modules: list[str] | None = None) -> FastAPI:
+    """The FastAPI app around a running AsyncLLMEngine. ``lora_modules``: ``--lora-modules`` values
+    (ValueError naming the flag for a bad one or an adapter folder the engine would refuse)."""
     ctx = ServingContext(engine, served_model_names, chat_template, max_waiting_requests, max_request_body_bytes)
+    for value in lora_modules or ():
+        ctx.loras.add(*parse_lora_module(value), field="--lora-modules")
     completions = OpenAIServingCompletion(ctx)
     chat = OpenAIServingChat(ctx, tool_config)
 
@@ -151,31 +166,34 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
-    @app.post("/v1/completions")
-    async def create_completion(request: Request) -> Response:
-        body = await parse_body(request, CompletionRequest, ctx.max_request_body_bytes)
-        return await cancel_on_disconnect(request, completions.create(body, ctx.trace_headers(request.headers)))
-
-    @app.post("/v1/chat/completions")
-    async def create_chat_completion(request: Request) -> Response:
-        body = await parse_body(request, ChatCompletionRequest, ctx.max_request_body_bytes)
-        return await cancel_on_disconnect(request, chat.create(body, ctx.trace_headers(request.headers)))
+    if ctx.model_config.runner == "pooling":  # an embedding model serves /v1/embeddings only (404 elsewhere)
+        add_embedding_route(app, ctx)
+    else:
+        _add_generation_routes(app, ctx, completions, chat)
 
     def model_card(name: str) -> dict:
+        lora = ctx.loras.get(name)
+        if lora is not None:  # vLLM's card of an adapter: its folder as root, the base model as parent
+            return {"id": name, "object": "model", "created": ctx.created, "owned_by": "pagedllm",
+                    "root": lora.lora_path, "parent": lora.base_model_name, "max_model_len": ctx.max_model_len}
         return {"id": name, "object": "model", "created": ctx.created, "owned_by": "pagedllm",
                 "root": str(ctx.model_config.model), "parent": None, "max_model_len": ctx.max_model_len}
 
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [model_card(name) for name in ctx.served_model_names]})
+        names = [*ctx.served_model_names, *ctx.loras.adapters]
+        return JSONResponse({"object": "list", "data": [model_card(name) for name in names]})
 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str) -> JSONResponse:
         """The ``openai`` client's ``models.retrieve``: one model card, or a 404 naming the id."""
-        if model_id not in ctx.served_model_names:
+        if model_id not in ctx.served_model_names and model_id not in ctx.loras:
             return error_response(404, f"The model {model_id!r} does not exist.", code="model_not_found",
                                   param="model")
         return JSONResponse(model_card(model_id))
+
+    if envs.PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING:
+        _add_lora_routes(app, ctx)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
@@ -224,6 +242,34 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str] | None = Non
     return app
 
 
+def _add_lora_routes(app: FastAPI, ctx: ServingContext) -> None:
+    """vLLM's runtime adapter endpoints (behind --api-key like every /v1 route); plain-text success."""
+    logger.warning("PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING is on: clients may load LoRA adapters from server paths")
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        body = await parse_body(request, LoadLoRAAdapterRequest, ctx.max_request_body_bytes)
+        return Response(ctx.loras.load(body), media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        body = await parse_body(request, UnloadLoRAAdapterRequest, ctx.max_request_body_bytes)
+        return Response(ctx.loras.unload(body), media_type="text/plain")
+
+
+def _add_generation_routes(app: FastAPI, ctx: ServingContext, completions: OpenAIServingCompletion,
+                           chat: OpenAIServingChat) -> None:
+    @app.post("/v1/completions")
+    async def create_completion(request: Request) -> Response:
+        body = await parse_body(request, CompletionRequest, ctx.max_request_body_bytes)
+        return await cancel_on_disconnect(request, completions.create(body, ctx.trace_headers(request.headers)))
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: Request) -> Response:
+        body = await parse_body(request, ChatCompletionRequest, ctx.max_request_body_bytes)
+        return await cancel_on_disconnect(request, chat.create(body, ctx.trace_headers(request.headers)))
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
@@ -265,9 +311,13 @@ def run_server(ns: argparse.Namespace) -> int:
     engine = AsyncLLMEngine.from_engine_args(engine_args_from(ns), "OPENAI_API_SERVER", engine_process=ns.engine_process,
                                              log_stats=interval is not None and not ns.disable_log_stats,
                                              log_interval_s=interval or 10.0)
-    app = build_app(engine, chat_template=chat_template, api_key=ns.api_key,
-                    max_waiting_requests=ns.max_waiting_requests, max_request_body_bytes=ns.max_request_body_bytes,
-                    tool_config=tool_config)
+    try:
+        app = build_app(engine, chat_template=chat_template, api_key=ns.api_key,
+                        max_waiting_requests=ns.max_waiting_requests, max_request_body_bytes=ns.max_request_body_bytes,
+                        tool_config=tool_config, lora_modules=ns.lora_modules)
+    except ValueError as e:
+        engine.shutdown()
+        raise SystemExit(f"pagedllm serve: {e}") from None
     logger.info("model %s loaded in %.1f s (%d CPU threads); serving on http://%s:%d",
                 engine.get_model_config().served_model_name, time.perf_counter() - t0, threads, ns.host, ns.port)
     shutdown_timeout = max(0.1, ns.shutdown_timeout)

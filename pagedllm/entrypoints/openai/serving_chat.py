@@ -75,6 +75,7 @@ class OpenAIServingChat:
     async def create(self, req: ChatCompletionRequest, trace_headers: dict[str, str] | None = None) -> Response:
         ctx = self.ctx
         model = ctx.check_model(req.model)
+        lora_request = ctx.lora_request(model, bool(req.use_beam_search))
         max_num_seqs = ctx.engine.get_engine_config().scheduler_config.max_num_seqs
         try:
             ignored = req.check_fields()
@@ -101,7 +102,8 @@ class OpenAIServingChat:
         else:
             try:
                 stream = await ctx.engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, params,
-                                                      priority=req.priority, trace_headers=trace_headers)
+                                                      priority=req.priority, lora_request=lora_request,
+                                                      trace_headers=trace_headers)
             except (ValueError, TypeError) as e:  # a schema, regex or grammar that does not parse
                 e = rename_constraint_error(e, req.constraint(plan.schema))
                 raise bad_request(e, _FIELDS, default_param="messages") from e

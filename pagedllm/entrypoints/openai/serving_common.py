@@ -22,7 +22,9 @@ from pagedllm.entrypoints.chat_utils import apply_chat_template
 from pagedllm.entrypoints.openai import request_body
 from pagedllm.entrypoints.openai.errors import OpenAIError, error_body, from_validation_errors
 from pagedllm.entrypoints.openai.request_body import default_max_body_bytes
+from pagedllm.entrypoints.openai.serving_lora import LoRAModules
 from pagedllm.entrypoints.openai.tokenizer_pool import TokenizerPool
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import QUEUE_TIMEOUT_REASON, Logprob, RequestOutput
 from pagedllm.tracing import extract_trace_headers, log_tracing_disabled_warning
 
@@ -52,6 +54,8 @@ class ServingContext:
         engine_config = engine.get_engine_config()
         self.max_logprobs = engine_config.max_logprobs
         self.max_num_seqs = engine_config.scheduler_config.max_num_seqs
+        # Running slots of the whole server: each data-parallel engine core runs max_num_seqs.
+        self.max_running_seqs = self.max_num_seqs * engine_config.parallel_config.data_parallel_size
         self.chat_template = chat_template
         self.max_waiting_requests = max_waiting_requests
         if max_request_body_bytes is not None and max_request_body_bytes < 0:
@@ -65,6 +69,10 @@ class ServingContext:
         # A text longer than this cannot fit in max_model_len tokens (None: length proves nothing).
         self.max_prompt_chars = None if per_token is None else self.max_model_len * per_token
         self.created = int(time.time())
+        lora_config = engine_config.lora_config
+        # The LoRA adapters served by name (--lora-modules, /v1/load_lora_adapter).
+        self.loras = LoRAModules(lora_config.max_lora_rank if lora_config is not None else None,
+                                 self.model_config.hf_config, self.model_name, self.served_model_names)
         # Set (on the event loop) when --shutdown-timeout has passed after SIGTERM: every in-flight
         # request then ends with a 503 (a stream: an error event and [DONE]).
         self.shutdown_deadline = asyncio.Event()
@@ -105,11 +113,22 @@ class ServingContext:
         return self.served_model_names[0]
 
     def check_model(self, model: str | None) -> str:
-        """The name to report; 404 for a model this server does not serve."""
-        if model is None or model == "" or model in self.served_model_names:
+        """The name to report; 404 for a model this server does not serve (neither the base model
+        nor one of its LoRA adapters)."""
+        if model is None or model == "" or model in self.served_model_names or model in self.loras:
             return self.model_name if not model else model
-        raise OpenAIError(404, f"The model `{model}` does not exist. Served: {', '.join(self.served_model_names)}",
+        served = [*self.served_model_names, *self.loras.adapters]
+        raise OpenAIError(404, f"The model `{model}` does not exist. Served: {', '.join(served)}",
                           param="model", code="model_not_found")
+
+    def lora_request(self, model: str, use_beam_search: bool = False) -> LoRARequest | None:
+        """The adapter a request's (checked) ``model`` names, or None: the base model. Beam search
+        runs the base model only: with an adapter it is a 400."""
+        lora = self.loras.get(model)
+        if lora is not None and use_beam_search:
+            raise OpenAIError(400, f"use_beam_search is not supported with a LoRA adapter (model `{model}`)",
+                              param="use_beam_search")
+        return lora
 
     def check_capacity(self, num_new: int = 1, param: str = "prompt") -> None:
         """Admission control for ``num_new`` new sequences (prompts times ``n``).
@@ -126,11 +145,11 @@ class ServingContext:
         limit = self.max_waiting_requests
         if limit is None:
             return
-        if num_new > self.max_num_seqs + limit:
+        if num_new > self.max_running_seqs + limit:
             raise OpenAIError(400, f"{param}: this request needs {num_new} sequences (prompts times n), more than "
-                              f"the server can ever hold at once ({self.max_num_seqs} running + {limit} waiting)",
+                              f"the server can ever hold at once ({self.max_running_seqs} running + {limit} waiting)",
                               param=param)
-        free_slots = max(0, self.max_num_seqs - self.engine.num_running_requests())
+        free_slots = max(0, self.max_running_seqs - self.engine.num_running_requests())
         would_wait = self.engine.num_waiting_requests() + num_new - free_slots
         if would_wait > limit:
             raise OpenAIError(503, f"server overloaded: {would_wait} sequences would wait for a running slot, more "

@@ -81,6 +81,7 @@ class OpenAIServingCompletion:
     async def create(self, req: CompletionRequest, trace_headers: dict[str, str] | None = None) -> Response:
         ctx = self.ctx
         model = ctx.check_model(req.model)
+        lora_request = ctx.lora_request(model, bool(req.use_beam_search))
         max_num_seqs = ctx.engine.get_engine_config().scheduler_config.max_num_seqs
         try:
             ignored = req.check_fields()
@@ -100,7 +101,7 @@ class OpenAIServingCompletion:
                                            req.max_tokens) for i, p in enumerate(prompts)]
             streams: list[RequestStream] = []
         else:
-            streams = await self._submit(request_id, prompts, params, req, trace_headers)
+            streams = await self._submit(request_id, prompts, params, req, trace_headers, lora_request)
             sources = [ctx.engine.stream_outputs(s) for s in streams]
         created = int(time.time())
         if req.stream:
@@ -141,7 +142,7 @@ class OpenAIServingCompletion:
         return out
 
     async def _submit(self, request_id: str, prompts: list[_Prompt], params, req: CompletionRequest,
-                      trace_headers: dict[str, str] | None = None) -> list[RequestStream]:
+                      trace_headers: dict[str, str] | None = None, lora_request=None) -> list[RequestStream]:
         """Queue every prompt at once, then wait for all to be accepted (or abort all on a refusal)."""
         engine = self.ctx.engine
         priority = req.priority
@@ -152,7 +153,7 @@ class OpenAIServingCompletion:
             if p.text is not None:
                 prompt["prompt"] = p.text
             streams.append(engine.submit(rid, prompt, params if i == 0 else params.clone(), priority=priority,
-                                         trace_headers=trace_headers))
+                                         lora_request=lora_request, trace_headers=trace_headers))
         try:
             for s in streams:
                 await engine.wait_accepted(s)

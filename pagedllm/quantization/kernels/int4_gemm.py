@@ -1,31 +1,58 @@
 """``y = x[:, perm] @ W^T (+ b)`` for int4 weights in the serving form of ``quantization/int4.py``,
 dequantized inside the kernel: the packed codes are read from memory once.
 
-- ``_int4_gemv_kernel`` (``GEMV_MAX_ROWS`` rows or fewer: decode at small batch): each program owns
-  ``BLOCK_N`` output rows of W and streams their packed codes (``[BLOCK_N, BLOCK_K / 8]`` words a
-  chunk, contiguous along K) for all M rows at once. Nibble ``j`` of word ``i`` multiplies input
-  column ``8i + j``: at one row the chunk's inputs load as ``[words, 8]`` tiles against the codes
-  as ``[BLOCK_N, words, 8]`` (``WORD_TILES``), else as eight strided dot products over the words.
-  The zero point and the scale are applied once per word:
-  ``sum_k x_k (q_k - z) s = sum_words s (sum_j x q - z sum_j x)``. Grid ``cdiv(N, BLOCK_N)``.
+Word-row layout (``N8_LAYOUT``, ``[N / 8, K]``: a word holds eight output rows of one input
+column; chosen at load where ``n8_layout_fits``):
+
+- ``_int4_gemv_n8_kernel`` (``GEMV_MAX_ROWS`` rows or fewer): a program owns one word row (eight
+  outputs) and a split of K; in each step its ``THREADS`` threads each take ``RUN`` columns (up
+  to 32) that lie in one group, so a thread loads its eight scales and zero points once a step
+  and one ``x`` value serves eight codes; the layout stores each 16-byte load of a warp's 32
+  threads next to each other (512 contiguous bytes a load). A code costs one logic op (the
+  nibble stays in place in the mantissa of 2^23: no shift per code, no int-to-float conversion),
+  one add (minus ``2^23 + z``, exact) and one multiply-add; the scale multiplies a step's sums. Grid
+  ``(N / 8, split)``: split K (``gemv_n8_config``) where the word rows alone leave SMs idle, its
+  float32 partial sums added by ``_splitk_sum_kernel`` (with the bias, in x's dtype). Act-order:
+  the input is permuted by one gather first.
+- more rows: ``_int4_dequant_n8_kernel`` writes W in x's dtype, then cuBLAS multiplies.
+
+Row layout (``ROWS_LAYOUT``, ``[N, K / 8]``; shapes the word-row GEMV does not take):
+
+- ``_int4_gemv_kernel`` (``GEMV_MAX_ROWS`` rows or fewer): each program owns ``BLOCK_N`` output
+  rows of W and streams their packed codes (``[BLOCK_N, BLOCK_K / 8]`` words a chunk, contiguous
+  along K) for all M rows at once. Nibble ``j`` of word ``i`` multiplies input column ``8i + j``:
+  at one row the chunk's inputs load as ``[words, 8]`` tiles against the codes as ``[BLOCK_N,
+  words, 8]`` (``WORD_TILES``), else as eight strided dot products over the words. The zero point
+  and the scale are applied once per word: ``sum_k x_k (q_k - z) s = sum_words s (sum_j x q - z
+  sum_j x)``. Grid ``cdiv(N, BLOCK_N)``.
 - more rows: ``_int4_dequant_kernel`` writes W in x's dtype, then cuBLAS multiplies (a tiled
   GEMM dequantizing in registers measured 18-51x slower than bf16 at 16-64 rows on an H100: the
   row-packed codes do not load coalesced as a ``[BLOCK_K, BLOCK_N]`` tile).
 
-The GEMV accumulates in float32 and rounds once to the output dtype; W is rounded to x's dtype
-before cuBLAS, as a fused kernel's ``tl.dot`` would. No host sync; the only allocations are the
-output and W (from the caching allocator, so a CUDA graph can capture them). Requirements (``fits``): a 2-D contiguous
-float input, K a multiple of 8, the group size a multiple of 8.
+The GEMVs accumulate in float32 and round once to the output dtype; W is rounded to x's dtype
+before cuBLAS, as a fused kernel's ``tl.dot`` would. No host sync, no autotuning at call time (the
+launch sizes are a function of the shape: CUDA graphs capture them); the only allocations are the
+output, the split-K partial sums, the permuted input and W (from the caching allocator, so a CUDA
+graph can capture them). Requirements (``fits``): a 2-D contiguous float input, K a multiple of 8,
+the group size a multiple of 8.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
+from pagedllm.quantization.int4 import N8_LAYOUT, PACK, ROWS_LAYOUT, n8_run
+
 GEMV_MAX_ROWS = 4
-PACK = 8
+# Rows the word-row GEMV keeps a float32 sum per element for (registers: 32 a row and thread).
+ELEMENTWISE_MAX_ROWS: tl.constexpr = tl.constexpr(2)
+MAGIC = 0x4B000000  # the bits of the float 2^23, whose mantissa takes a code (``_n8_plane``)
+# The word-row GEMV splits K until there are this many programs per SM.
+N8_PROGRAMS_PER_SM = 2
 
 
 @triton.jit
@@ -113,10 +140,198 @@ def _int4_dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, GROUP_SIZE, stride_q
     tl.store(w_ptr + rn[:, None] * K + cols[None, :], w.to(w_ptr.dtype.element_ty), mask=w_mask)
 
 
+@triton.jit
+def _n8_x_tile(x_ptr, rm, m_mask, stride_xm, cols):
+    """``x[rm, cols]`` as float32 ``[BLOCK_M, THREADS, 4]`` (``cols`` ``[THREADS, 4]``: four
+    consecutive columns a thread, one vector load)."""
+    ptrs = x_ptr + rm[:, None, None] * stride_xm + cols[None, :, :]
+    return tl.load(ptrs, mask=m_mask[:, None, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _n8_constants(s_ptr, z_ptr, row, stride_sn, g, SHIFT: tl.constexpr):
+    """``(s * 2^-SHIFT, 2^23 + z * 2^SHIFT)`` float32 ``[THREADS]`` of output ``row`` in each thread's
+    group ``g``: the plane's scale with the place value of its nibble taken out, and the float that
+    ``_n8_plane`` subtracts (an integer below 2^24: exact)."""
+    s = tl.load(s_ptr + row * stride_sn + g).to(tl.float32)
+    z = tl.load(z_ptr + row * stride_sn + g).to(tl.float32)
+    return s * (1.0 / (1 << SHIFT)), z * (1 << SHIFT) + 8388608.0
+
+
+@triton.jit
+def _n8_plane(part, words, SHIFT: tl.constexpr, c, xv, magic, BLOCK_M: tl.constexpr):
+    """Adds one plane's products to ``part``. The nibble at bits ``SHIFT .. SHIFT+3`` of ``words``
+    ``[THREADS, 4]`` (``SHIFT`` <= 16: inside the 23 mantissa bits) stays in place in the mantissa
+    of 2^23 (``magic`` = 0x4B000000: the float ``2^23 + q * 2^SHIFT``, one logic op); minus ``c`` it
+    is ``(q - z) * 2^SHIFT``, exactly (one add); then one fused multiply-add by ``x`` (``xv``
+    ``[BLOCK_M, THREADS, 4]``). Up to ``ELEMENTWISE_MAX_ROWS`` rows ``part`` is ``[BLOCK_M,
+    THREADS, 4]`` (a sum per element: one multiply-add a product); more rows, whose per-element
+    sums would not fit in registers: ``[BLOCK_M, THREADS]``."""
+    bits = (words & (15 << SHIFT)) | magic
+    v = bits.to(tl.float32, bitcast=True) - c[:, None]
+    if BLOCK_M <= ELEMENTWISE_MAX_ROWS:
+        part = part + v[None, :, :] * xv
+    else:
+        part = part + tl.sum(v[None, :, :] * xv, axis=2)
+    return part
+
+
+@triton.jit
+def _n8_scaled(part, s, BLOCK_M: tl.constexpr):
+    """A step's ``part`` times the plane's scale per thread, as ``[BLOCK_M, THREADS]``."""
+    if BLOCK_M <= ELEMENTWISE_MAX_ROWS:
+        scaled = tl.sum(part, axis=2) * s[None, :]
+    else:
+        scaled = part * s[None, :]
+    return scaled
+
+
+@triton.jit
+def _n8_store(out_ptr, y, row, rm, m_mask, stride_om, b_ptr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+    """Stores one output row's ``[BLOCK_M]`` sums: with the bias and in out's dtype, or (split K)
+    as float32 partial sums at ``out_ptr`` (this split's ``[M, N]`` slice)."""
+    if SPLIT == 1 and HAS_BIAS:
+        y += tl.load(b_ptr + row).to(tl.float32)
+    tl.store(out_ptr + rm * stride_om + row, y.to(out_ptr.dtype.element_ty), mask=m_mask)
+
+
+@triton.jit
+def _int4_gemv_n8_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, GROUP_SIZE,
+                         K_PER_SPLIT, stride_xm, stride_sn, stride_om, magic,
+                         HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                         BLOCK_M: tl.constexpr, THREADS: tl.constexpr, RUN: tl.constexpr):
+    """One word row (outputs ``8b .. 8b+7``, plane ``j`` = output ``8b + j``) over one split of K:
+    ``y[m, 8b+j] = sum_k x[m, k] (q - z) s``. A step covers ``THREADS * RUN`` columns: thread ``t``
+    takes the ``RUN`` columns from ``t * RUN`` on (inside one group), so its scales and zero points
+    load once a step, and each word feeds its eight planes from one ``x`` value; the layout stores
+    load ``r`` of a warp's 32 threads as 512 contiguous bytes (``int4.n8_memory_order``, whose run
+    ``RUN`` is). Planes 0-4 read the word, 5-7 the word shifted by 12 (one shift a word).
+    ``magic`` (0x4B000000) comes as an argument so that it sits in one register and the nibble
+    masks are the logic op's immediates.
+    ``SPLIT`` > 1: float32 partial sums into ``out_ptr`` (``[SPLIT, M, N]``), the bias and the
+    rounding left to ``_splitk_sum_kernel``."""
+    pid_b = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    t = tl.arange(0, THREADS)
+    e = tl.arange(0, 4)
+    rm = tl.arange(0, BLOCK_M)
+    m_mask = rm < M
+    row = pid_b * 8
+    word_row = qw_ptr + pid_b.to(tl.int64) * K
+    acc0 = tl.zeros((BLOCK_M, THREADS), tl.float32)
+    acc1 = tl.zeros_like(acc0)
+    acc2 = tl.zeros_like(acc0)
+    acc3 = tl.zeros_like(acc0)
+    acc4 = tl.zeros_like(acc0)
+    acc5 = tl.zeros_like(acc0)
+    acc6 = tl.zeros_like(acc0)
+    acc7 = tl.zeros_like(acc0)
+    k_begin = pid_k * K_PER_SPLIT
+    for kb in range(k_begin, k_begin + K_PER_SPLIT, THREADS * RUN):
+        run0 = kb + t * RUN
+        g = run0 // GROUP_SIZE
+        s0, c0 = _n8_constants(s_ptr, z_ptr, row, stride_sn, g, 0)
+        s1, c1 = _n8_constants(s_ptr, z_ptr, row + 1, stride_sn, g, 4)
+        s2, c2 = _n8_constants(s_ptr, z_ptr, row + 2, stride_sn, g, 8)
+        s3, c3 = _n8_constants(s_ptr, z_ptr, row + 3, stride_sn, g, 12)
+        s4, c4 = _n8_constants(s_ptr, z_ptr, row + 4, stride_sn, g, 16)
+        s5, c5 = _n8_constants(s_ptr, z_ptr, row + 5, stride_sn, g, 8)
+        s6, c6 = _n8_constants(s_ptr, z_ptr, row + 6, stride_sn, g, 12)
+        s7, c7 = _n8_constants(s_ptr, z_ptr, row + 7, stride_sn, g, 16)
+        if BLOCK_M <= ELEMENTWISE_MAX_ROWS:
+            p0 = tl.zeros((BLOCK_M, THREADS, 4), tl.float32)
+        else:
+            p0 = tl.zeros((BLOCK_M, THREADS), tl.float32)
+        p1 = tl.zeros_like(p0)
+        p2 = tl.zeros_like(p0)
+        p3 = tl.zeros_like(p0)
+        p4 = tl.zeros_like(p0)
+        p5 = tl.zeros_like(p0)
+        p6 = tl.zeros_like(p0)
+        p7 = tl.zeros_like(p0)
+        for r in tl.static_range(RUN // 4):
+            cols = run0[:, None] + 4 * r + e[None, :]
+            stored = kb + (t // 32 * 32 * RUN + 128 * r + 4 * (t % 32))[:, None] + e[None, :]
+            words = tl.load(word_row + stored, eviction_policy="evict_first")
+            xv = _n8_x_tile(x_ptr, rm, m_mask, stride_xm, cols)
+            p0 = _n8_plane(p0, words, 0, c0, xv, magic, BLOCK_M)
+            p1 = _n8_plane(p1, words, 4, c1, xv, magic, BLOCK_M)
+            p2 = _n8_plane(p2, words, 8, c2, xv, magic, BLOCK_M)
+            p3 = _n8_plane(p3, words, 12, c3, xv, magic, BLOCK_M)
+            p4 = _n8_plane(p4, words, 16, c4, xv, magic, BLOCK_M)
+            high = words >> 12
+            p5 = _n8_plane(p5, high, 8, c5, xv, magic, BLOCK_M)
+            p6 = _n8_plane(p6, high, 12, c6, xv, magic, BLOCK_M)
+            p7 = _n8_plane(p7, high, 16, c7, xv, magic, BLOCK_M)
+        acc0 += _n8_scaled(p0, s0, BLOCK_M)
+        acc1 += _n8_scaled(p1, s1, BLOCK_M)
+        acc2 += _n8_scaled(p2, s2, BLOCK_M)
+        acc3 += _n8_scaled(p3, s3, BLOCK_M)
+        acc4 += _n8_scaled(p4, s4, BLOCK_M)
+        acc5 += _n8_scaled(p5, s5, BLOCK_M)
+        acc6 += _n8_scaled(p6, s6, BLOCK_M)
+        acc7 += _n8_scaled(p7, s7, BLOCK_M)
+    out = out_ptr if SPLIT == 1 else out_ptr + pid_k * M * N
+    stride = stride_om if SPLIT == 1 else N
+    _n8_store(out, tl.sum(acc0, axis=1), row, rm, m_mask, stride, b_ptr, HAS_BIAS, SPLIT)
+    _n8_store(out, tl.sum(acc1, axis=1), row + 1, rm, m_mask, stride, b_ptr, HAS_BIAS, SPLIT)
+    _n8_store(out, tl.sum(acc2, axis=1), row + 2, rm, m_mask, stride, b_ptr, HAS_BIAS, SPLIT)
+    _n8_store(out, tl.sum(acc3, axis=1), row + 3, rm, m_mask, stride, b_ptr, HAS_BIAS, SPLIT)
+    _n8_store(out, tl.sum(acc4, axis=1), row + 4, rm, m_mask, stride, b_ptr, HAS_BIAS, SPLIT)
+    _n8_store(out, tl.sum(acc5, axis=1), row + 5, rm, m_mask, stride, b_ptr, HAS_BIAS, SPLIT)
+    _n8_store(out, tl.sum(acc6, axis=1), row + 6, rm, m_mask, stride, b_ptr, HAS_BIAS, SPLIT)
+    _n8_store(out, tl.sum(acc7, axis=1), row + 7, rm, m_mask, stride, b_ptr, HAS_BIAS, SPLIT)
+
+
+@triton.jit
+def _splitk_sum_kernel(ws_ptr, b_ptr, out_ptr, M, N, stride_om, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """``out[m, n] = sum_s ws[s, m, n] (+ bias[n])`` in out's dtype (the split-K GEMV's second half)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for s in tl.static_range(SPLIT):
+        acc += tl.load(ws_ptr + s * M * N + offs, mask=mask, other=0.0)
+    n = offs % N
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + (offs // N) * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _int4_dequant_n8_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, GROUP_SIZE, stride_sn,
+                            RUN: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``W[8b + j, k] = (q - z) * s`` from the word-row layout (``int4.N8_LAYOUT``, its columns
+    stored in ``int4.n8_memory_order`` for ``RUN``), a ``[BLOCK_B, BLOCK_K]`` tile of words (eight
+    output rows each) per program, in W's dtype."""
+    rb = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rb < N // 8)[:, None] & (rk < K)[None, :]
+    in_tile = rk % (32 * RUN)
+    stored = rk - in_tile + 128 * (in_tile % RUN // 4) + 4 * (in_tile // RUN) + rk % 4
+    words = tl.load(qw_ptr + rb[:, None].to(tl.int64) * K + stored[None, :], mask=mask, other=0)
+    g = rk // GROUP_SIZE
+    for j in tl.static_range(8):
+        rows = rb * 8 + j
+        offs = rows[:, None] * stride_sn + g[None, :]
+        s = tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        w = (_codes_to_float(words, 4 * j) - z) * s
+        tl.store(w_ptr + rows[:, None].to(tl.int64) * K + rk[None, :], w.to(w_ptr.dtype.element_ty), mask=mask)
+
+
 def int4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-                    dtype: torch.dtype) -> torch.Tensor:
+                    dtype: torch.dtype, layout: str = ROWS_LAYOUT) -> torch.Tensor:
     """The ``[N, K]`` weight in ``dtype`` (its columns in the serving form's order: apply ``perm``
-    to the input). One read of the codes, one write of the weight."""
+    to the input) from either layout. One read of the codes, one write of the weight."""
+    if layout == N8_LAYOUT:
+        n, k = qweight.shape[0] * PACK, qweight.shape[1]
+        w = torch.empty(n, k, dtype=dtype, device=qweight.device)
+        block_b, block_k = 4, 128
+        grid = (triton.cdiv(n // PACK, block_b), triton.cdiv(k, block_k))
+        _int4_dequant_n8_kernel[grid](qweight, scales, zeros, w, n, k, group_size, scales.stride(0),
+                                      RUN=n8_run(k, group_size), BLOCK_B=block_b, BLOCK_K=block_k, num_warps=4)
+        return w
     n, k = qweight.shape[0], qweight.shape[1] * PACK
     w = torch.empty(n, k, dtype=dtype, device=qweight.device)
     block_n, block_w = 16, 64
@@ -126,10 +341,15 @@ def int4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
     return w
 
 
-def fits(x: torch.Tensor, qweight: torch.Tensor, group_size: int) -> bool:
+def in_features(qweight: torch.Tensor, layout: str) -> int:
+    """K of a packed weight in ``layout``."""
+    return qweight.shape[1] if layout == N8_LAYOUT else qweight.shape[1] * PACK
+
+
+def fits(x: torch.Tensor, qweight: torch.Tensor, group_size: int, layout: str = ROWS_LAYOUT) -> bool:
     """Whether the kernels take ``x`` (module doc)."""
     return (x.dim() == 2 and x.stride(-1) == 1 and qweight.is_contiguous() and group_size % PACK == 0
-            and x.shape[1] == qweight.shape[1] * PACK)
+            and x.shape[1] == in_features(qweight, layout))
 
 
 def gemv_config(m: int, n: int, k: int) -> tuple[int, int, int, bool]:
@@ -143,18 +363,79 @@ def gemv_config(m: int, n: int, k: int) -> tuple[int, int, int, bool]:
     return 16, min(512, triton.next_power_of_2(k)), 4, False
 
 
+def n8_layout_fits(k: int, group_size: int) -> bool:
+    """Whether a weight of ``k`` inputs and ``group_size`` suits the word-row GEMV: it has a run
+    (``int4.n8_run``: K a multiple of 128)."""
+    return n8_run(k, group_size) is not None
+
+
+@functools.cache
+def num_sms(device_index: int) -> int:
+    """The SM count of CUDA device ``device_index`` (cached)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def gemv_n8_config(m: int, n: int, k: int, group_size: int, sm_count: int) -> tuple[int, int, int]:
+    """``(num_warps, run, split_k)`` of the word-row GEMV for ``m`` rows and an ``[n, k]`` weight:
+    the layout's run (``int4.n8_run``), four warps where K allows (more warps resident to hide the
+    memory latency), and K split until there are ``N8_PROGRAMS_PER_SM`` programs per SM, each
+    split a whole number of steps."""
+    run = n8_run(k, group_size)
+    num_warps = next(w for w in (4, 2, 1) if k % (32 * w * run) == 0)
+    steps = k // (32 * num_warps * run)
+    programs = n // PACK
+    split = next((d for d in range(1, steps + 1) if steps % d == 0 and programs * d >= N8_PROGRAMS_PER_SM * sm_count),
+                 steps)
+    return num_warps, run, split
+
+
+def _gemv_n8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+             perm: torch.Tensor | None, group_size: int, bias: torch.Tensor | None, out: torch.Tensor,
+             config: tuple[int, int, int] | None) -> None:
+    m, k = x.shape
+    n = qweight.shape[0] * PACK
+    if config is None:
+        sms = num_sms(x.device.index if x.device.index is not None else torch.cuda.current_device()) \
+            if x.is_cuda else 132  # under the interpreter: an H100's
+        config = gemv_n8_config(m, n, k, group_size, sms)
+    num_warps, run, split = config
+    threads = 32 * num_warps
+    if run != n8_run(k, group_size) or k % (threads * run * split):
+        raise ValueError(f"int4 GEMV config {(num_warps, run, split)}: the run must be the layout's "
+                         f"({n8_run(k, group_size)}) and the steps must divide K={k}")
+    target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    # Act-order: the permuted input as one small gather (inside the kernel it would not load as
+    # the vector tiles the weight words load as).
+    xp = x if perm is None else x.index_select(1, perm)
+    _int4_gemv_n8_kernel[(n // PACK, split)](
+        xp, qweight, scales, zeros, bias if bias is not None else out, target, m, n, k, group_size, k // split,
+        xp.stride(0), scales.stride(0), out.stride(0), MAGIC,
+        HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=triton.next_power_of_2(m),
+        THREADS=threads, RUN=run, num_warps=num_warps)
+    if split > 1:
+        block = 1024
+        _splitk_sum_kernel[(triton.cdiv(m * n, block),)](target, bias if bias is not None else out, out, m, n,
+                                                         out.stride(0), SPLIT=split, HAS_BIAS=bias is not None,
+                                                         BLOCK=block, num_warps=4)
+
+
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                 perm: torch.Tensor | None, group_size: int, bias: torch.Tensor | None,
-                out: torch.Tensor | None = None, config: tuple[int, ...] | None = None) -> torch.Tensor:
-    """``[M, N]`` in x's dtype (``out`` if given); ``config``: the launch sizes of the kernel that
-    runs (the GEMV's, ``gemv_config``'s shape; default its). Precondition: ``fits``."""
+                out: torch.Tensor | None = None, config: tuple[int, ...] | None = None,
+                layout: str = ROWS_LAYOUT) -> torch.Tensor:
+    """``[M, N]`` in x's dtype (``out`` if given); ``config``: the launch sizes of the GEMV that runs
+    (``gemv_config``'s shape for the row layout, ``gemv_n8_config``'s for the word-row layout; default
+    theirs). Precondition: ``fits`` (and ``n8_layout_fits`` for the word-row layout)."""
     m, k = x.shape
-    n = qweight.shape[0]
+    n = qweight.shape[0] * (PACK if layout == N8_LAYOUT else 1)
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    common = (x, qweight, scales, zeros, perm if perm is not None else qweight, bias if bias is not None else out,
-              out, m, n, k, group_size, x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0))
+    if m <= GEMV_MAX_ROWS and layout == N8_LAYOUT:
+        _gemv_n8(x, qweight, scales, zeros, perm, group_size, bias, out, config)
+        return out
     if m <= GEMV_MAX_ROWS:
+        common = (x, qweight, scales, zeros, perm if perm is not None else qweight, bias if bias is not None else out,
+                  out, m, n, k, group_size, x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0))
         block_n, block_k, num_warps, word_tiles = config or gemv_config(m, n, k)
         _int4_gemv_kernel[(triton.cdiv(n, block_n),)](
             *common, HAS_PERM=perm is not None, HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(m),
@@ -163,7 +444,7 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     # More rows: dequantize once and let cuBLAS multiply. W is written and read back in x's dtype
     # (about twice a bf16 GEMM's bytes), far cheaper at 16+ rows than a fused tiled kernel whose
     # tiles cannot load the row-packed codes coalesced.
-    w = int4_dequantize(qweight, scales, zeros, group_size, x.dtype)
+    w = int4_dequantize(qweight, scales, zeros, group_size, x.dtype, layout)
     xp = x if perm is None else x.index_select(1, perm)
     torch.matmul(xp, w.t(), out=out)
     if bias is not None:

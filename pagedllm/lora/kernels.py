@@ -1,0 +1,132 @@
+"""Triton SGMV kernels for batched LoRA (CUDA; the interpreter runs them in the tests).
+
+Both kernels take the step's ``LoRABatchMapping``: program axis 1 is an active adapter group, axis 0
+a tile of its tokens (rows gathered through ``sorted_token_ids``) times a tile of output columns;
+a program past its group's last token returns at once. So one launch serves every adapter of the
+step, and the grid's extent follows the largest group (in a CUDA graph: the graph's token count
+and ``max_loras`` groups, ``mapping.GraphMapping``, whatever the step writes into them).
+
+- shrink: ``shrunk[t, :] = x[t, :] @ A[s]^T`` into a zeroed float32 ``[T, R]`` buffer, with split-K
+  (each program sums a K range and adds it atomically: R is small, so the K loop is the whole
+  work; the split count is a runtime argument, so it adds no compiled variant).
+- expand: ``y[t, :] += shrunk[t, :] @ B[s]^T`` (B's dtype on the tensor cores, float32
+  accumulation, one rounding into ``y``); each token is in one group, so its rows of ``y`` have one
+  writer.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedllm.lora.mapping import LoRABatchMapping
+
+
+@triton.jit
+def _shrink_kernel(x_ptr, a_ptr, out_ptr, token_ids_ptr, starts_ptr, slots_ptr, K, R, k_per_split, split_k,
+                   stride_xm, stride_as, stride_ar, stride_om,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_N: tl.constexpr):
+    pid = tl.program_id(0)
+    group = tl.program_id(1)
+    pid_k = pid % split_k
+    pid_n = (pid // split_k) % NUM_N
+    pid_m = pid // (split_k * NUM_N)
+    start = tl.load(starts_ptr + group)
+    end = tl.load(starts_ptr + group + 1)
+    row0 = start + pid_m * BLOCK_M
+    if row0 >= end:
+        return
+    slot = tl.load(slots_ptr + group).to(tl.int64)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    tokens = tl.load(token_ids_ptr + rows, mask=rows < end, other=0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_begin = pid_k * k_per_split
+    for k0 in range(k_begin, k_begin + k_per_split, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + tokens[:, None] * stride_xm + offs_k[None, :],
+                    mask=(rows[:, None] < end) & (offs_k[None, :] < K), other=0.0)
+        a = tl.load(a_ptr + slot * stride_as + offs_n[None, :] * stride_ar + offs_k[:, None],
+                    mask=(offs_n[None, :] < R) & (offs_k[:, None] < K), other=0.0)
+        acc += tl.dot(x, a.to(x.dtype))
+    mask = (rows[:, None] < end) & (offs_n[None, :] < R)
+    tl.atomic_add(out_ptr + tokens[:, None] * stride_om + offs_n[None, :], acc, mask=mask)
+
+
+@triton.jit
+def _expand_kernel(s_ptr, b_ptr, y_ptr, token_ids_ptr, starts_ptr, slots_ptr, N, R,
+                   stride_sm, stride_bs, stride_bn, stride_ym,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, NUM_N: tl.constexpr):
+    pid = tl.program_id(0)
+    group = tl.program_id(1)
+    pid_n = pid % NUM_N
+    pid_m = pid // NUM_N
+    start = tl.load(starts_ptr + group)
+    end = tl.load(starts_ptr + group + 1)
+    row0 = start + pid_m * BLOCK_M
+    if row0 >= end:
+        return
+    slot = tl.load(slots_ptr + group).to(tl.int64)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    row_mask = rows < end
+    tokens = tl.load(token_ids_ptr + rows, mask=row_mask, other=0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(0, R, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        s = tl.load(s_ptr + tokens[:, None] * stride_sm + offs_r[None, :],
+                    mask=row_mask[:, None] & (offs_r[None, :] < R), other=0.0)
+        b = tl.load(b_ptr + slot * stride_bs + offs_n[None, :] * stride_bn + offs_r[:, None],
+                    mask=(offs_n[None, :] < N) & (offs_r[:, None] < R), other=0.0)
+        delta += tl.dot(s.to(b.dtype), b)
+    mask = row_mask[:, None] & (offs_n[None, :] < N)
+    y = y_ptr + tokens[:, None] * stride_ym + offs_n[None, :]
+    acc = tl.load(y, mask=mask, other=0.0).to(tl.float32) + delta
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _block_m(max_group_size: int) -> int:
+    # Two tile heights only, so that the decode graphs' captures compile every variant that
+    # eager steps use (nothing compiles while serving).
+    return 16 if max_group_size <= 16 else 64
+
+
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, mapping: LoRABatchMapping) -> torch.Tensor:
+    """``[T, R]`` float32: row ``t`` is ``x[t] @ A[s]^T`` for a token of slot ``s`` (other rows 0)."""
+    num_tokens, k = x.shape
+    r = lora_a.shape[1]
+    out = torch.zeros(num_tokens, r, dtype=torch.float32, device=x.device)
+    block_m, block_n = _block_m(mapping.max_group_size), max(16, min(64, triton.next_power_of_2(r)))
+    block_k = 64
+    num_n = triton.cdiv(r, block_n)
+    # Few token tiles (decode): split K so that enough programs stream A; many: none needed.
+    num_m = triton.cdiv(mapping.max_group_size, block_m)
+    split_k = max(1, min(16, triton.cdiv(k, 4 * block_k), 64 // max(1, num_m * mapping.num_groups)))
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    split_k = triton.cdiv(k, k_per_split)
+    grid = (num_m * num_n * split_k, mapping.num_groups)
+    _shrink_kernel[grid](x, lora_a, out, mapping.sorted_token_ids, mapping.starts_dev, mapping.active_slots_dev,
+                         k, r, k_per_split, split_k, x.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(0),
+                         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_N=num_n)
+    return out
+
+
+def lora_expand_(y: torch.Tensor, shrunk: torch.Tensor, lora_b: torch.Tensor, mapping: LoRABatchMapping) -> torch.Tensor:
+    """``y[t] += shrunk[t] @ B[s]^T`` for the tokens of each group, in place; returns ``y``."""
+    n, r = lora_b.shape[1], lora_b.shape[2]
+    block_m, block_n, block_r = _block_m(mapping.max_group_size), 64, max(16, min(64, triton.next_power_of_2(r)))
+    num_n = triton.cdiv(n, block_n)
+    grid = (triton.cdiv(mapping.max_group_size, block_m) * num_n, mapping.num_groups)
+    _expand_kernel[grid](shrunk, lora_b, y, mapping.sorted_token_ids, mapping.starts_dev, mapping.active_slots_dev,
+                         n, r, shrunk.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0),
+                         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, NUM_N=num_n)
+    return y
+
+
+def add_lora_triton(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                    mapping: LoRABatchMapping) -> torch.Tensor:
+    """``punica.add_lora`` on CUDA: one shrink and one expand launch. Needs unit-stride rows."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    assert y.stride(-1) == 1 and lora_a.stride(-1) == 1 and lora_b.stride(-1) == 1
+    return lora_expand_(y, lora_shrink(x, lora_a, mapping), lora_b, mapping)
