@@ -38,16 +38,14 @@ from torch import nn
 
 from pagedllm.layers.linear import Linear, MergedLinear, default_weight_loader
 from pagedllm.quantization.base import QuantizeMethodBase
+from pagedllm.quantization.int4_layout import N8_LAYOUT, PACK, ROWS_LAYOUT, n8_run
 
-PACK = 8  # int4 values per int32
 SEQUENTIAL_ORDER = (0, 1, 2, 3, 4, 5, 6, 7)
 # AWQ's GEMM layout: nibble i of a packed int32 holds column ORDER[i] of its group of eight.
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 # Float32 weight elements the reference path dequantizes at a time (8 MiB).
 TILE_ELEMENTS = 1 << 21
-ROWS_LAYOUT = "rows"  # qweight [N, K / 8] (module doc)
-N8_LAYOUT = "n8"  # qweight [N / 8, K] (module doc)
 
 
 def _shifts(order: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -82,14 +80,6 @@ def pack_rows(values: torch.Tensor) -> torch.Tensor:
     v = values.to(torch.int64).reshape(-1, PACK, values.shape[1])
     shifts = _shifts(SEQUENTIAL_ORDER, values.device).to(torch.int64)
     return _to_int32((v << shifts[None, :, None]).sum(dim=1))
-
-
-def n8_run(in_features: int, group_size: int) -> int | None:
-    """The columns a GEMV thread streams in the word-row layout (``run``, 32 to 4 words: a power
-    of two dividing the group size, a warp's 32 runs dividing K, preferably four warps' runs), or
-    None where K is no multiple of 128."""
-    runs = [r for r in (32, 16, 8, 4) if group_size % r == 0 and in_features % (32 * r) == 0]
-    return next((r for r in runs if in_features % (128 * r) == 0), runs[0] if runs else None)
 
 
 def n8_memory_order(in_features: int, run: int, device: torch.device | None = None) -> torch.Tensor:

@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.quantization.int4 import N8_LAYOUT, PACK, ROWS_LAYOUT, n8_run
+from pagedllm.quantization.int4_layout import N8_LAYOUT, PACK, ROWS_LAYOUT, n8_run
 
 GEMV_MAX_ROWS = 4
 # Rows the word-row GEMV keeps a float32 sum per element for (registers: 32 a row and thread).
