@@ -40,7 +40,7 @@ step_ms = (time.perf_counter() - t0) / 20 * 1e3
 gr = runner.graph_runner
 bs = gr.padded_size(batch)
 replay_ms = cuda_ms(lambda: gr.replay(bs))
-logits = gr.outputs[bs][:batch]  # the graph ends with the LM head
+logits = gr.outputs[bs, 1][:batch]  # the graph ends with the LM head
 from pagedllm.sample.sampler import build_sampling_metadata  # noqa: E402
 
 params = [SamplingParams(temperature=0.6)] * batch

@@ -50,6 +50,21 @@ def timed(llm, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[l
     return elapsed, [list(o.outputs[0].token_ids) for o in outs], spec
 
 
+def count_replays(graphs) -> dict:
+    """Wrap ``graphs.replay`` (a CUDAGraphRunner, or None) to count replays per queries per request."""
+    counts: dict = {}
+    if graphs is None:
+        return counts
+    replay = graphs.replay
+
+    def counting(bs: int, q: int = 1):
+        counts[f"q={q}"] = counts.get(f"q={q}", 0) + 1
+        return replay(bs, q)
+
+    graphs.replay = counting
+    return counts
+
+
 def release(llm) -> None:
     import torch
 
@@ -69,9 +84,10 @@ def ngram_part(ns) -> dict:
                   speculative_config=spec)
         prompt = copy_prompt(llm.get_tokenizer())
         timed(llm, [prompt], 16)  # warm-up
+        replays = count_replays(llm.llm_engine.engine_core.runner.graph_runner)
         elapsed, outs, stats = timed(llm, [prompt], ns.max_tokens)
         results[name] = {"ms_per_token": 1e3 * elapsed / ns.max_tokens, "tokens": outs[0], "prompt_len": len(prompt),
-                         **stats}
+                         "graph_replays": replays, **stats}
         release(llm)
     results["same_output"] = results["off"]["tokens"] == results["ngram"]["tokens"]
     results["speedup"] = results["off"]["ms_per_token"] / results["ngram"]["ms_per_token"]
@@ -91,10 +107,19 @@ def draft_part(ns) -> dict:
         llm = LLM(ns.draft_model, load_format="dummy", skip_tokenizer_init=True, max_model_len=1024,
                   max_num_seqs=max(ns.batch_sizes), gpu_memory_utilization=0.4, speculative_config=spec)
         timed(llm, prompts[:2], 16)  # warm-up
+        runner = llm.llm_engine.engine_core.runner
         for batch in ns.batch_sizes:
+            replays = count_replays(runner.graph_runner)
+            draft = getattr(runner.proposer, "runner", None)
+            draft_replays = count_replays(draft.graphs if draft is not None else None)
             elapsed, outs, stats = timed(llm, prompts[:batch], ns.max_tokens)
             results[f"k={k} batch={batch}"] = {"tokens_per_s": batch * ns.max_tokens / elapsed,
-                                               "ms_per_step": 1e3 * elapsed / ns.max_tokens, **stats}
+                                               "ms_per_step": 1e3 * elapsed / ns.max_tokens, "graph_replays": replays,
+                                               "draft_graph_replays": draft_replays, **stats}
+            if runner.graph_runner is not None:  # unwrap for the next batch size
+                del runner.graph_runner.replay
+            if draft is not None and draft.graphs is not None:
+                del draft.graphs.replay
         release(llm)
     for batch in ns.batch_sizes:
         plain, spec = results[f"k=0 batch={batch}"], results[f"k={ns.draft_k} batch={batch}"]
@@ -120,10 +145,11 @@ def main() -> int:
     print(f"n-gram batch 1: {ng['off']['ms_per_token']:.2f} ms/token off, {ng['ngram']['ms_per_token']:.2f} with "
           f"k={ns.ngram_k} (x{ng['speedup']:.2f}, mean acceptance length "
           f"{ng['ngram'].get('mean_acceptance_length', 1.0):.2f}, same output: {ng['same_output']})")
-    print(f"{'draft = target':<20} {'tok/s':>10} {'accept len':>11} {'overhead ms/step':>16}")
+    print(f"graph replays: off {ng['off']['graph_replays']}, n-gram {ng['ngram']['graph_replays']}")
+    print(f"{'draft = target':<20} {'tok/s':>10} {'accept len':>11} {'overhead ms/step':>16}  graph replays (draft)")
     for name, row in report["draft_model"].items():
         print(f"{name:<20} {row['tokens_per_s']:>10.1f} {row.get('mean_acceptance_length', 1.0):>11.2f} "
-              f"{row.get('overhead_per_step_ms', 0.0):>16.2f}")
+              f"{row.get('overhead_per_step_ms', 0.0):>16.2f}  {row['graph_replays']} ({row['draft_graph_replays']})")
     if ns.output_json:
         with open(ns.output_json, "w") as f:
             json.dump(report, f, indent=2)

@@ -1,7 +1,8 @@
 """The CPU backend: decode attention by the native kernel that reads K/V in place from the pages.
 
 Prefill and chunked prefill go through the reference (one SDPA call per request, where the GEMMs
-dominate and a gather is cheap next to them). Decode requests (query_len 1) go to
+dominate and a gather is cheap next to them). Decode requests (query_len 1), and the queries of
+requests with a few (``SHORT_QUERY_LEN``: speculative verification), go to
 ``native.kernels.paged_decode_attention`` in one call per layer, which reads each cached key and value
 once instead of gathering them into a padded copy first; a float8 cache (``kv_cache_dtype="fp8*"``)
 is upcast inside the kernel. Where that kernel cannot run (no C compiler, or a query or cache dtype
@@ -12,6 +13,7 @@ scores; the reference gathers only the window and caps the scores).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from pagedllm.attention.torch_ref import (
@@ -22,20 +24,31 @@ from pagedllm.attention.torch_ref import (
 )
 from pagedllm.native import kernels as cpu_kernels
 
+# Requests with at most this many queries (speculative verification: 1 + k tokens; short prefill
+# chunks) go to the decode kernel as that many single-query rows, query j over the first
+# ``seq_len - query_len + j + 1`` keys: it reads each key in place once per query, where the
+# reference would gather the whole context into a copy for one SDPA call per request.
+SHORT_QUERY_LEN = 16
+
 
 class DecodeRows:
-    """One step's decode requests as the kernel takes them, built at the first layer and reused by
+    """One step's single-query rows as the kernel takes them, built at the first layer and reused by
     the others: ``query_rows`` (query row of each), ``table_rows`` (its block-table row),
-    ``seq_lens`` (its context length), all int64 ``[num_decodes]``."""
+    ``seq_lens`` (its context length, its own position included), all int64 ``[num_decodes]``: one
+    row per query of every request with 1 to ``SHORT_QUERY_LEN`` queries. ``has_prefill``: some
+    request has more (the reference attends those)."""
 
     def __init__(self, meta: HostPlannedMetadata) -> None:
-        qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
-        reqs = [r for r in range(len(seq_lens)) if qsl[r + 1] - qsl[r] == 1]
-        self.num_decodes = len(reqs)
-        self.has_prefill = len(reqs) < len(seq_lens)
-        self.query_rows = torch.tensor([qsl[r] for r in reqs], dtype=torch.int64)
-        self.table_rows = torch.tensor(reqs, dtype=torch.int64)
-        self.seq_lens = torch.tensor([seq_lens[r] for r in reqs], dtype=torch.int64)
+        qsl, lens = np.asarray(meta.query_start_loc_cpu, dtype=np.int64), np.asarray(meta.seq_lens_cpu, dtype=np.int64)
+        query_lens = np.diff(qsl)
+        reqs = np.flatnonzero((query_lens >= 1) & (query_lens <= SHORT_QUERY_LEN))
+        counts = query_lens[reqs]
+        local = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        self.num_decodes = len(local)
+        self.has_prefill = bool((query_lens > SHORT_QUERY_LEN).any())
+        self.query_rows = torch.from_numpy(np.repeat(qsl[reqs], counts) + local)
+        self.table_rows = torch.from_numpy(np.repeat(reqs, counts))
+        self.seq_lens = torch.from_numpy(np.repeat(lens[reqs] - counts, counts) + local + 1)
 
 
 class CpuBackend(TorchRefBackend):
@@ -66,5 +79,5 @@ class CpuBackend(TorchRefBackend):
             cpu_kernels.paged_decode_attention(query, kv_cache, out, meta.block_tables, rows.query_rows,
                                                rows.table_rows, rows.seq_lens, scale)
         if rows.has_prefill:
-            prefill_attention_ref(query[:n], kv_cache, meta, scale, out)
+            prefill_attention_ref(query[:n], kv_cache, meta, scale, out, min_query_len=SHORT_QUERY_LEN + 1)
         return out

@@ -217,16 +217,16 @@ def paged_attention_ref(
 
 def prefill_attention_ref(query: torch.Tensor, kv_cache: torch.Tensor, meta: HostPlannedMetadata, scale: float,
                           out: torch.Tensor, sliding_window: int | None = None,
-                          logits_soft_cap: float | None = None) -> None:
-    """The requests with more than one query token (prefill, chunked prefill), one SDPA call each
-    over its gathered context (from the block of its first query's first visible key) with the
-    causal-with-prefix mask (and the window's); written into ``out`` at their rows."""
+                          logits_soft_cap: float | None = None, min_query_len: int = 2) -> None:
+    """The requests with at least ``min_query_len`` (> 1) query tokens (prefill, chunked prefill),
+    one SDPA call each over its gathered context (from the block of its first query's first visible
+    key) with the causal-with-prefix mask (and the window's); written into ``out`` at their rows."""
     qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
     block_size = kv_cache.shape[2]
     for r in range(len(seq_lens)):
         q_start, q_end = qsl[r], qsl[r + 1]
         q_len = q_end - q_start
-        if q_len <= 1:
+        if q_len < min_query_len:
             continue
         seq_len = seq_lens[r]
         first_block = window_start(seq_len - q_len, sliding_window) // block_size

@@ -1,138 +1,199 @@
 """Draft-model proposer: a second, smaller model with the target's vocabulary drafts k tokens.
 
 The draft keeps its own paged KV cache (its own layers and head shapes) with its own block pool:
-``_DraftKV`` gives each request a block table and remembers which token ids its KV holds. Each
-step it first catches up with the request's accepted tokens (one eager forward over every
-request's new tokens, from the first position where what it computed differs from what was
-accepted: rejected drafts are simply recomputed), takes the argmax there as the first draft,
-then runs k - 1 single-token decode steps over the batch for the others. Drafts are the argmax
-(a point mass: see rejection_sampler.py), whatever the request's sampling parameters.
+``_DraftState`` gives each request a row (block table, and the token ids whose KV the draft's
+cache holds). Each step, over the whole batch at once:
+
+1. catch up: one forward over every request's tokens from the first position where what the
+   draft computed differs from what was accepted (rejected drafts are simply recomputed) to its
+   last known token; the argmax after it is the first draft. After the first step of a request
+   this is 1 or 2 tokens per request;
+2. k - 1 single-token steps over the batch, each taking the previous step's argmax as its input
+   on the device (no host round trip between them);
+3. one copy of the ``[batch, k]`` drafts to the host.
+
+Drafts are the argmax (a point mass: see rejection_sampler.py), whatever the request's sampling
+parameters. How a forward runs (eager, or the draft's own CUDA graphs: decode graphs for step 2,
+two-query graphs for step 1) is the worker's business: ``DraftSteps``, implemented in
+``worker/proposer.py``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from pagedllm.attention.backend import AttentionBackend, common_inputs_from_lists, forward_context
 from pagedllm.spec_decode.interface import ProposeInput
 
 
-class _DraftKV:
-    """The draft's block pool and per-request state.
+class DraftSteps(Protocol):
+    """Runs the draft model over a batch of its rows (``worker/proposer.DraftModelRunner``)."""
 
-    Invariant: ``free`` and the lists in ``tables`` partition ``range(num_blocks)``; ``computed[r]``
-    holds the token ids whose KV request r's blocks hold, positions ``0 .. len - 1``, and its blocks
-    cover them. Cost: O(blocks touched) per step.
+    max_num_tokens: int  # the most tokens one ``run`` takes
+
+    def set_blocks(self, row: int, first_col: int, block_ids: list[int]) -> None:
+        """Row ``row``'s block table gains ``block_ids`` from column ``first_col`` on."""
+        ...
+
+    def run(self, token_ids: np.ndarray, block_table: np.ndarray, rows: np.ndarray, num_sched: np.ndarray,
+            seq_lens: np.ndarray, last_token: torch.Tensor | None = None) -> torch.Tensor:
+        """One forward: request i computes the last ``num_sched[i]`` of the first ``seq_lens[i]``
+        tokens of ``token_ids[rows[i]]`` (KV slots from ``block_table[rows[i]]``); with
+        ``last_token`` (device int64, one per request, every ``num_sched`` 1) its input ids come
+        from there instead. Returns the argmax after each request's last token (device int64)."""
+        ...
+
+
+class _DraftState:
+    """The draft's block pool and per-request rows.
+
+    Invariant: ``free_blocks`` and the rows' ``block_table[row, :num_blocks[row]]`` partition
+    ``range(num_blocks)``; the draft's KV at positions ``0 .. num_held[row] - 1`` of a row was
+    computed from ``token_ids[row, :num_held[row]]``; ``row_of`` and ``free_rows`` partition the
+    rows. Cost: O(max_rows * max_len) int64 host memory; O(blocks touched) per step.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, max_rows: int, max_len: int, block_size: int, num_blocks: int) -> None:
         self.block_size = block_size
-        self.num_blocks = num_blocks
-        self.free = list(range(num_blocks - 1, -1, -1))
-        self.tables: dict[str, list[int]] = {}
-        self.computed: dict[str, np.ndarray] = {}
+        self.num_blocks_total = num_blocks
+        max_blocks = -(-max_len // block_size)
+        self.token_ids = np.zeros((max_rows, max_len), dtype=np.int64)
+        self.num_held = np.zeros(max_rows, dtype=np.int64)
+        self.block_table = np.zeros((max_rows, max_blocks), dtype=np.int32)
+        self.num_blocks = np.zeros(max_rows, dtype=np.int64)
+        self.free_blocks = list(range(num_blocks - 1, -1, -1))
+        self.row_of: dict[str, int] = {}
+        self.free_rows = list(range(max_rows - 1, -1, -1))
 
-    def valid_prefix(self, req_id: str, token_ids: np.ndarray) -> int:
-        """How many leading positions of the draft's KV still match ``token_ids``."""
-        held = self.computed.get(req_id)
-        if held is None:
-            return 0
-        n = min(len(held), len(token_ids))
-        mismatch = np.flatnonzero(held[:n] != token_ids[:n])
+    def row(self, req_id: str) -> int | None:
+        """The request's row (a fresh one, holding nothing, the first time); None when none is free."""
+        row = self.row_of.get(req_id)
+        if row is None and self.free_rows:
+            row = self.row_of[req_id] = self.free_rows.pop()
+            self.num_held[row] = self.num_blocks[row] = 0
+        return row
+
+    def valid_prefix(self, row: int, token_ids: np.ndarray) -> int:
+        """How many leading positions of the row's KV still match ``token_ids``."""
+        n = min(int(self.num_held[row]), len(token_ids))
+        mismatch = np.flatnonzero(self.token_ids[row, :n] != token_ids[:n])
         return int(mismatch[0]) if len(mismatch) else n
 
-    def reserve(self, req_id: str, num_positions: int) -> bool:
-        """Blocks for positions ``0 .. num_positions - 1``; False (nothing taken) if the pool is short."""
-        table = self.tables.setdefault(req_id, [])
-        need = -(-num_positions // self.block_size) - len(table)
-        if need > len(self.free):
-            return False
-        for _ in range(max(need, 0)):
-            table.append(self.free.pop())
-        return True
-
-    def slots(self, req_id: str, positions: np.ndarray) -> np.ndarray:
-        table = np.asarray(self.tables[req_id], dtype=np.int64)
-        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+    def reserve(self, row: int, num_positions: int) -> list[int] | None:
+        """Blocks for positions ``0 .. num_positions - 1``: the new ones, or None (nothing taken)
+        when the pool is short."""
+        have = int(self.num_blocks[row])
+        need = -(-num_positions // self.block_size) - have
+        if need > len(self.free_blocks):
+            return None
+        new = [self.free_blocks.pop() for _ in range(max(need, 0))]
+        self.block_table[row, have : have + len(new)] = new
+        self.num_blocks[row] = have + len(new)
+        return new
 
     def remove(self, req_id: str) -> None:
-        self.free.extend(reversed(self.tables.pop(req_id, [])))
-        self.computed.pop(req_id, None)
+        row = self.row_of.pop(req_id, None)
+        if row is not None:
+            self.free_blocks.extend(self.block_table[row, : self.num_blocks[row]][::-1].tolist())
+            self.num_blocks[row] = self.num_held[row] = 0
+            self.free_rows.append(row)
 
 
 class DraftModelProposer:
-    """Runs ``model`` (bound to its own KV caches) over the requests' new tokens, then k - 1 more
-    tokens. Cost per step: one eager forward over the new tokens plus k - 1 decode forwards of the
-    batch, each with its metadata built from host lists."""
+    """Drafts with a model bound to its own KV cache (see the module doc). Cost per step: one
+    catch-up forward, k - 1 single-token forwards of the batch, one device->host copy of the
+    drafts; host work O(batch + new tokens) numpy plus O(tokens) per request to find where its
+    draft KV stops matching."""
 
-    def __init__(self, model: torch.nn.Module, backend: AttentionBackend, device: torch.device,
-                 num_speculative_tokens: int, block_size: int, num_blocks: int, max_model_len: int) -> None:
-        self.model = model
-        self.backend = backend
+    def __init__(self, runner: DraftSteps, device: torch.device, num_speculative_tokens: int, block_size: int,
+                 num_blocks: int, max_num_reqs: int, max_model_len: int) -> None:
+        self.runner = runner
         self.device = device
         self.k = num_speculative_tokens
         self.max_model_len = max_model_len
-        self.kv = _DraftKV(num_blocks, block_size)
+        self.state = _DraftState(max_num_reqs, max_model_len, block_size, num_blocks)
 
     def remove_requests(self, req_ids: Iterable[str]) -> None:
         for req_id in req_ids:
-            self.kv.remove(req_id)
+            self.state.remove(req_id)
 
     @torch.inference_mode()
     def propose(self, requests: list[ProposeInput]) -> dict[str, list[int]]:
-        batch = []  # (request, first position to compute, number of drafts)
+        batch = self._admit(requests)
+        if batch is None:
+            return {}
+        req_ids, rows, starts, lens, ks = batch
+        drafts = torch.empty((len(rows), self.k), dtype=torch.int64, device=self.device)
+        drafts[:, 0] = self._catch_up(rows, starts, lens)
+        for j in range(1, self.k):
+            live = np.flatnonzero(ks > j)  # all of them unless a request is near max_model_len
+            if not len(live):
+                break
+            every = len(live) == len(rows)
+            index = None if every else torch.from_numpy(live).to(self.device)
+            prev = drafts[:, j - 1] if every else drafts[index, j - 1]
+            # Draft j's input is draft j - 1, at position lens + j - 1.
+            out = self.runner.run(self.state.token_ids, self.state.block_table, rows[live], np.ones(len(live), np.int64),
+                                  lens[live] + j, last_token=prev)
+            if every:
+                drafts[:, j] = out
+            else:
+                drafts[index, j] = out
+        host = drafts.cpu().numpy()
+        out = {}
+        for i, (req_id, row) in enumerate(zip(req_ids, rows.tolist())):
+            n, k = int(lens[i]), int(ks[i])
+            self.state.token_ids[row, n : n + k - 1] = host[i, : k - 1]  # the last draft is never an input
+            self.state.num_held[row] = n + k - 1
+            out[req_id] = host[i, :k].tolist()
+        return out
+
+    def _admit(self, requests: list[ProposeInput]):
+        """Rows, blocks and catch-up start of each request that can be drafted for:
+        ``(req_ids, rows, starts, lens, ks)`` (numpy int64 arrays but req_ids), or None."""
+        state, admitted = self.state, []
         for r in requests:
             num_tokens = len(r.token_ids)
             k = min(self.k, self.max_model_len - num_tokens)
-            # KV for the known tokens and all drafts but the last (which is never an input).
-            if k <= 0 or not self.kv.reserve(r.req_id, num_tokens + k - 1):
+            row = state.row(r.req_id) if k > 0 else None
+            if row is None:
                 continue
-            start = min(self.kv.valid_prefix(r.req_id, r.token_ids), num_tokens - 1)
-            batch.append((r, start, k))
-        if not batch:
-            return {}
-        tokens = self._catch_up(batch)
-        drafts = [[t] for t in tokens]
-        for j in range(1, max(k for _, _, k in batch)):
-            live = [i for i, (_, _, k) in enumerate(batch) if k > j]
-            nxt = self._decode([batch[i][0] for i in live], [drafts[i][-1] for i in live],
-                               [len(batch[i][0].token_ids) + j - 1 for i in live])
-            for i, t in zip(live, nxt):
-                drafts[i].append(t)
-        for (r, _, _), d in zip(batch, drafts):
-            self.kv.computed[r.req_id] = np.concatenate([r.token_ids, np.asarray(d[:-1], dtype=np.int64)])
-        return {r.req_id: d for (r, _, _), d in zip(batch, drafts)}
+            # KV for the known tokens and all drafts but the last (which is never an input).
+            new_blocks = state.reserve(row, num_tokens + k - 1)
+            if new_blocks is None:
+                continue
+            if new_blocks:
+                self.runner.set_blocks(row, int(state.num_blocks[row]) - len(new_blocks), new_blocks)
+            start = min(state.valid_prefix(row, r.token_ids), num_tokens - 1)
+            state.token_ids[row, start:num_tokens] = r.token_ids[start:]
+            state.num_held[row] = start  # until this step's forwards have run
+            admitted.append((r.req_id, row, start, num_tokens, k))
+        if not admitted:
+            return None
+        req_ids, *cols = zip(*admitted)
+        return (list(req_ids), *(np.asarray(c, dtype=np.int64) for c in cols))
 
-    def _catch_up(self, batch: list[tuple[ProposeInput, int, int]]) -> list[int]:
-        """One forward over each request's tokens from its first stale position to its last known
-        one; returns the argmax after each request's last token (its first draft)."""
-        ids, positions, slots, query_lens, seq_lens = [], [], [], [], []
-        for r, start, _ in batch:
-            pos = np.arange(start, len(r.token_ids))
-            ids.append(r.token_ids[start:])
-            positions.append(pos)
-            slots.append(self.kv.slots(r.req_id, pos))
-            query_lens.append(len(pos))
-            seq_lens.append(len(r.token_ids))
-        return self._forward(batch, np.concatenate(ids), np.concatenate(positions), np.concatenate(slots),
-                             query_lens, seq_lens)
-
-    def _decode(self, requests: list[ProposeInput], token_ids: list[int], positions: list[int]) -> list[int]:
-        """One token per request at ``positions`` (each request's context is everything before)."""
-        pos = np.asarray(positions, dtype=np.int64)
-        slots = np.concatenate([self.kv.slots(r.req_id, pos[i : i + 1]) for i, r in enumerate(requests)])
-        return self._forward([(r, 0, 0) for r in requests], np.asarray(token_ids, dtype=np.int64), pos, slots,
-                             [1] * len(requests), (pos + 1).tolist())
-
-    def _forward(self, batch, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
-                 query_lens: list[int], seq_lens: list[int]) -> list[int]:
-        tables = [self.kv.tables[r.req_id] for r, _, _ in batch]
-        common = common_inputs_from_lists(query_lens, seq_lens, tables, slots.tolist(), self.device)
-        meta = self.backend.metadata_builder.build(common)
-        with forward_context(meta, self.backend):
-            hidden = self.model(torch.from_numpy(ids).to(self.device), torch.from_numpy(positions).to(self.device))
-        last = torch.from_numpy(np.cumsum(query_lens) - 1).to(self.device)
-        return self.model.compute_logits(hidden[last], upcast=False).argmax(dim=-1).tolist()
+    def _catch_up(self, rows: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> torch.Tensor:
+        """Forward each request's tokens ``starts .. lens - 1`` (in as many forwards as the runner's
+        token budget needs: a new request brings its whole prompt); returns the argmax after each
+        request's last token (device int64 [len(rows)])."""
+        done, budget = starts.copy(), self.runner.max_num_tokens
+        first = None
+        while True:
+            todo = np.flatnonzero(done < lens)
+            if not len(todo):
+                return first
+            remaining = lens[todo] - done[todo]
+            take = np.clip(budget - (np.cumsum(remaining) - remaining), 0, remaining)
+            todo, take = todo[take > 0], take[take > 0]
+            argmax = self.runner.run(self.state.token_ids, self.state.block_table, rows[todo], take, done[todo] + take)
+            done[todo] += take
+            if first is None and len(todo) == len(rows) and (done == lens).all():
+                return argmax  # the usual case: everything in one forward
+            if first is None:
+                first = torch.empty(len(rows), dtype=torch.int64, device=self.device)
+            finished = done[todo] == lens[todo]
+            first[torch.from_numpy(todo[finished]).to(self.device)] = argmax[torch.from_numpy(finished).to(self.device)]

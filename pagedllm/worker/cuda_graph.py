@@ -1,8 +1,13 @@
-"""CUDA graphs for decode batches: one captured forward pass (up to the logits) per padded batch size.
+"""CUDA graphs for decode batches: one captured forward pass (up to the logits) per padded batch shape.
 
 A pure decode step (every request computes one token) of ``n`` requests replays the graph of
 the smallest captured size >= n; the graph ends with the LM head, so a replay returns the logits
-(model dtype) of every row, padding included, and the step samples from the first ``n``. Captured
+(model dtype) of every row, padding included, and the step samples from the first ``n``.
+With speculative decoding (``verify_query_len = 1 + k``) a second set of graphs serves steps whose
+requests each compute at most ``1 + k`` tokens (verification of k drafts): every request is staged
+with exactly ``1 + k`` queries (``input_prep.stage_uniform_batch``: leading dummy queries that
+write no KV), so the attention metadata of such a step has a fixed shape; the graph returns the
+logits of all ``1 + k`` rows of each request and the step takes the rows of its real tokens. Captured
 graphs read the runner's persistent device input buffers (DeviceInputs), so a replay needs no
 argument copies beyond the step's one input copy; padded rows carry slot -1 (KV store skipped)
 and seq_len 0 (attention writes zeros), and their outputs are discarded. All graphs share one
@@ -13,10 +18,10 @@ adapter delta over the LoRA manager's fixed mapping (``lora/mapping.GraphMapping
 step fills before ``replay_lora``; those graphs are captured without PDL (the LoRA kernels do not
 wait on their predecessor in a dependent launch).
 
-Invariant: ``self.graphs[bs]`` was captured with metadata built by the backend's builder over
-``DeviceInputs.device_views(bs, bs)``: the device views that a decode step padded to ``bs`` fills
-with its one input copy. Cost: one graph and one logits buffer ``[bs, vocab]`` per size, in one
-shared memory pool.
+Invariant: ``self.graphs[bs, q]`` was captured with metadata built by the backend's builder over
+``DeviceInputs.device_views(bs * q, bs)``: the device views that a step padded to ``bs`` requests
+of ``q`` queries fills with its one input copy. Cost: one graph and one logits buffer
+``[bs * q, vocab]`` per shape, in one shared memory pool.
 """
 
 from __future__ import annotations
@@ -47,20 +52,39 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sorted(set(sizes))
 
 
+# Verify graphs are captured up to this many tokens (vLLM's default largest capture size): their
+# logits buffers grow with bs * (1 + k), and large verify batches are not launch-bound.
+MAX_VERIFY_GRAPH_TOKENS = 512
+
+
+def verify_capture_sizes(decode_sizes: list[int], query_len: int, max_num_tokens: int) -> list[int]:
+    """The decode sizes whose verify batch (``query_len`` tokens per request) fits
+    ``min(max_num_tokens, MAX_VERIFY_GRAPH_TOKENS)`` tokens; none for ``query_len`` 1."""
+    if query_len <= 1:
+        return []
+    limit = min(max_num_tokens, MAX_VERIFY_GRAPH_TOKENS)
+    return [s for s in decode_sizes if s * query_len <= limit]
+
+
 class CUDAGraphRunner:
-    """The decode graphs of one model (see the module doc): ``capture_all`` at start-up, then
-    ``replay(padded_size(n))`` for every pure decode step of ``n <= max_size`` requests."""
+    """The decode (and verify) graphs of one model (see the module doc): ``capture_all`` at start-up,
+    then ``replay(padded_size(n))`` for every pure decode step of ``n <= max_size`` requests, and
+    ``replay(padded_size(n, q), q)`` (``q = verify_query_len``) for a step of ``n <= max_verify_size``
+    requests of at most ``q`` tokens each."""
 
     def __init__(self, model, backend: AttentionBackend, inputs, max_num_seqs: int, device: torch.device,
-                 allow_pdl: bool = True) -> None:
+                 allow_pdl: bool = True, verify_query_len: int = 1, max_num_tokens: int = 0) -> None:
         self.model = model
         self.allow_pdl = allow_pdl  # KernelConfig.pdl
         self.backend = backend
         self.inputs = inputs  # DeviceInputs
         self.device = device
         self.sizes = capture_sizes(max_num_seqs)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.verify_query_len = verify_query_len
+        self.verify_sizes = verify_capture_sizes(self.sizes, verify_query_len, max_num_tokens)
+        inputs.recurring_shapes.update((bs * verify_query_len, bs) for bs in self.verify_sizes)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.lora_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # with the LoRA delta (capture_lora)
         self.lora_outputs: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -69,40 +93,58 @@ class CUDAGraphRunner:
     def max_size(self) -> int:
         return self.sizes[-1]
 
-    def padded_size(self, num_reqs: int) -> int | None:
-        for s in self.sizes:
+    @property
+    def max_verify_size(self) -> int:
+        """The largest verify batch a graph serves (0 without verify graphs)."""
+        return self.verify_sizes[-1] if self.verify_sizes else 0
+
+    @property
+    def shapes(self) -> list[tuple[int, int]]:
+        """Every captured ``(batch size, queries per request)``, most tokens first (capture order)."""
+        shapes = [(bs, 1) for bs in self.sizes] + [(bs, self.verify_query_len) for bs in self.verify_sizes]
+        return sorted(shapes, key=lambda s: (s[0] * s[1], s[1]), reverse=True)
+
+    @property
+    def token_counts(self) -> list[int]:
+        """The token counts (GEMM rows) the graphs run, ascending."""
+        return sorted({bs * q for bs, q in self.shapes})
+
+    def padded_size(self, num_reqs: int, query_len: int = 1) -> int | None:
+        for s in (self.sizes if query_len == 1 else self.verify_sizes):
             if s >= num_reqs:
                 return s
         return None
 
-    def metadata(self, bs: int) -> AttentionMetadata:
-        """What every replay of size ``bs`` attends with (built once, at capture)."""
-        dev = self.inputs.device_views(bs, bs)
-        longest_first = self.backend.uses_longest_first_order and bs >= LONGEST_FIRST_FROM
+    def metadata(self, bs: int, q: int = 1) -> AttentionMetadata:
+        """What every replay of shape ``(bs, q)`` attends with (built once, at capture)."""
+        dev = self.inputs.device_views(bs * q, bs)
+        longest_first = self.backend.uses_longest_first_order and bs >= LONGEST_FIRST_FROM and q == 1
         return self.backend.metadata_builder.build(CommonAttentionInputs(
-            num_actual_tokens=bs, max_query_len=1, query_start_loc=dev["query_start_loc"], seq_lens=dev["seq_lens"],
-            block_tables=self.inputs.block_tables[:bs], slot_mapping=dev["slot_mapping"],
+            num_actual_tokens=bs * q, max_query_len=q, query_start_loc=dev["query_start_loc"],
+            seq_lens=dev["seq_lens"], block_tables=self.inputs.block_tables[:bs], slot_mapping=dev["slot_mapping"],
             longest_first=dev["decode_order"] if longest_first else None,
         ))
 
-    def _safe_inputs(self, bs: int) -> dict[str, torch.Tensor]:
-        """Token 0 at position 0, no KV writes, empty contexts: what warm-up and capture of size
-        ``bs`` run on (written into that size's device views, which the graph will read)."""
-        dev = self.inputs.device_views(bs, bs)
+    def _safe_inputs(self, bs: int, q: int = 1) -> dict[str, torch.Tensor]:
+        """What warm-up and capture of shape ``(bs, q)`` run on (written into that shape's device
+        views, which the graph will read): token 0, no KV writes; a decode attends to an empty
+        context, a verify request's ``q`` queries sit at positions ``0 .. q - 1`` (its context never
+        starts before position 0: ``input_prep.stage_uniform_batch``)."""
+        dev = self.inputs.device_views(bs * q, bs)
         dev["input_ids"].zero_()
-        dev["positions"].zero_()
+        dev["positions"].copy_(torch.arange(q).repeat(bs) if q > 1 else torch.zeros(bs, dtype=torch.int64))
         dev["slot_mapping"].fill_(-1)
-        dev["seq_lens"].zero_()
-        dev["query_start_loc"].copy_(torch.arange(bs + 1, dtype=torch.int32))
+        dev["seq_lens"].fill_(q if q > 1 else 0)
+        dev["query_start_loc"].copy_(torch.arange(0, (bs + 1) * q, q, dtype=torch.int32))
         dev["decode_order"].copy_(torch.arange(bs, dtype=torch.int32))
         return dev
 
     @torch.inference_mode()
     def run_all_sizes(self) -> None:
-        """One eager forward per captured size (no capture): the launches a capture will make."""
-        for bs in reversed(self.sizes):
-            dev = self._safe_inputs(bs)
-            with forward_context(self.metadata(bs), self.backend), pdl.for_graph(bs, self.allow_pdl):
+        """One eager forward per captured shape (no capture): the launches a capture will make."""
+        for bs, q in self.shapes:
+            dev = self._safe_inputs(bs, q)
+            with forward_context(self.metadata(bs, q), self.backend), pdl.for_graph(bs * q, self.allow_pdl):
                 self._forward(dev["input_ids"], dev["positions"])
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -112,13 +154,13 @@ class CUDAGraphRunner:
 
     @torch.inference_mode()
     def capture_all(self) -> float:
-        """Capture every size, largest first (so smaller graphs reuse the pool). Returns seconds."""
+        """Capture every shape, largest first (so smaller graphs reuse the pool). Returns seconds."""
         t0 = time.perf_counter()
-        for bs in reversed(self.sizes):
-            dev = self._safe_inputs(bs)
-            meta = self.metadata(bs)
+        for bs, q in self.shapes:
+            dev = self._safe_inputs(bs, q)
+            meta = self.metadata(bs, q)
             ids, pos = dev["input_ids"], dev["positions"]
-            with forward_context(meta, self.backend), pdl.for_graph(bs, self.allow_pdl):
+            with forward_context(meta, self.backend), pdl.for_graph(bs * q, self.allow_pdl):
                 self._forward(ids, pos)  # warm-up: Triton compiles and autotunes outside the capture
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
@@ -126,10 +168,12 @@ class CUDAGraphRunner:
                     out = self._forward(ids, pos)
             if self.pool is None:
                 self.pool = graph.pool()
-            self.graphs[bs], self.outputs[bs] = graph, out
+            self.graphs[bs, q], self.outputs[bs, q] = graph, out
         torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - t0
-        logger.info("captured %d CUDA graphs (decode batch sizes 1..%d) in %.1f s", len(self.sizes), self.max_size, elapsed)
+        logger.info("captured %d CUDA graphs (decode batch sizes 1..%d, verify batch sizes up to %d of %d "
+                    "tokens) in %.1f s", len(self.graphs), self.max_size, self.max_verify_size,
+                    self.verify_query_len, elapsed)
         return elapsed
 
     @torch.inference_mode()
@@ -159,8 +203,8 @@ class CUDAGraphRunner:
         self.lora_graphs[bs].replay()
         return self.lora_outputs[bs]
 
-    def replay(self, bs: int) -> torch.Tensor:
-        """Run the graph of size ``bs``; returns its logits ``[bs, vocab]`` (valid until the next
-        replay)."""
-        self.graphs[bs].replay()
-        return self.outputs[bs]
+    def replay(self, bs: int, q: int = 1) -> torch.Tensor:
+        """Run the graph of shape ``(bs, q)``; returns its logits ``[bs * q, vocab]`` (valid until the
+        next replay)."""
+        self.graphs[bs, q].replay()
+        return self.outputs[bs, q]

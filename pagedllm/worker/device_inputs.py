@@ -103,6 +103,8 @@ class DeviceInputs:
         self._host_words = [buf.view(torch.int64) for buf in self._host_bufs]
         self._dev_words = self._dev_buf.view(torch.int64) if self._on_cuda else None
         self._view_cache: dict[tuple, dict] = {}  # see _views
+        # Step shapes besides decode ones (tokens == requests) whose views are cached: verify graphs'.
+        self.recurring_shapes: set[tuple[int, int]] = set()
         self._set = 0
         self._set_read: list = [None] * num_sets  # per host set: CUDA event after its last copy
         self._step_bytes = 0
@@ -155,7 +157,7 @@ class DeviceInputs:
     def _views(self, buf_key, buf, num_tokens: int, num_reqs: int) -> dict:
         """``buf``'s fields for ``step_layout(num_tokens, num_reqs)``: numpy views of a host set,
         or tensor views of the device buffer. Cached for decode shapes (tokens == requests: a graph
-        replay's shape recurs every step; prefill shapes rarely do)."""
+        replay's shape recurs every step; prefill shapes rarely do) and ``recurring_shapes``."""
         key = (buf_key, num_tokens, num_reqs)
         views = self._view_cache.get(key)
         if views is None:
@@ -163,7 +165,7 @@ class DeviceInputs:
             numpy = isinstance(buf, np.ndarray)
             views = {name: buf[off : off + n * dtype.itemsize].view(_NUMPY[dtype] if numpy else dtype)
                      for name, (off, n, dtype) in fields.items()}
-            if num_tokens == num_reqs:
+            if num_tokens == num_reqs or (num_tokens, num_reqs) in self.recurring_shapes:
                 self._view_cache[key] = views
         return views
 

@@ -135,14 +135,17 @@ class ModelRunner:
         if self.lora_manager is not None:
             lora_slots = self.lora_manager.prepare_step(batch.lora_int_id[rows], np.fromiter(
                 so.num_scheduled_tokens.values(), dtype=np.int64, count=len(rows)))
-            if lora_slots is not None and (graph_runner is None or not graph_runner.lora_graphs):
-                graph_runner = None  # no graphs with the delta: a step with adapters runs eagerly
+            # No graphs with the delta (LoRA graphs are decode-only: with verify graphs too, a step
+            # with adapters could be a verification): a step with adapters runs eagerly.
+            if lora_slots is not None and (graph_runner is None or not graph_runner.lora_graphs
+                                           or graph_runner.verify_sizes):
+                graph_runner = None
         inp = self.prep.prepare(so, rows, graph_runner)
         self.timings["prepare"] += time.perf_counter() - t0
         hidden = logits = None
-        if inp.graph_size is not None:  # the graph ends with the LM head (a pure decode step)
+        if inp.graph_size is not None:  # the graph ends with the LM head (a decode or verify step)
             if lora_slots is None:
-                logits = self.graph_runner.replay(inp.graph_size)[inp.logits_indices]
+                logits = self.graph_runner.replay(inp.graph_size, inp.graph_query_len)[inp.logits_indices]
             else:
                 self.lora_manager.stage_graph(lora_slots)
                 logits = self.graph_runner.replay_lora(inp.graph_size)[inp.logits_indices]

@@ -11,7 +11,8 @@ Start-up is a pipeline of named stages, each logged with its time:
 - ``warm up`` (CUDA, after the KV cache exists): eager forwards of the query-length mixes the
   attention backend names (``AttentionBackend.warmup_query_lens``), logits, both sampling kernels;
 - ``tune``: the GEMM library choice per weight shape and graph batch size;
-- ``capture``: the decode CUDA graphs (unless ``enforce_eager`` or the backend has none).
+- ``capture``: the decode CUDA graphs (unless ``enforce_eager`` or the backend has none), with
+  speculative decoding also the verify graphs, and a draft model's own graphs.
 
 Nothing compiles while serving. Dummy forwards never write the KV cache (their slots are -1).
 """
@@ -36,6 +37,7 @@ from pagedllm.sample.bitmask import GrammarOutput
 from pagedllm.sample.history import TokenHistory
 from pagedllm.sample.sampler import build_sampling_metadata
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.spec_decode.draft_model import DraftModelProposer
 from pagedllm.worker import kv_cache as kvc
 from pagedllm.worker.cuda_graph import CUDAGraphRunner
 from pagedllm.worker.model_runner import ModelRunner, StepHandle
@@ -98,9 +100,12 @@ class Worker:
         # None for pooling: its steps are prefills (the graphs are of decode steps).
         if (self.device.type == "cuda" and not config.enforce_eager and self.backend.supports_decode_graphs
                 and config.parallel_config.pipeline_parallel_size == 1 and not self.pooling):
+            spec = config.speculative_config  # verify graphs: 1 + k queries per request
             self._graphs = CUDAGraphRunner(self.model, self.backend, self.model_runner.prep.inputs,
                                            config.scheduler_config.max_num_seqs, self.device,
-                                           allow_pdl=config.kernel_config.pdl)
+                                           allow_pdl=config.kernel_config.pdl,
+                                           verify_query_len=1 + (spec.num_speculative_tokens if spec else 0),
+                                           max_num_tokens=config.scheduler_config.max_num_batched_tokens)
 
     # -- kernel policy (layers/): the two calls the runner used to make on a loaded model ---------
     def _prepare_model_kernels(self) -> None:
@@ -218,9 +223,12 @@ class Worker:
         if self._graphs is None:
             return
         with self._stage("tune"):
-            self._tune_gemms(self._graphs.sizes)
+            self._tune_gemms(self._graphs.token_counts)
         with self._stage("capture"):
             self._graphs.capture_all()
+            proposer = self.model_runner.proposer
+            if isinstance(proposer, DraftModelProposer):  # the draft model's own graphs
+                proposer.runner.capture_graphs(self.config.kernel_config.pdl)
         if self.lora_manager is not None:
             with self._stage("capture lora"):
                 self._graphs.capture_lora(self.lora_manager)

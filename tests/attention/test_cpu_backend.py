@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.attention.cpu_backend import CpuBackend, DecodeRows
+from pagedllm.attention.cpu_backend import SHORT_QUERY_LEN, CpuBackend, DecodeRows
 from pagedllm.attention.registry import get_attention_backend
 from pagedllm.attention.torch_ref import TorchRefBackend
 from pagedllm.native import kernels as cpu_kernels
@@ -72,13 +72,33 @@ def test_kernel_rejects_bad_inputs(field, change, message):
         cpu_kernels.paged_decode_attention(**args)
 
 
-def test_decode_rows_lists_only_single_token_requests():
+def test_decode_rows_list_every_query_of_short_requests():
+    """Decodes and short queries (verification of drafts) become single-query rows, each over the
+    keys up to its own position; a long query (prefill) is left to the reference."""
     gen = torch.Generator().manual_seed(5)
-    *_, meta = make_inputs([(30, 30), (12, 1), (50, 8), (3, 1)], block_size=4, num_kv_heads=1, qpk=1, head_dim=8,
+    *_, meta = make_inputs([(30, 30), (12, 1), (50, 3), (3, 1)], block_size=4, num_kv_heads=1, qpk=1, head_dim=8,
                            dtype=torch.float32, device="cpu", gen=gen)
     rows = DecodeRows(CpuBackend.metadata_builder.build(meta))
-    assert rows.query_rows.tolist() == [30, 39] and rows.table_rows.tolist() == [1, 3]
-    assert rows.seq_lens.tolist() == [12, 3] and rows.num_decodes == 2 and rows.has_prefill
+    assert rows.query_rows.tolist() == [30, 31, 32, 33, 34] and rows.table_rows.tolist() == [1, 2, 2, 2, 3]
+    assert rows.seq_lens.tolist() == [12, 48, 49, 50, 3] and rows.num_decodes == 5 and rows.has_prefill
+
+
+@needs_kernel
+@pytest.mark.parametrize("query_len", [2, 4, SHORT_QUERY_LEN])
+def test_short_queries_match_the_reference(query_len):
+    """A verification-shaped step (every request 1 + k queries after a long context) in the decode
+    kernel gives the reference's outputs."""
+    gen = torch.Generator().manual_seed(query_len)
+    specs = [(seq, query_len) for seq in (query_len, 40, 173, 300)]
+    q, k, v, cache, meta = make_inputs(specs, block_size=16, num_kv_heads=3, qpk=3, head_dim=64,
+                                       dtype=torch.float32, device="cpu", gen=gen)
+    ref_cache = cache.clone()
+    backend = CpuBackend()
+    out = attend(backend, q, k, v, cache, meta, 0.125)
+    assert backend._rows.num_decodes == 4 * query_len and not backend._rows.has_prefill
+    n = meta.num_actual_tokens
+    torch.testing.assert_close(out[:n], attend(TorchRefBackend(), q, k, v, ref_cache, meta, 0.125)[:n],
+                               rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -27,3 +27,72 @@ def test_greedy_outputs_equal_on_cuda(tmp_path, method):
         llm.llm_engine.shutdown()
     assert outs["spec"] == outs["plain"]
     assert stats is not None and stats.num_accepted_tokens > 0
+
+
+def _record_replays(graphs) -> list[int]:
+    """Wrap ``graphs.replay`` to record the query length of every replay."""
+    replayed, replay = [], graphs.replay
+
+    def recording(bs: int, q: int = 1):
+        replayed.append(q)
+        return replay(bs, q)
+
+    graphs.replay = recording
+    return replayed
+
+
+def _run(llm, prompts, params):
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs]
+
+
+@pytest.mark.parametrize("num_speculative_tokens", [3, 5])
+def test_verify_graphs_match_eager_verification(tmp_path, num_speculative_tokens):
+    """Verification in the captured verify graphs (1 + k queries per request, padded) gives the
+    eager engine's greedy tokens, logprobs within float tolerance, and does run in those graphs."""
+    target = make_tiny_model("llama", tmp_path / "t")
+    spec = {"method": "ngram", "num_speculative_tokens": num_speculative_tokens, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3}
+    prompts = [{"prompt_token_ids": [5 + i, 6, 7, 8, 5 + i, 6, 7] * (2 + i % 3)} for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=1)
+    results = {}
+    for eager in (True, False):
+        llm = LLM(target, dtype="float32", max_model_len=256, max_num_seqs=8, gpu_memory_utilization=0.3,
+                  speculative_config=spec, enforce_eager=eager)
+        graphs = llm.llm_engine.engine_core.runner.graph_runner
+        replayed = []
+        if graphs is not None:
+            assert graphs.verify_query_len == 1 + num_speculative_tokens and graphs.max_verify_size >= 8
+            replayed = _record_replays(graphs)
+        results[eager] = _run(llm, prompts, params)
+        llm.llm_engine.shutdown()
+        if not eager:
+            assert 1 + num_speculative_tokens in replayed, "no step verified in a verify graph"
+    (eager_ids, eager_lps), (graph_ids, graph_lps) = results[True], results[False]
+    assert graph_ids == eager_ids
+    for lps_e, lps_g, ids in zip(eager_lps, graph_lps, eager_ids):
+        for e, g, t in zip(lps_e, lps_g, ids):
+            assert abs(e[t].logprob - g[t].logprob) < 1e-3
+
+
+def test_draft_model_runs_its_steps_in_its_decode_graphs(tmp_path):
+    """The draft model's k - 1 single-token steps replay its own decode graphs (and its catch-up
+    forward its verify-shaped graphs); outputs equal the eager engine's."""
+    target = make_tiny_model("llama", tmp_path / "t")
+    spec = {"method": "draft_model", "model": target, "num_speculative_tokens": 3}
+    prompts = [{"prompt_token_ids": [5 + i, 6, 7, 8] * (1 + i % 3)} for i in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    outs = {}
+    for eager in (True, False):
+        llm = LLM(target, dtype="float32", max_model_len=256, max_num_seqs=8, gpu_memory_utilization=0.3,
+                  speculative_config=spec, enforce_eager=eager)
+        draft = llm.llm_engine.engine_core.runner.proposer.runner
+        assert (draft.graphs is None) == eager
+        replayed = _record_replays(draft.graphs) if draft.graphs is not None else []
+        outs[eager] = _run(llm, prompts, params)[0]
+        stats = llm.llm_engine.engine_core.scheduler.stats().spec_decoding
+        llm.llm_engine.shutdown()
+        assert stats.num_accepted_tokens == stats.num_draft_tokens  # the draft is the target
+        if not eager:
+            assert 1 in replayed
+    assert outs[False] == outs[True]

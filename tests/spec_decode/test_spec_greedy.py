@@ -95,4 +95,5 @@ def test_greedy_outputs_equal_without_speculation(models, plain, method, config_
         assert scheduler.stats().prefix_cache_hits > 0
     proposer = engine.engine_core.runner.proposer
     if method != "ngram":
-        assert not proposer.kv.tables and len(proposer.kv.free) == proposer.kv.num_blocks, "draft blocks leaked"
+        state = proposer.state
+        assert not state.row_of and sorted(state.free_blocks) == list(range(state.num_blocks_total)), "draft blocks leaked"
