@@ -26,7 +26,8 @@ from pagedllm.lora.mapping import LoRABatchMapping
 @triton.jit
 def _shrink_kernel(x_ptr, a_ptr, out_ptr, token_ids_ptr, starts_ptr, slots_ptr, K, R, k_per_split, split_k,
                    stride_xm, stride_as, stride_ar, stride_om,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_N: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_N: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
     pid = tl.program_id(0)
     group = tl.program_id(1)
     pid_k = pid % split_k
@@ -49,7 +50,7 @@ def _shrink_kernel(x_ptr, a_ptr, out_ptr, token_ids_ptr, starts_ptr, slots_ptr, 
                     mask=(rows[:, None] < end) & (offs_k[None, :] < K), other=0.0)
         a = tl.load(a_ptr + slot * stride_as + offs_n[None, :] * stride_ar + offs_k[:, None],
                     mask=(offs_n[None, :] < R) & (offs_k[:, None] < K), other=0.0)
-        acc += tl.dot(x, a.to(x.dtype))
+        acc += tl.dot(x, a.to(x.dtype), input_precision=DOT_PRECISION)
     mask = (rows[:, None] < end) & (offs_n[None, :] < R)
     tl.atomic_add(out_ptr + tokens[:, None] * stride_om + offs_n[None, :], acc, mask=mask)
 
@@ -57,7 +58,8 @@ def _shrink_kernel(x_ptr, a_ptr, out_ptr, token_ids_ptr, starts_ptr, slots_ptr, 
 @triton.jit
 def _expand_kernel(s_ptr, b_ptr, y_ptr, token_ids_ptr, starts_ptr, slots_ptr, N, R,
                    stride_sm, stride_bs, stride_bn, stride_ym,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, NUM_N: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, NUM_N: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
     pid = tl.program_id(0)
     group = tl.program_id(1)
     pid_n = pid % NUM_N
@@ -79,11 +81,16 @@ def _expand_kernel(s_ptr, b_ptr, y_ptr, token_ids_ptr, starts_ptr, slots_ptr, N,
                     mask=row_mask[:, None] & (offs_r[None, :] < R), other=0.0)
         b = tl.load(b_ptr + slot * stride_bs + offs_n[None, :] * stride_bn + offs_r[:, None],
                     mask=(offs_n[None, :] < N) & (offs_r[:, None] < R), other=0.0)
-        delta += tl.dot(s.to(b.dtype), b)
+        delta += tl.dot(s.to(b.dtype), b, input_precision=DOT_PRECISION)
     mask = row_mask[:, None] & (offs_n[None, :] < N)
     y = y_ptr + tokens[:, None] * stride_ym + offs_n[None, :]
     acc = tl.load(y, mask=mask, other=0.0).to(tl.float32) + delta
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # float32 weights are for exactness (tests against PEFT): full-precision products, not TF32.
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def _block_m(max_group_size: int) -> int:
@@ -108,7 +115,8 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, mapping: LoRABatchMapping
     grid = (num_m * num_n * split_k, mapping.num_groups)
     _shrink_kernel[grid](x, lora_a, out, mapping.sorted_token_ids, mapping.starts_dev, mapping.active_slots_dev,
                          k, r, k_per_split, split_k, x.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(0),
-                         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_N=num_n)
+                         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_N=num_n,
+                         DOT_PRECISION=_dot_precision(x.dtype))
     return out
 
 
@@ -120,7 +128,8 @@ def lora_expand_(y: torch.Tensor, shrunk: torch.Tensor, lora_b: torch.Tensor, ma
     grid = (triton.cdiv(mapping.max_group_size, block_m) * num_n, mapping.num_groups)
     _expand_kernel[grid](shrunk, lora_b, y, mapping.sorted_token_ids, mapping.starts_dev, mapping.active_slots_dev,
                          n, r, shrunk.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0),
-                         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, NUM_N=num_n)
+                         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, NUM_N=num_n,
+                         DOT_PRECISION=_dot_precision(lora_b.dtype))
     return y
 
 

@@ -75,15 +75,17 @@ def test_grouped_torch_form_equals_a_per_token_loop(case):
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 
 
-def check_triton(case, device: str, seed: int = 0) -> float:
-    """Max abs difference of the Triton kernels from the torch form on one case."""
+def check_triton(case, device: str, seed: int = 0, relative: bool = False) -> float:
+    """Max abs difference of the Triton kernels from the torch form on one case (``relative``:
+    divided by the largest output magnitude)."""
     from pagedllm.lora import kernels
 
     x, lora_a, lora_b, y, token_slots = make_case(*case, device=device, seed=seed)
     mapping = build_mapping(token_slots, torch.device(device))
     want = add_lora_torch(y.clone(), x, lora_a, lora_b, mapping)
     got = kernels.add_lora_triton(y.clone(), x, lora_a, lora_b, mapping)
-    return (got.float() - want.float()).abs().max().item()
+    err = (got.float() - want.float()).abs().max().item()
+    return err / want.float().abs().max().item() if relative else err
 
 
 def check_triton_graph_mapping(case, seed: int = 0) -> float:
@@ -134,5 +136,7 @@ GPU_SHAPES = [(4096, 6144, 48), (4096, 4096, 16), (4096, 28672, 32), (14336, 409
 @pytest.mark.parametrize("shape", GPU_SHAPES)
 def test_triton_kernels_on_cuda(shape, tokens):
     k, n, r = shape
-    err = check_triton((tokens, k, n, r, 8, torch.bfloat16), "cuda")
-    assert err < 0.1, err  # bf16 output rounding of values of size ~ sqrt(k) * 0.01 * 0.1 * sqrt(r)
+    err = check_triton((tokens, k, n, r, 8, torch.bfloat16), "cuda", relative=True)
+    # Outputs reach |y| ~ 20, where one bf16 ulp is 0.125: the kernels keep the shrunk rows in
+    # float32 while the torch form rounds them to bf16, so the two differ by a few output ulps.
+    assert err < 2e-2, err
