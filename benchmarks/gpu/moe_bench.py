@@ -35,35 +35,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.gpu.int4_decode_bench import graph_time_us  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "benchmarks/configs/qwen3-30b-a3b"
-
-
-def graph_time_us(fn, calls: int = 10) -> float:
-    """Microseconds per call of ``fn``, replayed ``calls`` at a time from a CUDA graph (no launch gaps)."""
-    import torch
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        start.record()
-        for _ in range(5):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / (5 * calls))
-    return best
 
 
 class RouterLog:
@@ -148,7 +125,7 @@ def moe_block_us(block, batch: int, hidden: int) -> float:
 
     x = torch.randn(batch, hidden, device="cuda", dtype=block.gate.weight.dtype)
     with torch.inference_mode():
-        return graph_time_us(lambda: block.experts(x, block.gate(x)))
+        return graph_time_us(lambda: block.experts(x, block.gate(x)), calls=10)
 
 
 def throughput_part(out_json: str) -> dict:

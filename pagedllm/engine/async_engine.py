@@ -338,6 +338,17 @@ class AsyncLLMEngine:
         if stream.error is not None:
             raise stream.error
 
+    async def wait_all_accepted(self, streams: list[RequestStream]) -> None:
+        """``wait_accepted`` for each of a request's prompts; if any is refused (or the wait is
+        cancelled) every one of them is aborted before the error is raised."""
+        try:
+            for stream in streams:
+                await self.wait_accepted(stream)
+        except BaseException:
+            for stream in streams:
+                self.abort_stream(stream)
+            raise
+
     async def stream_outputs(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
         """The outputs of an accepted request; leaving early aborts it."""
         finished = False

@@ -155,15 +155,10 @@ class OpenAIServingCompletion:
             streams.append(engine.submit(rid, prompt, params if i == 0 else params.clone(), priority=priority,
                                          lora_request=lora_request, trace_headers=trace_headers))
         try:
-            for s in streams:
-                await engine.wait_accepted(s)
-        except BaseException as e:
-            for s in streams:
-                engine.abort_stream(s)
-            if isinstance(e, (ValueError, TypeError)):  # e.g. a schema, regex or grammar that does not parse
-                e = rename_constraint_error(e, req.constraint())
-                raise bad_request(e, _FIELDS, default_param="prompt") from e
-            raise
+            await engine.wait_all_accepted(streams)
+        except (ValueError, TypeError) as e:  # e.g. a schema, regex or grammar that does not parse
+            e = rename_constraint_error(e, req.constraint())
+            raise bad_request(e, _FIELDS, default_param="prompt") from e
         return streams
 
     def _prompt_text(self, p: _Prompt) -> str:

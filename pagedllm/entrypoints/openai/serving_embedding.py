@@ -107,14 +107,9 @@ class OpenAIServingEmbedding:
         streams = [engine.submit(f"{request_id}-{i}", {"prompt_token_ids": ids}, params, priority=priority)
                    for i, ids in enumerate(prompts)]
         try:
-            for s in streams:
-                await engine.wait_accepted(s)
-        except BaseException as e:
-            for s in streams:
-                engine.abort_stream(s)
-            if isinstance(e, (ValueError, TypeError)):  # e.g. dimensions the model does not allow
-                raise bad_request(e, _FIELDS, default_param="input") from e
-            raise
+            await engine.wait_all_accepted(streams)
+        except (ValueError, TypeError) as e:  # e.g. dimensions the model does not allow
+            raise bad_request(e, _FIELDS, default_param="input") from e
         return streams
 
     def _vector(self, out: PoolingRequestOutput | None) -> np.ndarray:
