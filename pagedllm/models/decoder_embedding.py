@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.models.llama import LlamaForCausalLM, LlamaModel, sliding_window_of
+from pagedllm.models.llama import LlamaForCausalLM, LlamaModel
 
 
 class DecoderForEmbedding(LlamaForCausalLM):
@@ -28,7 +28,7 @@ class DecoderForEmbedding(LlamaForCausalLM):
         self.config = hf_config
         self.model = LlamaModel(hf_config)
         self.lm_head = _NoHead()
-        self.max_supported_len: int | None = sliding_window_of(hf_config)
+        self.max_supported_len: int | None = None  # sliding windows are attended, not capped
 
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         raise TypeError("compute_logits: an embedding model has no LM head (it is served with runner='pooling')")
