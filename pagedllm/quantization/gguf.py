@@ -16,10 +16,12 @@ A tied LM head shares the embedding's Parameter, so the packed table is held onc
 
 Products: ``apply`` picks the kernel of the input's device from ``PACKED_KERNELS`` (the CPU: the C
 library's ``gguf_matmul``, which decodes blocks in registers; a CUDA entry is the hook for the
-Triton kernels). Where the device has none, or the CPU kernels cannot be built,
-``process_weights_after_loading`` dequantizes the layer once (F32 segments, ``F.linear``). Many
-rows at once (prefill) dequantize a tile of weight rows exactly and run the float GEMM
-(``PREFILL_MIN_ROWS``).
+Triton kernels). Many rows at once (prefill) dequantize a tile of weight rows exactly and run the
+float GEMM (``PREFILL_MIN_ROWS``). Where the device has no kernel (a GPU), or the CPU kernels
+cannot be built, the layer is dequantized once at load into one matrix of the model's dtype
+(``weight.gguf_dense``: a single F32 / F16 / BF16 segment) and every product is one ``F.linear``
+in that dtype, as a float checkpoint's layer: no float32 copies of the activations, and the same
+GEMM at 1 row as at the few rows of a speculative verification.
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ from pagedllm.quantization.base import QuantizationConfig, QuantizeMethodBase
 
 logger = logging.getLogger(__name__)
 
-F32, F16 = 0, 1
+F32, F16, BF16 = 0, 1, 30
+# The float row formats (GGML type ids) of a layer dequantized at load, by the model's dtype.
+FLOAT_TYPES = {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16}
 # GGML type -> name, for the formats the CPU kernel multiplies packed (others are dequantized at load).
 PACKED_TYPES = {F32: "F32", F16: "F16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 # From this many rows of x on, a tile of weight rows is dequantized and multiplied by the float GEMM
@@ -118,9 +122,13 @@ def dequantized(t: GGUFTensor) -> GGUFTensor:
 
 def pack_segments(param: nn.Parameter, parts: list[GGUFTensor], keep_packed: bool) -> None:
     """Make ``param`` the serving form of ``parts`` (the layer's row blocks, in row order): their
-    bytes back to back (on ``param``'s device) and ``param.gguf_segments``. Formats without a kernel,
-    and every part where ``keep_packed`` is False, are dequantized first."""
-    parts = [p if keep_packed and p.qtype in PACKED_TYPES else dequantized(p) for p in parts]
+    bytes back to back (on ``param``'s device) and ``param.gguf_segments``. With ``keep_packed``,
+    formats without a kernel are dequantized to F32 rows; without it the whole layer is one matrix
+    in ``param.gguf_dtype`` (``param.gguf_dense``, a view of the same bytes)."""
+    if not keep_packed:
+        _pack_dense(param, parts)
+        return
+    parts = [p if p.qtype in PACKED_TYPES else dequantized(p) for p in parts]
     segments, blobs, row, offset = [], [], 0, 0
     for p in parts:
         last = segments[-1] if segments else None
@@ -135,11 +143,26 @@ def pack_segments(param: nn.Parameter, parts: list[GGUFTensor], keep_packed: boo
     param.data = torch.cat(blobs).to(param.device)
     param.gguf_segments = tuple(segments)
     param.gguf_rows = tuple(seg.rows(param.data) for seg in segments)  # views, made once
+    param.gguf_dense = None
+
+
+def _pack_dense(param: nn.Parameter, parts: list[GGUFTensor]) -> None:
+    """``parts`` dequantized exactly (float32), then rounded once to ``param.gguf_dtype``: one segment."""
+    dtype = param.gguf_dtype
+    dense = torch.cat([dequantized(p).data.view(torch.float32) for p in parts]).to(param.device, dtype)
+    rows, cols = dense.shape
+    param.data = dense.view(torch.uint8).reshape(-1)
+    param.gguf_segments = (GGUFSegment(0, rows, FLOAT_TYPES[dtype], 0, cols * dense.element_size()),)
+    param.gguf_rows = (param.data.view(rows, -1),)
+    param.gguf_dense = param.data.view(dtype).view(rows, cols)
 
 
 def gguf_linear(weight: nn.Parameter, x: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ W^T (+ bias)`` for the packed ``weight`` (see the module doc); float32 inside, the
-    result in ``x``'s dtype."""
+    result in ``x``'s dtype. A layer dequantized at load (``weight.gguf_dense``) is one ``F.linear``."""
+    dense = weight.gguf_dense
+    if dense is not None:
+        return F.linear(x.to(dense.dtype), dense, None if bias is None else bias.to(dense.dtype)).to(x.dtype)
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     xf = x2 if x2.dtype == torch.float32 and x2.stride(-1) == 1 else x2.float().contiguous()
@@ -167,6 +190,7 @@ class GGUFLinearMethod(QuantizeMethodBase):
     def create_weights(self, layer: nn.Module) -> None:
         old = layer.weight
         param = nn.Parameter(torch.empty(0, dtype=torch.uint8, device=old.device), requires_grad=False)
+        param.gguf_dtype = old.dtype  # the model's: the dtype of a layer dequantized at load
         param.weight_loader = self._loader(layer)
         if hasattr(old, "shard_ids"):
             param.shard_ids = old.shard_ids
@@ -224,6 +248,8 @@ class GGUFEmbeddingMethod(QuantizeMethodBase):
     def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         """``[T] ids -> [T, hidden]`` rows of the table, dequantized, in the model dtype."""
         weight = layer.weight
+        if weight.gguf_dense is not None:
+            return F.embedding(input_ids, weight.gguf_dense).to(weight.gguf_dtype)
         (seg,), (rows,) = weight.gguf_segments, weight.gguf_rows
         cols = weight.gguf_shape[1]
         if seg.qtype == F32:

@@ -142,3 +142,49 @@ def test_a_shard_of_the_wrong_shape_is_refused():
     layer.set_quant_method(GGUFLinearMethod())
     with pytest.raises(ValueError, match="does not match"):
         layer.weight.weight_loader(layer.weight, _random_gguf("Q8_0", 32, 256, 0), 0)
+
+
+def test_without_a_kernel_a_layer_is_one_matrix_in_the_model_dtype(monkeypatch):
+    """A GPU (no packed kernel): q/k/v dequantized once into one bfloat16 matrix; every product is one
+    bfloat16 ``F.linear`` (no float32 copy of the activations or the weights), at 1 row as at 6."""
+    from pagedllm.layers.linear import QKVLinear
+    from pagedllm.quantization import gguf as gguf_module
+
+    monkeypatch.setattr(gguf_module, "has_packed_kernel", lambda device: False)
+    layer = QKVLinear(256, 32, 4, 2, bias=True)
+    layer.weight.data = layer.weight.data.to(torch.bfloat16)
+    layer.bias.data = torch.randn(256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    layer.set_quant_method(gguf_module.GGUFLinearMethod())
+    shards = {"q": _random_gguf("Q4_K", 128, 256, 1), "k": _random_gguf("Q6_K", 64, 256, 2),
+              "v": _random_gguf("Q8_0", 64, 256, 3)}
+    for shard_id, t in shards.items():
+        layer.weight.weight_loader(layer.weight, t, shard_id)
+    layer.quant_method.process_weights_after_loading(layer)
+    assert [s.qtype for s in layer.weight.gguf_segments] == [gguf_module.BF16]
+    dense = torch.cat([t.dequantize() for t in shards.values()]).to(torch.bfloat16)
+    assert layer.weight.gguf_dense.dtype == torch.bfloat16 and torch.equal(layer.weight.gguf_dense, dense)
+    for rows in (1, 6):
+        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+        out = layer(x)
+        assert out.dtype == torch.bfloat16
+        assert torch.equal(out, torch.nn.functional.linear(x, dense, layer.bias))
+
+
+def test_without_a_kernel_the_tied_table_is_one_matrix_in_the_model_dtype(monkeypatch):
+    from pagedllm.layers.embedding import LMHead, VocabEmbedding
+    from pagedllm.quantization import gguf as gguf_module
+
+    monkeypatch.setattr(gguf_module, "has_packed_kernel", lambda device: False)
+    embed = VocabEmbedding(96, 64)
+    embed.weight.data = embed.weight.data.to(torch.bfloat16)
+    head = LMHead(96, 64, tied_to=embed)
+    for layer in (embed, head):
+        layer.set_quant_method(gguf_module.GGUFEmbeddingMethod())
+    table = _random_gguf("Q8_0", 96, 64, 7)
+    embed.weight.weight_loader(embed.weight, table)
+    dense = table.dequantize().to(torch.bfloat16)
+    assert head.weight is embed.weight and torch.equal(embed.weight.gguf_dense, dense)
+    ids = torch.tensor([0, 5, 95])
+    assert torch.equal(embed(ids), dense[ids])
+    hidden = torch.randn(6, 64, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    assert torch.equal(head(hidden, upcast=False), torch.nn.functional.linear(hidden, dense))
