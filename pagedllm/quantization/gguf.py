@@ -18,10 +18,11 @@ Products: ``apply`` picks the kernel of the input's device from ``PACKED_KERNELS
 library's ``gguf_matmul``, which decodes blocks in registers; a CUDA entry is the hook for the
 Triton kernels). Many rows at once (prefill) dequantize a tile of weight rows exactly and run the
 float GEMM (``PREFILL_MIN_ROWS``). Where the device has no kernel (a GPU), or the CPU kernels
-cannot be built, the layer is dequantized once at load into one matrix of the model's dtype
-(``weight.gguf_dense``: a single F32 / F16 / BF16 segment) and every product is one ``F.linear``
-in that dtype, as a float checkpoint's layer: no float32 copies of the activations, and the same
-GEMM at 1 row as at the few rows of a speculative verification.
+cannot be built, ``process_weights_after_loading`` dequantizes the layer once into one matrix of
+the model's dtype and hands it back as a plain float layer (``as_float_layer``: no quantization
+method), which ``prepare_model_kernels`` then dispatches as a float checkpoint's layer, fused
+kernels and GEMM choice included: the same kernels at 1 row as at the few rows of a speculative
+verification, and no float32 copies of the activations.
 """
 
 from __future__ import annotations
@@ -43,9 +44,7 @@ from pagedllm.quantization.base import QuantizationConfig, QuantizeMethodBase
 
 logger = logging.getLogger(__name__)
 
-F32, F16, BF16 = 0, 1, 30
-# The float row formats (GGML type ids) of a layer dequantized at load, by the model's dtype.
-FLOAT_TYPES = {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16}
+F32, F16 = 0, 1
 # GGML type -> name, for the formats the CPU kernel multiplies packed (others are dequantized at load).
 PACKED_TYPES = {F32: "F32", F16: "F16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 # From this many rows of x on, a tile of weight rows is dequantized and multiplied by the float GEMM
@@ -124,7 +123,7 @@ def pack_segments(param: nn.Parameter, parts: list[GGUFTensor], keep_packed: boo
     """Make ``param`` the serving form of ``parts`` (the layer's row blocks, in row order): their
     bytes back to back (on ``param``'s device) and ``param.gguf_segments``. With ``keep_packed``,
     formats without a kernel are dequantized to F32 rows; without it the whole layer is one matrix
-    in ``param.gguf_dtype`` (``param.gguf_dense``, a view of the same bytes)."""
+    in ``param.gguf_dtype`` (``param.gguf_dense``, for ``as_float_layer``)."""
     if not keep_packed:
         _pack_dense(param, parts)
         return
@@ -147,22 +146,31 @@ def pack_segments(param: nn.Parameter, parts: list[GGUFTensor], keep_packed: boo
 
 
 def _pack_dense(param: nn.Parameter, parts: list[GGUFTensor]) -> None:
-    """``parts`` dequantized exactly (float32), then rounded once to ``param.gguf_dtype``: one segment."""
-    dtype = param.gguf_dtype
-    dense = torch.cat([dequantized(p).data.view(torch.float32) for p in parts]).to(param.device, dtype)
-    rows, cols = dense.shape
-    param.data = dense.view(torch.uint8).reshape(-1)
-    param.gguf_segments = (GGUFSegment(0, rows, FLOAT_TYPES[dtype], 0, cols * dense.element_size()),)
-    param.gguf_rows = (param.data.view(rows, -1),)
-    param.gguf_dense = param.data.view(dtype).view(rows, cols)
+    """``parts`` dequantized exactly (float32), then rounded once to ``param.gguf_dtype``."""
+    dense = torch.cat([dequantized(p).data.view(torch.float32) for p in parts])
+    param.data = torch.empty(0, dtype=torch.uint8, device=param.device)
+    param.gguf_segments = param.gguf_rows = ()
+    param.gguf_dense = dense.to(param.device, param.gguf_dtype)
+
+
+def as_float_layer(layer: nn.Module) -> None:
+    """Where ``layer``'s weight was dequantized at load (``weight.gguf_dense``), make it the plain
+    float layer of that matrix: no quantization method, the layer class's kernel flags, its
+    implementation chosen again by ``prepare_model_kernels`` (``native`` until then). The
+    Parameter object is kept (a tied LM head shares it with the embedding)."""
+    weight = layer.weight
+    if getattr(weight, "gguf_dense", None) is None:
+        return
+    weight.data = weight.gguf_dense
+    layer.quant_method = None
+    for flag in ("fuses_kernels", "gemm_tunable"):  # set on the instance by set_quant_method
+        layer.__dict__.pop(flag, None)
+    layer.use_impl("native")
 
 
 def gguf_linear(weight: nn.Parameter, x: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ W^T (+ bias)`` for the packed ``weight`` (see the module doc); float32 inside, the
-    result in ``x``'s dtype. A layer dequantized at load (``weight.gguf_dense``) is one ``F.linear``."""
-    dense = weight.gguf_dense
-    if dense is not None:
-        return F.linear(x.to(dense.dtype), dense, None if bias is None else bias.to(dense.dtype)).to(x.dtype)
+    result in ``x``'s dtype."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     xf = x2 if x2.dtype == torch.float32 and x2.stride(-1) == 1 else x2.float().contiguous()
@@ -217,6 +225,7 @@ class GGUFLinearMethod(QuantizeMethodBase):
         parts = [layer.gguf_shards[i] for i in sorted(layer.gguf_shards)]
         pack_segments(layer.weight, parts, has_packed_kernel(layer.weight.device))
         layer.gguf_shards = {}
+        as_float_layer(layer)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return gguf_linear(layer.weight, x, layer.out_features, bias)
@@ -242,14 +251,16 @@ class GGUFEmbeddingMethod(QuantizeMethodBase):
 
         param.weight_loader = load
 
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """The embedding and a tied head alike: a plain float layer where the table was dequantized."""
+        as_float_layer(layer)
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return gguf_linear(layer.weight, x, layer.weight.gguf_shape[0], bias)
 
     def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         """``[T] ids -> [T, hidden]`` rows of the table, dequantized, in the model dtype."""
         weight = layer.weight
-        if weight.gguf_dense is not None:
-            return F.embedding(input_ids, weight.gguf_dense).to(weight.gguf_dtype)
         (seg,), (rows,) = weight.gguf_segments, weight.gguf_rows
         cols = weight.gguf_shape[1]
         if seg.qtype == F32:

@@ -75,7 +75,7 @@ def process_quantized_weights(model: nn.Module) -> None:
     """After the load: every quantized layer takes its serving form (``process_weights_after_loading``)."""
     for module in model.modules():
         method = getattr(module, "quant_method", None)
-        if isinstance(module, Linear) and method is not None:
+        if isinstance(module, (Linear, VocabEmbedding, LMHead)) and method is not None:
             method.process_weights_after_loading(module)
 
 

@@ -124,8 +124,11 @@ def test_merged_layer_with_shards_of_several_formats(monkeypatch, packed_kernel)
         layer.weight.weight_loader(layer.weight, t, shard_id)
     layer.bias.data.copy_(torch.randn(256))
     layer.quant_method.process_weights_after_loading(layer)
-    # Q4_K (12) and Q6_K (14) stay packed; Q5_0 has no kernel: F32 rows. Without kernels: all F32.
-    assert [s.qtype for s in layer.weight.gguf_segments] == ([12, 14, 0] if packed_kernel else [0])
+    # Q4_K (12) and Q6_K (14) stay packed; Q5_0 has no kernel: F32 rows. Without kernels: a float layer.
+    if packed_kernel:
+        assert [s.qtype for s in layer.weight.gguf_segments] == [12, 14, 0]
+    else:
+        assert layer.quant_method is None and layer.weight.dtype == torch.float32
     w = torch.cat([t.dequantize() for t in shards.values()])
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(5))
     ref = torch.nn.functional.linear(x, w, layer.bias)
@@ -144,11 +147,13 @@ def test_a_shard_of_the_wrong_shape_is_refused():
         layer.weight.weight_loader(layer.weight, _random_gguf("Q8_0", 32, 256, 0), 0)
 
 
-def test_without_a_kernel_a_layer_is_one_matrix_in_the_model_dtype(monkeypatch):
-    """A GPU (no packed kernel): q/k/v dequantized once into one bfloat16 matrix; every product is one
-    bfloat16 ``F.linear`` (no float32 copy of the activations or the weights), at 1 row as at 6."""
+def test_without_a_kernel_a_layer_becomes_a_float_layer_in_the_model_dtype(monkeypatch):
+    """A GPU (no packed kernel): q/k/v dequantized once into one bfloat16 matrix, and the layer is a
+    plain float layer again (no quantization method, the fused-kernel flags of its class), so the
+    kernel plan dispatches it as a float checkpoint's: the same GEMM at 1 row as at 6."""
     from pagedllm.layers.linear import QKVLinear
     from pagedllm.quantization import gguf as gguf_module
+    from pagedllm.quantization.registry import process_quantized_weights
 
     monkeypatch.setattr(gguf_module, "has_packed_kernel", lambda device: False)
     layer = QKVLinear(256, 32, 4, 2, bias=True)
@@ -159,20 +164,19 @@ def test_without_a_kernel_a_layer_is_one_matrix_in_the_model_dtype(monkeypatch):
               "v": _random_gguf("Q8_0", 64, 256, 3)}
     for shard_id, t in shards.items():
         layer.weight.weight_loader(layer.weight, t, shard_id)
-    layer.quant_method.process_weights_after_loading(layer)
-    assert [s.qtype for s in layer.weight.gguf_segments] == [gguf_module.BF16]
+    process_quantized_weights(torch.nn.ModuleList([layer]))
     dense = torch.cat([t.dequantize() for t in shards.values()]).to(torch.bfloat16)
-    assert layer.weight.gguf_dense.dtype == torch.bfloat16 and torch.equal(layer.weight.gguf_dense, dense)
+    assert layer.quant_method is None and layer.fuses_kernels and layer.gemm_tunable
+    assert layer.weight.dtype == torch.bfloat16 and torch.equal(layer.weight, dense)
     for rows in (1, 6):
         x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
-        out = layer(x)
-        assert out.dtype == torch.bfloat16
-        assert torch.equal(out, torch.nn.functional.linear(x, dense, layer.bias))
+        assert torch.equal(layer(x), torch.nn.functional.linear(x, dense, layer.bias))
 
 
-def test_without_a_kernel_the_tied_table_is_one_matrix_in_the_model_dtype(monkeypatch):
+def test_without_a_kernel_the_tied_table_becomes_a_float_table_in_the_model_dtype(monkeypatch):
     from pagedllm.layers.embedding import LMHead, VocabEmbedding
     from pagedllm.quantization import gguf as gguf_module
+    from pagedllm.quantization.registry import process_quantized_weights
 
     monkeypatch.setattr(gguf_module, "has_packed_kernel", lambda device: False)
     embed = VocabEmbedding(96, 64)
@@ -182,8 +186,10 @@ def test_without_a_kernel_the_tied_table_is_one_matrix_in_the_model_dtype(monkey
         layer.set_quant_method(gguf_module.GGUFEmbeddingMethod())
     table = _random_gguf("Q8_0", 96, 64, 7)
     embed.weight.weight_loader(embed.weight, table)
+    process_quantized_weights(torch.nn.ModuleList([embed, head]))
     dense = table.dequantize().to(torch.bfloat16)
-    assert head.weight is embed.weight and torch.equal(embed.weight.gguf_dense, dense)
+    assert head.weight is embed.weight and torch.equal(embed.weight, dense)
+    assert embed.quant_method is None and head.quant_method is None and head.fuses_kernels
     ids = torch.tensor([0, 5, 95])
     assert torch.equal(embed(ids), dense[ids])
     hidden = torch.randn(6, 64, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
