@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from spec_decode_bench import copy_prompt, release  # noqa: E402
+from spec_decode_bench import copy_prompt, release, replay_ms  # noqa: E402
 
 
 def step_summary(rows: list[dict]) -> dict:
@@ -45,20 +45,6 @@ def step_summary(rows: list[dict]) -> dict:
                      "idle_after_ms": sum(idle) / max(len(idle), 1),
                      "host_launch_ms": sum(r["host_launch_ms"] for r in rs) / len(rs)}
     return out
-
-
-def replay_ms(graphs, shape: tuple[int, int], n: int = 50) -> float:
-    import torch
-
-    graphs.replay(*shape)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        graphs.replay(*shape)
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / n
 
 
 def kernel_table(graphs, shape: tuple[int, int], n: int = 10, top: int = 15) -> list[dict]:

@@ -15,10 +15,11 @@ in one block format; a merged qkv or gate_up layer whose shards share a format i
 A tied LM head shares the embedding's Parameter, so the packed table is held once.
 
 Products: ``apply`` picks the kernel of the input's device from ``PACKED_KERNELS`` (the CPU: the C
-library's ``gguf_matmul``, which decodes blocks in registers; a CUDA entry is the hook for the
-Triton kernels). Many rows at once (prefill) dequantize a tile of weight rows exactly and run the
-float GEMM (``PREFILL_MIN_ROWS``). Where the device has no kernel (a GPU), or the CPU kernels
-cannot be built, ``process_weights_after_loading`` dequantizes the layer once into one matrix of
+library's ``gguf_matmul``, which decodes blocks in registers, and from ``PREFILL_MIN_ROWS`` rows a
+tile of weight rows dequantized exactly for the float GEMM; CUDA: the Triton GEMV / tiled GEMM of
+``kernels/gguf_gemm.py`` on bf16 / fp16 activations, captured in the CUDA graphs). Where the device
+has no kernel (or, on CUDA, a layer has a part in a format the Triton kernels lack), or the CPU
+kernels cannot be built, ``process_weights_after_loading`` dequantizes the layer once into one matrix of
 the model's dtype and hands it back as a plain float layer (``as_float_layer``: no quantization
 method), which ``prepare_model_kernels`` then dispatches as a float checkpoint's layer, fused
 kernels and GEMM choice included: the same kernels at 1 row as at the few rows of a speculative
@@ -27,6 +28,7 @@ verification, and no float32 copies of the activations.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -89,18 +91,40 @@ def _cpu_linear(x: torch.Tensor, packed: torch.Tensor, qtype: int, out: torch.Te
         _mm_into(out[:, start:start + rows.shape[0]], x, native.gguf_dequantize_rows(rows, qtype, x.shape[1]))
 
 
+def _cuda_linear(x: torch.Tensor, packed: torch.Tensor, qtype: int, out: torch.Tensor) -> None:
+    """``out = x @ W^T`` on CUDA: the Triton GEMV / tiled GEMM, reading x and writing ``out`` in
+    their own dtype (bf16 / fp16 in and out, float32 inside)."""
+    from pagedllm.quantization.kernels import gguf_gemm
+
+    gguf_gemm.gguf_linear(x, packed, CUDA_TYPES[qtype], out=out)
+
+
+def _cuda_gather(packed: torch.Tensor, qtype: int, k: int, ids: torch.Tensor) -> torch.Tensor:
+    from pagedllm.quantization.kernels import gguf_gemm
+
+    return gguf_gemm.gguf_gather(packed, CUDA_TYPES[qtype], k, ids)
+
+
+# GGML type -> name, for the formats the CUDA kernels (kernels/gguf_gemm.py) multiply packed. A GPU
+# layer with a part in another format is dequantized whole (no float32 rows beside bf16 activations).
+CUDA_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 # The kernels per device type (the hook for other devices: add an entry to both tables).
-# ``PACKED_KERNELS[d](x float32 [M, K], packed [N, row_bytes], qtype, out float32 [M, N] view)``;
-# ``PACKED_GATHERS[d](packed, qtype, K, ids) -> float32 [len(ids), K]`` (the embedding lookup).
-PACKED_KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], None]] = {"cpu": _cpu_linear}
+# ``PACKED_KERNELS[d](x [M, K], packed [N, row_bytes], qtype, out [M, N] view)`` (float32 on the CPU,
+# x's dtype on CUDA); ``PACKED_GATHERS[d](packed, qtype, K, ids) -> float32 [len(ids), K]`` (the
+# embedding lookup).
+PACKED_KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], None]] = {
+    "cpu": _cpu_linear, "cuda": _cuda_linear}
 PACKED_GATHERS: dict[str, Callable[[torch.Tensor, int, int, torch.Tensor], torch.Tensor]] = {
-    "cpu": native.gguf_dequantize_gather}
+    "cpu": native.gguf_dequantize_gather, "cuda": _cuda_gather}
 
 
 def has_packed_kernel(device: torch.device) -> bool:
-    """Whether ``device`` multiplies GGUF blocks packed (the CPU needs the C library built)."""
+    """Whether ``device`` multiplies GGUF blocks packed (the CPU needs the C library built, CUDA
+    needs Triton)."""
     if device.type == "cpu":
         return native.load() is not None
+    if device.type == "cuda":
+        return importlib.util.find_spec("triton") is not None
     return device.type in PACKED_KERNELS and device.type in PACKED_GATHERS
 
 
@@ -124,6 +148,8 @@ def pack_segments(param: nn.Parameter, parts: list[GGUFTensor], keep_packed: boo
     bytes back to back (on ``param``'s device) and ``param.gguf_segments``. With ``keep_packed``,
     formats without a kernel are dequantized to F32 rows; without it the whole layer is one matrix
     in ``param.gguf_dtype`` (``param.gguf_dense``, for ``as_float_layer``)."""
+    if param.device.type == "cuda" and any(p.qtype not in CUDA_TYPES for p in parts):
+        keep_packed = False
     if not keep_packed:
         _pack_dense(param, parts)
         return
@@ -170,11 +196,14 @@ def as_float_layer(layer: nn.Module) -> None:
 
 def gguf_linear(weight: nn.Parameter, x: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ W^T (+ bias)`` for the packed ``weight`` (see the module doc); float32 inside, the
-    result in ``x``'s dtype."""
+    result in ``x``'s dtype. The CPU kernels take float32 x; the CUDA ones x as it is."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
-    xf = x2 if x2.dtype == torch.float32 and x2.stride(-1) == 1 else x2.float().contiguous()
-    out = torch.empty((xf.shape[0], out_features), dtype=torch.float32, device=x.device)
+    if x.is_cuda:  # every segment is a Triton-packed one there (pack_segments)
+        xf = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    else:
+        xf = x2 if x2.dtype == torch.float32 and x2.stride(-1) == 1 else x2.float().contiguous()
+    out = torch.empty((xf.shape[0], out_features), dtype=xf.dtype, device=x.device)
     kernel = PACKED_KERNELS.get(x.device.type)
     whole = len(weight.gguf_segments) == 1
     for seg, rows in zip(weight.gguf_segments, weight.gguf_rows):
@@ -185,7 +214,7 @@ def gguf_linear(weight: nn.Parameter, x: torch.Tensor, out_features: int, bias: 
             kernel(xf, rows, seg.qtype, cols)
     if bias is not None:
         out += bias
-    out = out if x.dtype == torch.float32 else out.to(x.dtype)
+    out = out if out.dtype == x.dtype else out.to(x.dtype)
     return out.reshape(*x.shape[:-1], out_features)
 
 

@@ -194,3 +194,30 @@ def test_without_a_kernel_the_tied_table_becomes_a_float_table_in_the_model_dtyp
     assert torch.equal(embed(ids), dense[ids])
     hidden = torch.randn(6, 64, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
     assert torch.equal(head(hidden, upcast=False), torch.nn.functional.linear(hidden, dense))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and has_default_model()), reason="needs CUDA and SmolLM2")
+def test_on_cuda_the_blocks_stay_packed_and_logits_match_the_dequantized_model():
+    """CUDA: the Triton kernels multiply the packed blocks in bfloat16 (GEMV at 1-4 rows, the tiled
+    GEMM above, the gather for the embedding); logits agree with the bf16 dequantized model's."""
+    from pagedllm.loader import load_hf_config, resolve_model
+    from pagedllm.models.registry import load_model
+
+    source = resolve_model(None)
+    config = load_hf_config(source)
+    packed = load_model(source, config, torch.bfloat16, "cuda", GGUFConfig())
+    plain = load_model(source, config, torch.bfloat16, "cuda", None)
+    qkv = packed.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight.dtype == torch.uint8 and qkv.quant_method is not None
+    assert packed.lm_head.weight.dtype == torch.uint8
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (150, 7)]
+    outs = {}
+    for name, model in (("packed", packed), ("plain", plain)):
+        runner = PagedTestRunner(model, num_blocks=64, block_size=16)
+        logits = runner.step([(0, prompts[0]), (1, prompts[1])])
+        logits += runner.step([(0, [5]), (1, [6])])
+        outs[name] = torch.cat(logits).float()
+    rel = float((outs["packed"] - outs["plain"]).abs().max() / outs["plain"].abs().max())
+    assert rel < 3e-2, rel
