@@ -35,7 +35,9 @@ import triton.language as tl
 # name -> (kernel id, weights per block, bytes per block)
 GGUF_BLOCKS = {"Q4_0": (0, 32, 18), "Q4_1": (1, 32, 20), "Q8_0": (2, 32, 34),
                "Q4_K": (3, 256, 144), "Q5_K": (4, 256, 176), "Q6_K": (5, 256, 210)}
-GEMV_MAX_ROWS = 4
+# Up to this many rows of x the GEMV decodes each weight once for all of them (a speculative
+# verification's 1 + k rows at batch 1 included); above, the tiled GEMM.
+GEMV_MAX_ROWS = 8
 
 
 @triton.jit
@@ -221,8 +223,12 @@ def gguf_linear(x: torch.Tensor, w: torch.Tensor, qtype: str, bias: torch.Tensor
     args = (x, w, bias if bias is not None else out, out, m, n, k, x.stride(0), w.stride(0), out.stride(0))
     consts = dict(QTYPE=kid, QK=qk, BLOCK_BYTES=nbytes, HAS_BIAS=bias is not None)
     if m <= GEMV_MAX_ROWS:
-        _gguf_gemv_kernel[(triton.cdiv(n, 16),)](*args, **consts, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=16,
-                                                 BLOCK_K=128, num_warps=4)
+        # Narrow layers get 8-row programs (more of them on the GPU); 8 rows of x keep 64 columns
+        # per step (the [rows, BLOCK_N, BLOCK_K] product stays in registers).
+        block_m = triton.next_power_of_2(m)
+        block_n = 16 if n >= 4096 else 8
+        _gguf_gemv_kernel[(triton.cdiv(n, block_n),)](*args, **consts, BLOCK_M=block_m, BLOCK_N=block_n,
+                                                      BLOCK_K=128 if block_m <= 4 else 64, num_warps=4)
         return out
     block_m, block_n, num_warps = (64, 64, 4) if m <= 128 else (128, 128, 8)
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
