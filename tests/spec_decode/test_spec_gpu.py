@@ -100,7 +100,7 @@ def test_draft_model_runs_its_steps_in_its_decode_graphs(tmp_path):
 
 @pytest.mark.skipif(not has_default_model(), reason="embedded SmolLM2 not installed")
 def test_gguf_copy_workload_gives_the_same_greedy_text_on_cuda():
-    """Real weights in the GPU's default dtype (the GGUF layers dequantized once into bfloat16):
+    """Real weights in the GPU's default dtype (the GGUF blocks packed, the Triton GGUF kernels):
     greedy n-gram speculation (verify graphs, the short-query attention kernel) gives the plain
     engine's tokens on a prompt that makes the model copy a passage, with most drafts accepted."""
     words = ("the river runs past the old mill where the miller counts the sacks of grain while "
