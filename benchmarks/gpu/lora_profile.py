@@ -1,0 +1,155 @@
+"""Where the multi-LoRA time goes on the GPU (the workload of ``lora_bench.py``: Llama-3.1-8B, 8
+random rank-16 adapters on all seven projections, 64 requests of which request ``i`` runs adapter
+``i % 8``).
+
+Prints, for one LoRA engine (``max_loras`` 8):
+
+1. prefill only (``max_tokens`` 1) of the 64 prompts, base requests against mixed;
+2. one decode step of 64 tokens: the replay of the plain graph against the graph with the delta
+   (8 groups of 8 tokens staged), and the host time of ``stage_graph``;
+3. each LoRA layer kind alone (``punica.add_lora`` at 64 tokens in 8 groups, replayed from a CUDA
+   graph of 50 calls: GPU microseconds per call) and at a 2048-token prefill chunk;
+4. the top kernels of 5 replays of each graph (torch profiler).
+
+Writes JSON (``$OUT/lora_profile.json`` unless ``--output-json``)::
+
+    python benchmarks/gpu/lora_profile.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+def cuda_us(fn, n: int = 50) -> float:
+    """GPU microseconds per call of ``fn`` (a graph replay or a graph of calls), after a warm-up."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / n
+
+
+def graphed_op_us(fn, calls: int = 50) -> float:
+    """GPU microseconds of one call of ``fn`` inside a CUDA graph of ``calls`` calls (no host time)."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return cuda_us(graph.replay, 10) / calls
+
+
+def layer_ops(lora_manager, num_tokens: int, group_size: int) -> dict:
+    """Per LoRA layer kind of layer 0: GPU us of its delta (``LoRALinearWeights.apply``) over ``num_tokens`` tokens in groups
+    of ``group_size`` (graph replays for decode sizes, eager events otherwise)."""
+    import numpy as np
+    import torch
+
+    from pagedllm.lora.mapping import build_mapping
+
+    slots = np.repeat(np.arange(num_tokens // group_size) % lora_manager.max_loras, group_size)
+    lora_manager.state.mapping = build_mapping(slots, lora_manager.device)  # what LoRAModelManager.step sets
+    out = {}
+    for name, w in lora_manager.layers.items():
+        if ".layers.0." not in f".{name}":
+            continue
+        k, n = w.lora_a.shape[2], w.lora_b.shape[1]
+        x = torch.randn(num_tokens, k, device=lora_manager.device, dtype=w.lora_a.dtype)
+        y = torch.randn(num_tokens, n, device=lora_manager.device, dtype=w.lora_a.dtype)
+        fn = functools.partial(w.apply, x, y)
+        out[name.rsplit(".", 1)[-1]] = graphed_op_us(fn) if num_tokens <= 512 else cuda_us(fn, 10)
+    lora_manager.state.mapping = None
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="benchmarks/configs/llama-3.1-8b")
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--num-adapters", type=int, default=8)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--output-json", default=None)
+    ns = ap.parse_args()
+    import numpy as np
+    import torch
+
+    from benchmarks.gpu.lora_bench import timed, write_adapters
+    from pagedllm import LLM, LoRARequest
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 30000) for _ in range(ns.prompt_len)] for _ in range(ns.num_requests)]
+    report: dict = {"config": vars(ns)}
+    with tempfile.TemporaryDirectory() as root:
+        folders = write_adapters(ns.model, root, ns.num_adapters, ns.rank)
+        loras = [LoRARequest(f"adapter{i % ns.num_adapters}", i % ns.num_adapters + 1, folders[i % ns.num_adapters])
+                 for i in range(ns.num_requests)]
+        llm = LLM(ns.model, load_format="dummy", skip_tokenizer_init=True, max_model_len=ns.prompt_len + 64,
+                  max_num_seqs=ns.num_requests, gpu_memory_utilization=0.85, enable_lora=True,
+                  max_loras=ns.num_adapters, max_lora_rank=ns.rank)
+        timed(llm, prompts, 4, loras)  # every adapter in its slot; kernels compiled
+        prefill = {name: min(timed(llm, prompts, 1, lr) for _ in range(2)) for name, lr in
+                   (("base requests", None), ("mixed", loras))}
+        report["prefill_s"] = prefill
+        print(f"prefill of {ns.num_requests} x {ns.prompt_len} tokens: base {prefill['base requests']:.3f} s, "
+              f"mixed {prefill['mixed']:.3f} s")
+        runner = llm.llm_engine.engine_core.runner
+        graphs, manager = runner.graph_runner, runner.lora_manager
+        bs = graphs.padded_size(ns.num_requests)
+        token_slots = np.repeat(np.arange(ns.num_adapters), ns.num_requests // ns.num_adapters)
+        t0 = time.perf_counter()
+        for _ in range(20):
+            manager.stage_graph(token_slots)
+        stage_us = (time.perf_counter() - t0) / 20 * 1e6
+        with torch.inference_mode():
+            plain_us = cuda_us(lambda: graphs.replay(bs))
+            lora_us = cuda_us(lambda: graphs.replay_lora(bs))
+        report["decode_step_us"] = {"plain graph": plain_us, "lora graph (8 groups of 8)": lora_us,
+                                    "stage_graph host": stage_us}
+        print(f"decode step of {bs}: plain graph {plain_us:.0f} us, graph with LoRA {lora_us:.0f} us "
+              f"({lora_us / plain_us:.3f}x); stage_graph host {stage_us:.0f} us")
+        with torch.inference_mode():
+            report["op_us_decode_64x8"] = layer_ops(manager, bs, bs // ns.num_adapters)
+            report["op_us_prefill_2048x8"] = layer_ops(manager, 2048, 256)
+        print("add_lora per layer kind, GPU us: decode 64 tokens",
+              {k: round(v, 1) for k, v in report["op_us_decode_64x8"].items()},
+              "| prefill 2048 tokens", {k: round(v, 1) for k, v in report["op_us_prefill_2048x8"].items()})
+        for name, fn in (("plain", lambda: graphs.replay(bs)), ("lora", lambda: graphs.replay_lora(bs))):
+            with torch.inference_mode(), torch.profiler.profile(
+                    activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    fn()
+                torch.cuda.synchronize()
+            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=16, max_name_column_width=70)
+            print(f"--- top kernels, 5 replays of the {name} graph ---\n{table}")
+            report[f"kernels_{name}"] = table
+        llm.llm_engine.shutdown()
+    path = ns.output_json or os.path.join(os.environ.get("OUT", "."), "lora_profile.json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+    print("wrote", path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
