@@ -4,14 +4,18 @@ Both kernels take the step's ``LoRABatchMapping``: program axis 1 is an active a
 a tile of its tokens (rows gathered through ``sorted_token_ids``) times a tile of output columns;
 a program past its group's last token returns at once. So one launch serves every adapter of the
 step, and the grid's extent follows the largest group (in a CUDA graph: the graph's token count
-and ``max_loras`` groups, ``mapping.GraphMapping``, whatever the step writes into them).
+and ``max_loras`` groups, ``mapping.GraphMapping``, whatever the step writes into them). A merged
+layer (qkv: 3 slices, gate_up: 2) is one shrink and one expand over all its slices at once.
 
-- shrink: ``shrunk[t, :] = x[t, :] @ A[s]^T`` into a zeroed float32 ``[T, R]`` buffer, with split-K
-  (each program sums a K range and adds it atomically: R is small, so the K loop is the whole
-  work; the split count is a runtime argument, so it adds no compiled variant).
-- expand: ``y[t, :] += shrunk[t, :] @ B[s]^T`` (B's dtype on the tensor cores, float32
+- shrink: ``shrunk[t, :] += x[t, :] @ A[s]^T`` into a zeroed float32 ``[T, R]`` buffer (the
+  caller's, e.g. a view of the step's workspace, or a fresh one), with split-K: each program sums a
+  K range and adds it atomically. R is small, so the K loop is the whole work; the split count
+  (runtime: no compiled variant) gives a decode step enough programs to stream A at full speed.
+- expand: ``y[t, :] += shrunk[t, :] @ B[s]^T`` in place (B's dtype on the tensor cores, float32
   accumulation, one rounding into ``y``); each token is in one group, so its rows of ``y`` have one
-  writer.
+  writer. B of a merged layer is block-diagonal (``layers.py``): output row ``n`` reads only the
+  rank columns of its own slice, and a tile loops over those of its rows' slices only (one slice
+  but where a tile straddles two), not over the zero blocks of the others.
 """
 
 from __future__ import annotations
@@ -21,6 +25,10 @@ import triton
 import triton.language as tl
 
 from pagedllm.lora.mapping import LoRABatchMapping
+
+# The shrink's split-K aims at about this many programs (two waves on an H100's 132 SMs).
+_SHRINK_PROGRAMS = 256
+_MAX_SLICES = 3  # qkv
 
 
 @triton.jit
@@ -56,7 +64,12 @@ def _shrink_kernel(x_ptr, a_ptr, out_ptr, token_ids_ptr, starts_ptr, slots_ptr, 
 
 
 @triton.jit
-def _expand_kernel(s_ptr, b_ptr, y_ptr, token_ids_ptr, starts_ptr, slots_ptr, N, R,
+def _slice_of(n, slice1, slice2):
+    return (n >= slice1).to(tl.int32) + (n >= slice2).to(tl.int32)
+
+
+@triton.jit
+def _expand_kernel(s_ptr, b_ptr, y_ptr, token_ids_ptr, starts_ptr, slots_ptr, N, R, slice1, slice2, slice_rank,
                    stride_sm, stride_bs, stride_bn, stride_ym,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, NUM_N: tl.constexpr,
                    DOT_PRECISION: tl.constexpr):
@@ -73,14 +86,20 @@ def _expand_kernel(s_ptr, b_ptr, y_ptr, token_ids_ptr, starts_ptr, slots_ptr, N,
     rows = row0 + tl.arange(0, BLOCK_M)
     row_mask = rows < end
     tokens = tl.load(token_ids_ptr + rows, mask=row_mask, other=0)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    # Row n reads only its slice's rank columns; the tile loops over those of its rows' slices.
+    first_col = _slice_of(offs_n, slice1, slice2) * slice_rank
+    r_lo = _slice_of(n0, slice1, slice2) * slice_rank
+    r_hi = tl.minimum((_slice_of(tl.minimum(n0 + BLOCK_N, N) - 1, slice1, slice2) + 1) * slice_rank, R)
     delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for r0 in range(0, R, BLOCK_R):
+    for r0 in range(r_lo, r_hi, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
         s = tl.load(s_ptr + tokens[:, None] * stride_sm + offs_r[None, :],
-                    mask=row_mask[:, None] & (offs_r[None, :] < R), other=0.0)
+                    mask=row_mask[:, None] & (offs_r[None, :] < r_hi), other=0.0)
+        in_slice = (offs_r[:, None] >= first_col[None, :]) & (offs_r[:, None] < first_col[None, :] + slice_rank)
         b = tl.load(b_ptr + slot * stride_bs + offs_n[None, :] * stride_bn + offs_r[:, None],
-                    mask=(offs_n[None, :] < N) & (offs_r[:, None] < R), other=0.0)
+                    mask=(offs_n[None, :] < N) & in_slice, other=0.0)
         delta += tl.dot(s.to(b.dtype), b, input_precision=DOT_PRECISION)
     mask = row_mask[:, None] & (offs_n[None, :] < N)
     y = y_ptr + tokens[:, None] * stride_ym + offs_n[None, :]
@@ -99,17 +118,24 @@ def _block_m(max_group_size: int) -> int:
     return 16 if max_group_size <= 16 else 64
 
 
-def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, mapping: LoRABatchMapping) -> torch.Tensor:
-    """``[T, R]`` float32: row ``t`` is ``x[t] @ A[s]^T`` for a token of slot ``s`` (other rows 0)."""
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, mapping: LoRABatchMapping,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[t, :] += x[t] @ A[s]^T`` for each token ``t`` of slot ``s``; returns ``out``.
+
+    ``out``: a zeroed float32 ``[T, R]`` (rows may be strided, columns unit-stride); None: a fresh
+    zeroed one (rows of tokens without an adapter stay 0)."""
     num_tokens, k = x.shape
     r = lora_a.shape[1]
-    out = torch.zeros(num_tokens, r, dtype=torch.float32, device=x.device)
+    if out is None:
+        out = torch.zeros(num_tokens, r, dtype=torch.float32, device=x.device)
     block_m, block_n = _block_m(mapping.max_group_size), max(16, min(64, triton.next_power_of_2(r)))
     block_k = 64
     num_n = triton.cdiv(r, block_n)
-    # Few token tiles (decode): split K so that enough programs stream A; many: none needed.
+    # Few token tiles (decode): split K so that enough programs stream A (at least two K blocks
+    # each); many: the token tiles are the parallelism, no split.
     num_m = triton.cdiv(mapping.max_group_size, block_m)
-    split_k = max(1, min(16, triton.cdiv(k, 4 * block_k), 64 // max(1, num_m * mapping.num_groups)))
+    tiles = num_m * num_n * mapping.num_groups
+    split_k = max(1, min(triton.cdiv(_SHRINK_PROGRAMS, tiles), triton.cdiv(k, 2 * block_k)))
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_per_split)
     grid = (num_m * num_n * split_k, mapping.num_groups)
@@ -120,22 +146,33 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, mapping: LoRABatchMapping
     return out
 
 
-def lora_expand_(y: torch.Tensor, shrunk: torch.Tensor, lora_b: torch.Tensor, mapping: LoRABatchMapping) -> torch.Tensor:
-    """``y[t] += shrunk[t] @ B[s]^T`` for the tokens of each group, in place; returns ``y``."""
+def lora_expand_(y: torch.Tensor, shrunk: torch.Tensor, lora_b: torch.Tensor, mapping: LoRABatchMapping,
+                 slice_starts: tuple[int, ...] = (0,), slice_rank: int | None = None) -> torch.Tensor:
+    """``y[t] += shrunk[t] @ B[s]^T`` for the tokens of each group, in place; returns ``y``.
+
+    ``slice_starts``: the first output row of each slice (at most 3, increasing from 0); slice
+    ``i``'s rows read only B's columns ``i * slice_rank ... (i + 1) * slice_rank`` (default: one
+    slice, every column)."""
     n, r = lora_b.shape[1], lora_b.shape[2]
-    block_m, block_n, block_r = _block_m(mapping.max_group_size), 64, max(16, min(64, triton.next_power_of_2(r)))
+    assert 1 <= len(slice_starts) <= _MAX_SLICES and slice_starts[0] == 0
+    slice_rank = r if slice_rank is None else slice_rank
+    bounds = [*slice_starts[1:], n, n][:2]  # first rows of slices 1 and 2 (n: no such slice)
+    block_m, block_n = _block_m(mapping.max_group_size), 128
+    block_r = max(16, min(64, triton.next_power_of_2(slice_rank)))
     num_n = triton.cdiv(n, block_n)
     grid = (triton.cdiv(mapping.max_group_size, block_m) * num_n, mapping.num_groups)
     _expand_kernel[grid](shrunk, lora_b, y, mapping.sorted_token_ids, mapping.starts_dev, mapping.active_slots_dev,
-                         n, r, shrunk.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0),
-                         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, NUM_N=num_n,
+                         n, r, bounds[0], bounds[1], slice_rank, shrunk.stride(0), lora_b.stride(0), lora_b.stride(1),
+                         y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, NUM_N=num_n,
                          DOT_PRECISION=_dot_precision(lora_b.dtype))
     return y
 
 
 def add_lora_triton(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                    mapping: LoRABatchMapping) -> torch.Tensor:
+                    mapping: LoRABatchMapping, slice_starts: tuple[int, ...] = (0,), slice_rank: int | None = None,
+                    shrunk: torch.Tensor | None = None) -> torch.Tensor:
     """``punica.add_lora`` on CUDA: one shrink and one expand launch. Needs unit-stride rows."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     assert y.stride(-1) == 1 and lora_a.stride(-1) == 1 and lora_b.stride(-1) == 1
-    return lora_expand_(y, lora_shrink(x, lora_a, mapping), lora_b, mapping)
+    shrunk = lora_shrink(x, lora_a, mapping, shrunk)
+    return lora_expand_(y, shrunk, lora_b, mapping, slice_starts, slice_rank)

@@ -106,3 +106,21 @@ def test_slots_are_lru_evicted_and_reloaded(setup, tmp_path):
     assert_close_to_peft(logits(model, manager, [7, 0]), ref, ["a", None])  # back from the CPU cache
     with pytest.raises(AssertionError, match="more adapters than max_loras"):
         manager.prepare_step(np.array([7, 8]), np.array([1, 1]))
+
+
+def test_shrink_workspace_columns_and_its_zeroing_hook(setup):
+    """Each LoRA layer owns its own columns of the step's shrink workspace; the model's forward
+    pre-hook zeroes the rows of a forward's tokens only when the forward runs adapters."""
+    base, _, _ = setup
+    model, manager = build(base)
+    spans = sorted((w.workspace_col, w.workspace_col + w.width) for w in manager.layers.values())
+    assert spans[0][0] == 0 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    state = manager.state
+    state.workspace = torch.ones(6, spans[-1][1])
+    manager._zero_workspace(model, (torch.zeros(4, dtype=torch.int64), None))  # no adapters: untouched
+    assert state.zeroed_rows == 0 and bool((state.workspace == 1).all())
+    with manager.step(manager.eager_mapping(np.array([0, -1, 0, 0]))):
+        manager._zero_workspace(model, (torch.zeros(4, dtype=torch.int64), None))
+        assert state.zeroed_rows == 4 and not state.workspace[:4].any() and bool((state.workspace[4:] == 1).all())
+        manager._zero_workspace(model, (torch.zeros(7, dtype=torch.int64), None))  # more tokens than rows
+        assert state.zeroed_rows == 0
