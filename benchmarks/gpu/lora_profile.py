@@ -26,6 +26,7 @@ import random
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -68,7 +69,11 @@ def layer_ops(lora_manager, num_tokens: int, group_size: int) -> dict:
     from pagedllm.lora.mapping import build_mapping
 
     slots = np.repeat(np.arange(num_tokens // group_size) % lora_manager.max_loras, group_size)
-    lora_manager.state.mapping = build_mapping(slots, lora_manager.device)  # what LoRAModelManager.step sets
+    state = lora_manager.state
+    state.mapping = build_mapping(slots, lora_manager.device)  # what LoRAModelManager.step sets
+    # the shrink workspace where a graph's forward uses it (its zeroing is left out: one launch per forward)
+    workspace = getattr(state, "workspace", None)
+    state.zeroed_rows = num_tokens if workspace is not None and num_tokens <= workspace.shape[0] else 0
     out = {}
     for name, w in lora_manager.layers.items():
         if ".layers.0." not in f".{name}":
@@ -78,8 +83,61 @@ def layer_ops(lora_manager, num_tokens: int, group_size: int) -> dict:
         y = torch.randn(num_tokens, n, device=lora_manager.device, dtype=w.lora_a.dtype)
         fn = functools.partial(w.apply, x, y)
         out[name.rsplit(".", 1)[-1]] = graphed_op_us(fn) if num_tokens <= 512 else cuda_us(fn, 10)
-    lora_manager.state.mapping = None
+    state.mapping, state.zeroed_rows = None, 0
     return out
+
+
+def prefill_times(llm, prompts, loras, report: dict) -> None:
+    from benchmarks.gpu.lora_bench import timed
+
+    prefill = {name: min(timed(llm, prompts, 1, lr) for _ in range(2)) for name, lr in
+               (("base requests", None), ("mixed", loras))}
+    report["prefill_s"] = prefill
+    print(f"prefill of {len(prompts)} prompts (max_tokens 1): base requests {prefill['base requests']:.3f} s, "
+          f"mixed {prefill['mixed']:.3f} s", flush=True)
+
+
+def decode_step(graphs, manager, bs: int, num_adapters: int, report: dict) -> None:
+    import numpy as np
+    import torch
+
+    token_slots = np.repeat(np.arange(num_adapters), bs // num_adapters)
+    t0 = time.perf_counter()
+    for _ in range(20):
+        manager.stage_graph(token_slots)
+    stage_us = (time.perf_counter() - t0) / 20 * 1e6
+    with torch.inference_mode():
+        plain_us = cuda_us(lambda: graphs.replay(bs))
+        lora_us = cuda_us(lambda: graphs.replay_lora(bs))
+    report["decode_step_us"] = {"plain graph": plain_us, "lora graph (8 groups of 8)": lora_us,
+                                "stage_graph host": stage_us}
+    print(f"decode step of {bs}: plain graph {plain_us:.0f} us, graph with LoRA {lora_us:.0f} us "
+          f"({lora_us / plain_us:.3f}x); stage_graph host {stage_us:.0f} us", flush=True)
+
+
+def op_times(manager, bs: int, num_adapters: int, report: dict) -> None:
+    import torch
+
+    with torch.inference_mode():
+        report["op_us_decode"] = layer_ops(manager, bs, bs // num_adapters)
+        print(f"LoRA delta per layer kind at {bs} tokens (GPU us):",
+              {k: round(v, 1) for k, v in report["op_us_decode"].items()}, flush=True)
+        report["op_us_prefill_2048"] = layer_ops(manager, 2048, 256)
+        print("LoRA delta per layer kind at 2048 tokens (GPU us):",
+              {k: round(v, 1) for k, v in report["op_us_prefill_2048"].items()}, flush=True)
+
+
+def kernel_tables(graphs, bs: int, report: dict) -> None:
+    import torch
+
+    for name, fn in (("plain", lambda: graphs.replay(bs)), ("lora", lambda: graphs.replay_lora(bs))):
+        with torch.inference_mode(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                fn()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=16, max_name_column_width=70)
+        print(f"--- top kernels, 5 replays of the {name} graph ---\n{table}", flush=True)
+        report[f"kernels_{name}"] = table
 
 
 def main() -> int:
@@ -91,9 +149,6 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--output-json", default=None)
     ns = ap.parse_args()
-    import numpy as np
-    import torch
-
     from benchmarks.gpu.lora_bench import timed, write_adapters
     from pagedllm import LLM, LoRARequest
 
@@ -108,41 +163,19 @@ def main() -> int:
                   max_num_seqs=ns.num_requests, gpu_memory_utilization=0.85, enable_lora=True,
                   max_loras=ns.num_adapters, max_lora_rank=ns.rank)
         timed(llm, prompts, 4, loras)  # every adapter in its slot; kernels compiled
-        prefill = {name: min(timed(llm, prompts, 1, lr) for _ in range(2)) for name, lr in
-                   (("base requests", None), ("mixed", loras))}
-        report["prefill_s"] = prefill
-        print(f"prefill of {ns.num_requests} x {ns.prompt_len} tokens: base {prefill['base requests']:.3f} s, "
-              f"mixed {prefill['mixed']:.3f} s")
         runner = llm.llm_engine.engine_core.runner
         graphs, manager = runner.graph_runner, runner.lora_manager
         bs = graphs.padded_size(ns.num_requests)
-        token_slots = np.repeat(np.arange(ns.num_adapters), ns.num_requests // ns.num_adapters)
-        t0 = time.perf_counter()
-        for _ in range(20):
-            manager.stage_graph(token_slots)
-        stage_us = (time.perf_counter() - t0) / 20 * 1e6
-        with torch.inference_mode():
-            plain_us = cuda_us(lambda: graphs.replay(bs))
-            lora_us = cuda_us(lambda: graphs.replay_lora(bs))
-        report["decode_step_us"] = {"plain graph": plain_us, "lora graph (8 groups of 8)": lora_us,
-                                    "stage_graph host": stage_us}
-        print(f"decode step of {bs}: plain graph {plain_us:.0f} us, graph with LoRA {lora_us:.0f} us "
-              f"({lora_us / plain_us:.3f}x); stage_graph host {stage_us:.0f} us")
-        with torch.inference_mode():
-            report["op_us_decode_64x8"] = layer_ops(manager, bs, bs // ns.num_adapters)
-            report["op_us_prefill_2048x8"] = layer_ops(manager, 2048, 256)
-        print("add_lora per layer kind, GPU us: decode 64 tokens",
-              {k: round(v, 1) for k, v in report["op_us_decode_64x8"].items()},
-              "| prefill 2048 tokens", {k: round(v, 1) for k, v in report["op_us_prefill_2048x8"].items()})
-        for name, fn in (("plain", lambda: graphs.replay(bs)), ("lora", lambda: graphs.replay_lora(bs))):
-            with torch.inference_mode(), torch.profiler.profile(
-                    activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                for _ in range(5):
-                    fn()
-                torch.cuda.synchronize()
-            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=16, max_name_column_width=70)
-            print(f"--- top kernels, 5 replays of the {name} graph ---\n{table}")
-            report[f"kernels_{name}"] = table
+        sections = {"prefill": lambda: prefill_times(llm, prompts, loras, report),
+                    "decode step": lambda: decode_step(graphs, manager, bs, ns.num_adapters, report),
+                    "layer ops": lambda: op_times(manager, bs, ns.num_adapters, report),
+                    "kernels": lambda: kernel_tables(graphs, bs, report)}
+        for name, run in sections.items():
+            try:
+                run()
+            except Exception:  # a failed section must not lose the others' numbers
+                report[f"{name} error"] = traceback.format_exc()
+                print(f"--- {name} failed ---\n{report[f'{name} error']}", flush=True)
         llm.llm_engine.shutdown()
     path = ns.output_json or os.path.join(os.environ.get("OUT", "."), "lora_profile.json")
     with open(path, "w") as f:
