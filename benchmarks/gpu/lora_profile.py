@@ -1,15 +1,18 @@
 """Where the multi-LoRA time goes on the GPU (the workload of ``lora_bench.py``: Llama-3.1-8B, 8
 random rank-16 adapters on all seven projections, 64 requests of which request ``i`` runs adapter
-``i % 8``).
+``i % 8``), on one LoRA engine (``max_loras`` 8). Sections, each printed as it ends (a failing one
+does not stop the others):
 
-Prints, for one LoRA engine (``max_loras`` 8):
-
-1. prefill only (``max_tokens`` 1) of the 64 prompts, base requests against mixed;
-2. one decode step of 64 tokens: the replay of the plain graph against the graph with the delta
+1. generate: the 64 requests (``--max-tokens``), base requests against mixed (the bench's ratio,
+   on one engine);
+2. prefill only (``max_tokens`` 1), base requests against mixed;
+3. one decode step of 64 tokens: the replay of the plain graph against the graph with the delta
    (8 groups of 8 tokens staged), and the host time of ``stage_graph``;
-3. each LoRA layer kind alone (``punica.add_lora`` at 64 tokens in 8 groups, replayed from a CUDA
-   graph of 50 calls: GPU microseconds per call) and at a 2048-token prefill chunk;
-4. the top kernels of 5 replays of each graph (torch profiler).
+4. a launch-shape sweep of the shrink and the expand alone for each layer kind at 64 tokens
+   (``kernels.SHRINK_PROGRAMS`` / ``SHRINK_MIN_K_BLOCKS`` / ``EXPAND_BLOCK_N``; CUDA graphs of 50
+   calls: GPU microseconds per call);
+5. each layer kind's whole delta at 64 and at 2048 tokens;
+6. the top kernels of 5 replays of each graph (torch profiler).
 
 Writes JSON (``$OUT/lora_profile.json`` unless ``--output-json``)::
 
@@ -87,6 +90,57 @@ def layer_ops(lora_manager, num_tokens: int, group_size: int) -> dict:
     return out
 
 
+def generate_times(llm, prompts, loras, max_tokens: int, report: dict) -> None:
+    from benchmarks.gpu.lora_bench import timed
+
+    times = {name: timed(llm, prompts, max_tokens, lr) for name, lr in (("base requests", None), ("mixed", loras))}
+    report["generate_s"] = times
+    print(f"generate {len(prompts)} x {max_tokens} tokens: base requests {times['base requests']:.3f} s, mixed "
+          f"{times['mixed']:.3f} s: {times['base requests'] / times['mixed']:.3f}x", flush=True)
+
+
+def launch_sweep(manager, bs: int, num_adapters: int, report: dict) -> None:
+    import torch
+
+    with torch.inference_mode():
+        report["launch_sweep_us"] = _launch_sweep(manager, bs, num_adapters)
+
+
+def _launch_sweep(manager, bs: int, num_adapters: int) -> dict:
+    """GPU us of the shrink and the expand alone per layer kind and launch shape (module doc)."""
+    import numpy as np
+    import torch
+
+    from pagedllm.lora import kernels
+    from pagedllm.lora.mapping import build_mapping
+
+    mapping = build_mapping(np.repeat(np.arange(num_adapters), bs // num_adapters), manager.device)
+    defaults = (kernels.SHRINK_PROGRAMS, kernels.SHRINK_MIN_K_BLOCKS, kernels.EXPAND_BLOCK_N)
+    rows = {}
+    try:
+        for name, w in manager.layers.items():
+            if ".layers.0." not in f".{name}":
+                continue
+            k, n = w.lora_a.shape[2], w.lora_b.shape[1]
+            x = torch.randn(bs, k, device=manager.device, dtype=w.lora_a.dtype)
+            y = torch.randn(bs, n, device=manager.device, dtype=w.lora_a.dtype)
+            shrunk = torch.zeros(bs, w.width, device=manager.device, dtype=torch.float32)
+            row = {}
+            for programs, min_blocks in ((64, 8), (128, 2), (256, 2), (512, 1), (1024, 1)):
+                kernels.SHRINK_PROGRAMS, kernels.SHRINK_MIN_K_BLOCKS = programs, min_blocks
+                row[f"shrink {programs}/{min_blocks}"] = graphed_op_us(
+                    functools.partial(kernels.lora_shrink, x, w.lora_a, mapping, shrunk))
+            for block_n in (64, 128, 256):
+                kernels.EXPAND_BLOCK_N = block_n
+                row[f"expand {block_n}"] = graphed_op_us(functools.partial(
+                    kernels.lora_expand_, y, shrunk, w.lora_b, mapping, w.slice_starts, w.max_rank))
+            rows[name.rsplit(".", 1)[-1]] = row
+            print(f"{name.rsplit('.', 1)[-1]:>12}: " + " ".join(f"{c} {v:.1f}" for c, v in row.items()), flush=True)
+    finally:
+        kernels.SHRINK_PROGRAMS, kernels.SHRINK_MIN_K_BLOCKS, kernels.EXPAND_BLOCK_N = defaults
+    return rows
+
+
 def prefill_times(llm, prompts, loras, report: dict) -> None:
     from benchmarks.gpu.lora_bench import timed
 
@@ -102,11 +156,11 @@ def decode_step(graphs, manager, bs: int, num_adapters: int, report: dict) -> No
     import torch
 
     token_slots = np.repeat(np.arange(num_adapters), bs // num_adapters)
-    t0 = time.perf_counter()
-    for _ in range(20):
-        manager.stage_graph(token_slots)
-    stage_us = (time.perf_counter() - t0) / 20 * 1e6
-    with torch.inference_mode():
+    with torch.inference_mode():  # the graph mapping's buffer is an inference tensor
+        t0 = time.perf_counter()
+        for _ in range(20):
+            manager.stage_graph(token_slots)
+        stage_us = (time.perf_counter() - t0) / 20 * 1e6
         plain_us = cuda_us(lambda: graphs.replay(bs))
         lora_us = cuda_us(lambda: graphs.replay_lora(bs))
     report["decode_step_us"] = {"plain graph": plain_us, "lora graph (8 groups of 8)": lora_us,
@@ -147,6 +201,7 @@ def main() -> int:
     ap.add_argument("--num-adapters", type=int, default=8)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--output-json", default=None)
     ns = ap.parse_args()
     from benchmarks.gpu.lora_bench import timed, write_adapters
@@ -159,15 +214,17 @@ def main() -> int:
         folders = write_adapters(ns.model, root, ns.num_adapters, ns.rank)
         loras = [LoRARequest(f"adapter{i % ns.num_adapters}", i % ns.num_adapters + 1, folders[i % ns.num_adapters])
                  for i in range(ns.num_requests)]
-        llm = LLM(ns.model, load_format="dummy", skip_tokenizer_init=True, max_model_len=ns.prompt_len + 64,
+        llm = LLM(ns.model, load_format="dummy", skip_tokenizer_init=True, max_model_len=ns.prompt_len + ns.max_tokens + 16,
                   max_num_seqs=ns.num_requests, gpu_memory_utilization=0.85, enable_lora=True,
                   max_loras=ns.num_adapters, max_lora_rank=ns.rank)
         timed(llm, prompts, 4, loras)  # every adapter in its slot; kernels compiled
         runner = llm.llm_engine.engine_core.runner
         graphs, manager = runner.graph_runner, runner.lora_manager
         bs = graphs.padded_size(ns.num_requests)
-        sections = {"prefill": lambda: prefill_times(llm, prompts, loras, report),
+        sections = {"generate": lambda: generate_times(llm, prompts, loras, ns.max_tokens, report),
+                    "prefill": lambda: prefill_times(llm, prompts, loras, report),
                     "decode step": lambda: decode_step(graphs, manager, bs, ns.num_adapters, report),
+                    "launch sweep": lambda: launch_sweep(manager, bs, ns.num_adapters, report),
                     "layer ops": lambda: op_times(manager, bs, ns.num_adapters, report),
                     "kernels": lambda: kernel_tables(graphs, bs, report)}
         for name, run in sections.items():

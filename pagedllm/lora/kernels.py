@@ -26,8 +26,13 @@ import triton.language as tl
 
 from pagedllm.lora.mapping import LoRABatchMapping
 
-# The shrink's split-K aims at about this many programs (two waves on an H100's 132 SMs).
-_SHRINK_PROGRAMS = 256
+# Launch shapes (module attributes so that benchmarks/gpu/lora_profile.py can sweep them): the
+# shrink's split-K aims at about SHRINK_PROGRAMS programs (two waves on an H100's 132 SMs), each
+# summing at least SHRINK_MIN_K_BLOCKS blocks of 64 along K; the expand's tiles are
+# EXPAND_BLOCK_N output columns wide.
+SHRINK_PROGRAMS = 256
+SHRINK_MIN_K_BLOCKS = 2
+EXPAND_BLOCK_N = 128
 _MAX_SLICES = 3  # qkv
 
 
@@ -135,7 +140,7 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, mapping: LoRABatchMapping
     # each); many: the token tiles are the parallelism, no split.
     num_m = triton.cdiv(mapping.max_group_size, block_m)
     tiles = num_m * num_n * mapping.num_groups
-    split_k = max(1, min(triton.cdiv(_SHRINK_PROGRAMS, tiles), triton.cdiv(k, 2 * block_k)))
+    split_k = max(1, min(triton.cdiv(SHRINK_PROGRAMS, tiles), triton.cdiv(k, SHRINK_MIN_K_BLOCKS * block_k)))
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_per_split)
     grid = (num_m * num_n * split_k, mapping.num_groups)
@@ -157,7 +162,7 @@ def lora_expand_(y: torch.Tensor, shrunk: torch.Tensor, lora_b: torch.Tensor, ma
     assert 1 <= len(slice_starts) <= _MAX_SLICES and slice_starts[0] == 0
     slice_rank = r if slice_rank is None else slice_rank
     bounds = [*slice_starts[1:], n, n][:2]  # first rows of slices 1 and 2 (n: no such slice)
-    block_m, block_n = _block_m(mapping.max_group_size), 128
+    block_m, block_n = _block_m(mapping.max_group_size), EXPAND_BLOCK_N
     block_r = max(16, min(64, triton.next_power_of_2(slice_rank)))
     num_n = triton.cdiv(n, block_n)
     grid = (triton.cdiv(mapping.max_group_size, block_m) * num_n, mapping.num_groups)
