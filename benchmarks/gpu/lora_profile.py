@@ -106,38 +106,59 @@ def launch_sweep(manager, bs: int, num_adapters: int, report: dict) -> None:
         report["launch_sweep_us"] = _launch_sweep(manager, bs, num_adapters)
 
 
+# (name, kernels module attributes): the shrink's and the expand's launch shapes swept per layer
+# kind ("m16": 16-row token tiles although the graph's groups may hold up to 64 tokens).
+SHRINK_SWEEP = [("64/8", dict(SHRINK_PROGRAMS=64, SHRINK_MIN_K_BLOCKS=8)),
+                ("128/2", dict(SHRINK_PROGRAMS=128, SHRINK_MIN_K_BLOCKS=2)),
+                ("256/2", dict(SHRINK_PROGRAMS=256, SHRINK_MIN_K_BLOCKS=2)),
+                ("512/1", dict(SHRINK_PROGRAMS=512, SHRINK_MIN_K_BLOCKS=1)),
+                ("1024/1", dict(SHRINK_PROGRAMS=1024, SHRINK_MIN_K_BLOCKS=1)),
+                ("256/2 w8", dict(SHRINK_PROGRAMS=256, SHRINK_MIN_K_BLOCKS=2, SHRINK_WARPS=8)),
+                ("512/1 w2", dict(SHRINK_PROGRAMS=512, SHRINK_MIN_K_BLOCKS=1, SHRINK_WARPS=2)),
+                ("m16 1024/1", dict(SHRINK_PROGRAMS=1024, SHRINK_MIN_K_BLOCKS=1, SMALL_GROUP_MAX=1 << 20))]
+EXPAND_SWEEP = [("64", dict(EXPAND_BLOCK_N=64)), ("128", dict(EXPAND_BLOCK_N=128)), ("256", dict(EXPAND_BLOCK_N=256)),
+                ("64 w2", dict(EXPAND_BLOCK_N=64, EXPAND_WARPS=2)), ("256 w8", dict(EXPAND_BLOCK_N=256, EXPAND_WARPS=8)),
+                ("m16 128", dict(EXPAND_BLOCK_N=128, SMALL_GROUP_MAX=1 << 20))]
+
+
 def _launch_sweep(manager, bs: int, num_adapters: int) -> dict:
-    """GPU us of the shrink and the expand alone per layer kind and launch shape (module doc)."""
+    """GPU us of the shrink and the expand alone per layer kind and launch shape (module doc), over
+    the decode graph's mapping (``GraphMapping.for_size(bs)``: 8 groups of up to ``bs`` tokens)."""
     import numpy as np
     import torch
 
     from pagedllm.lora import kernels
-    from pagedllm.lora.mapping import build_mapping
+    from pagedllm.lora.mapping import GraphMapping
 
-    mapping = build_mapping(np.repeat(np.arange(num_adapters), bs // num_adapters), manager.device)
-    defaults = (kernels.SHRINK_PROGRAMS, kernels.SHRINK_MIN_K_BLOCKS, kernels.EXPAND_BLOCK_N)
+    graph_mapping = GraphMapping(bs, manager.max_loras, manager.device)
+    graph_mapping.stage(np.repeat(np.arange(num_adapters), bs // num_adapters))
+    mapping = graph_mapping.for_size(bs)
+    defaults = {name: getattr(kernels, name) for _, config in SHRINK_SWEEP + EXPAND_SWEEP for name in config}
     rows = {}
-    try:
-        for name, w in manager.layers.items():
-            if ".layers.0." not in f".{name}":
-                continue
-            k, n = w.lora_a.shape[2], w.lora_b.shape[1]
-            x = torch.randn(bs, k, device=manager.device, dtype=w.lora_a.dtype)
-            y = torch.randn(bs, n, device=manager.device, dtype=w.lora_a.dtype)
-            shrunk = torch.zeros(bs, w.width, device=manager.device, dtype=torch.float32)
-            row = {}
-            for programs, min_blocks in ((64, 8), (128, 2), (256, 2), (512, 1), (1024, 1)):
-                kernels.SHRINK_PROGRAMS, kernels.SHRINK_MIN_K_BLOCKS = programs, min_blocks
-                row[f"shrink {programs}/{min_blocks}"] = graphed_op_us(
-                    functools.partial(kernels.lora_shrink, x, w.lora_a, mapping, shrunk))
-            for block_n in (64, 128, 256):
-                kernels.EXPAND_BLOCK_N = block_n
-                row[f"expand {block_n}"] = graphed_op_us(functools.partial(
-                    kernels.lora_expand_, y, shrunk, w.lora_b, mapping, w.slice_starts, w.max_rank))
-            rows[name.rsplit(".", 1)[-1]] = row
-            print(f"{name.rsplit('.', 1)[-1]:>12}: " + " ".join(f"{c} {v:.1f}" for c, v in row.items()), flush=True)
-    finally:
-        kernels.SHRINK_PROGRAMS, kernels.SHRINK_MIN_K_BLOCKS, kernels.EXPAND_BLOCK_N = defaults
+    for name, w in manager.layers.items():
+        if ".layers.0." not in f".{name}":
+            continue
+        k, n = w.lora_a.shape[2], w.lora_b.shape[1]
+        x = torch.randn(bs, k, device=manager.device, dtype=w.lora_a.dtype)
+        y = torch.randn(bs, n, device=manager.device, dtype=w.lora_a.dtype)
+        shrunk = torch.zeros(bs, w.width, device=manager.device, dtype=torch.float32)
+        calls = [(f"shrink {c}", config, functools.partial(kernels.lora_shrink, x, w.lora_a, mapping, shrunk))
+                 for c, config in SHRINK_SWEEP]
+        calls += [(f"expand {c}", config, functools.partial(kernels.lora_expand_, y, shrunk, w.lora_b, mapping,
+                                                            w.slice_starts, w.max_rank)) for c, config in EXPAND_SWEEP]
+        row = {}
+        for label, config, fn in calls:
+            try:
+                for attr, value in config.items():
+                    setattr(kernels, attr, value)
+                row[label] = round(graphed_op_us(fn), 2)
+            except Exception as e:  # one launch shape failing must not lose the others
+                row[label] = f"error: {type(e).__name__}: {e}"[:200]
+            finally:
+                for attr, value in defaults.items():
+                    setattr(kernels, attr, value)
+        rows[name.rsplit(".", 1)[-1]] = row
+        print(f"{name.rsplit('.', 1)[-1]:>12}: " + " | ".join(f"{c} {v}" for c, v in row.items()), flush=True)
     return rows
 
 
@@ -194,6 +215,9 @@ def kernel_tables(graphs, bs: int, report: dict) -> None:
         report[f"kernels_{name}"] = table
 
 
+SECTIONS = ("generate", "prefill", "decode", "sweep", "ops", "kernels")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="benchmarks/configs/llama-3.1-8b")
@@ -202,14 +226,30 @@ def main() -> int:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--sections", default=",".join(SECTIONS),
+                    help=f"comma-separated, of {','.join(SECTIONS)} (module doc)")
     ap.add_argument("--output-json", default=None)
     ns = ap.parse_args()
-    from benchmarks.gpu.lora_bench import timed, write_adapters
-    from pagedllm import LLM, LoRARequest
-
+    unknown = set(ns.sections.split(",")) - set(SECTIONS)
+    if unknown:
+        ap.error(f"--sections: unknown {sorted(unknown)}")
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 30000) for _ in range(ns.prompt_len)] for _ in range(ns.num_requests)]
     report: dict = {"config": vars(ns)}
+    try:
+        run_sections(ns, prompts, report)
+    finally:  # what was measured survives a crash
+        path = ns.output_json or os.path.join(os.environ.get("OUT", "."), "lora_profile.json")
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2)
+        print("wrote", path)
+    return 0
+
+
+def run_sections(ns, prompts, report: dict) -> None:
+    from benchmarks.gpu.lora_bench import timed, write_adapters
+    from pagedllm import LLM, LoRARequest
+
     with tempfile.TemporaryDirectory() as root:
         folders = write_adapters(ns.model, root, ns.num_adapters, ns.rank)
         loras = [LoRARequest(f"adapter{i % ns.num_adapters}", i % ns.num_adapters + 1, folders[i % ns.num_adapters])
@@ -220,25 +260,22 @@ def main() -> int:
         timed(llm, prompts, 4, loras)  # every adapter in its slot; kernels compiled
         runner = llm.llm_engine.engine_core.runner
         graphs, manager = runner.graph_runner, runner.lora_manager
-        bs = graphs.padded_size(ns.num_requests)
+        bs = graphs.padded_size(ns.num_requests) if graphs is not None else ns.num_requests
         sections = {"generate": lambda: generate_times(llm, prompts, loras, ns.max_tokens, report),
                     "prefill": lambda: prefill_times(llm, prompts, loras, report),
-                    "decode step": lambda: decode_step(graphs, manager, bs, ns.num_adapters, report),
-                    "launch sweep": lambda: launch_sweep(manager, bs, ns.num_adapters, report),
-                    "layer ops": lambda: op_times(manager, bs, ns.num_adapters, report),
+                    "decode": lambda: decode_step(graphs, manager, bs, ns.num_adapters, report),
+                    "sweep": lambda: launch_sweep(manager, bs, ns.num_adapters, report),
+                    "ops": lambda: op_times(manager, bs, ns.num_adapters, report),
                     "kernels": lambda: kernel_tables(graphs, bs, report)}
         for name, run in sections.items():
+            if name not in ns.sections.split(","):
+                continue
             try:
                 run()
             except Exception:  # a failed section must not lose the others' numbers
                 report[f"{name} error"] = traceback.format_exc()
                 print(f"--- {name} failed ---\n{report[f'{name} error']}", flush=True)
         llm.llm_engine.shutdown()
-    path = ns.output_json or os.path.join(os.environ.get("OUT", "."), "lora_profile.json")
-    with open(path, "w") as f:
-        json.dump(report, f, indent=2)
-    print("wrote", path)
-    return 0
 
 
 if __name__ == "__main__":

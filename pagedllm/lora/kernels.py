@@ -29,10 +29,14 @@ from pagedllm.lora.mapping import LoRABatchMapping
 # Launch shapes (module attributes so that benchmarks/gpu/lora_profile.py can sweep them): the
 # shrink's split-K aims at about SHRINK_PROGRAMS programs (two waves on an H100's 132 SMs), each
 # summing at least SHRINK_MIN_K_BLOCKS blocks of 64 along K; the expand's tiles are
-# EXPAND_BLOCK_N output columns wide.
+# EXPAND_BLOCK_N output columns wide; token tiles are 16 rows up to groups of SMALL_GROUP_MAX
+# tokens, else 64; programs have SHRINK_WARPS / EXPAND_WARPS warps.
 SHRINK_PROGRAMS = 256
 SHRINK_MIN_K_BLOCKS = 2
 EXPAND_BLOCK_N = 128
+SMALL_GROUP_MAX = 16
+SHRINK_WARPS = 4
+EXPAND_WARPS = 4
 _MAX_SLICES = 3  # qkv
 
 
@@ -120,7 +124,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
 def _block_m(max_group_size: int) -> int:
     # Two tile heights only, so that the decode graphs' captures compile every variant that
     # eager steps use (nothing compiles while serving).
-    return 16 if max_group_size <= 16 else 64
+    return 16 if max_group_size <= SMALL_GROUP_MAX else 64
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, mapping: LoRABatchMapping,
@@ -147,7 +151,7 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, mapping: LoRABatchMapping
     _shrink_kernel[grid](x, lora_a, out, mapping.sorted_token_ids, mapping.starts_dev, mapping.active_slots_dev,
                          k, r, k_per_split, split_k, x.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(0),
                          BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_N=num_n,
-                         DOT_PRECISION=_dot_precision(x.dtype))
+                         DOT_PRECISION=_dot_precision(x.dtype), num_warps=SHRINK_WARPS)
     return out
 
 
@@ -169,7 +173,7 @@ def lora_expand_(y: torch.Tensor, shrunk: torch.Tensor, lora_b: torch.Tensor, ma
     _expand_kernel[grid](shrunk, lora_b, y, mapping.sorted_token_ids, mapping.starts_dev, mapping.active_slots_dev,
                          n, r, bounds[0], bounds[1], slice_rank, shrunk.stride(0), lora_b.stride(0), lora_b.stride(1),
                          y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, NUM_N=num_n,
-                         DOT_PRECISION=_dot_precision(lora_b.dtype))
+                         DOT_PRECISION=_dot_precision(lora_b.dtype), num_warps=EXPAND_WARPS)
     return y
 
 
