@@ -3,16 +3,16 @@ random rank-16 adapters on all seven projections, 64 requests of which request `
 ``i % 8``), on one LoRA engine (``max_loras`` 8). Sections, each printed as it ends (a failing one
 does not stop the others):
 
-1. generate: the 64 requests (``--max-tokens``), base requests against mixed (the bench's ratio,
+1. decode: one decode step of 64 tokens: the replay of the plain graph against the graph with the
+   delta (8 groups of 8 tokens staged), and the host time of ``stage_graph``;
+2. generate: the 64 requests (``--max-tokens``), base requests against mixed (the bench's ratio,
    on one engine);
-2. prefill only (``max_tokens`` 1), base requests against mixed;
-3. one decode step of 64 tokens: the replay of the plain graph against the graph with the delta
-   (8 groups of 8 tokens staged), and the host time of ``stage_graph``;
-4. a launch-shape sweep of the shrink and the expand alone for each layer kind at 64 tokens
-   (``kernels.SHRINK_PROGRAMS`` / ``SHRINK_MIN_K_BLOCKS`` / ``EXPAND_BLOCK_N``; CUDA graphs of 50
-   calls: GPU microseconds per call);
-5. each layer kind's whole delta at 64 and at 2048 tokens;
-6. the top kernels of 5 replays of each graph (torch profiler).
+3. prefill: ``max_tokens`` 1, base requests against mixed;
+4. sweep: the launch shapes of the shrink and the expand alone for each layer kind at 64 tokens
+   (``kernels.SHRINK_PROGRAMS`` / ``SHRINK_MIN_K_BLOCKS`` / ``EXPAND_BLOCK_N`` / ``SMALL_GROUP_MAX``
+   / warps; CUDA graphs of 50 calls: GPU microseconds per call);
+5. ops: each layer kind's whole delta at 64 and at 2048 tokens;
+6. kernels: the top kernels of 5 replays of each graph (torch profiler).
 
 Writes JSON (``$OUT/lora_profile.json`` unless ``--output-json``)::
 
@@ -215,7 +215,7 @@ def kernel_tables(graphs, bs: int, report: dict) -> None:
         report[f"kernels_{name}"] = table
 
 
-SECTIONS = ("generate", "prefill", "decode", "sweep", "ops", "kernels")
+SECTIONS = ("decode", "generate", "prefill", "sweep", "ops", "kernels")  # the order they run in
 
 
 def main() -> int:
@@ -261,9 +261,9 @@ def run_sections(ns, prompts, report: dict) -> None:
         runner = llm.llm_engine.engine_core.runner
         graphs, manager = runner.graph_runner, runner.lora_manager
         bs = graphs.padded_size(ns.num_requests) if graphs is not None else ns.num_requests
-        sections = {"generate": lambda: generate_times(llm, prompts, loras, ns.max_tokens, report),
+        sections = {"decode": lambda: decode_step(graphs, manager, bs, ns.num_adapters, report),
+                    "generate": lambda: generate_times(llm, prompts, loras, ns.max_tokens, report),
                     "prefill": lambda: prefill_times(llm, prompts, loras, report),
-                    "decode": lambda: decode_step(graphs, manager, bs, ns.num_adapters, report),
                     "sweep": lambda: launch_sweep(manager, bs, ns.num_adapters, report),
                     "ops": lambda: op_times(manager, bs, ns.num_adapters, report),
                     "kernels": lambda: kernel_tables(graphs, bs, report)}
