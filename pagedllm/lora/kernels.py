@@ -27,16 +27,19 @@ import triton.language as tl
 from pagedllm.lora.mapping import LoRABatchMapping
 
 # Launch shapes (module attributes so that benchmarks/gpu/lora_profile.py can sweep them): the
-# shrink's split-K aims at about SHRINK_PROGRAMS programs (two waves on an H100's 132 SMs), each
+# shrink's split-K aims at about SHRINK_PROGRAMS programs (one wave on an H100's 132 SMs), each
 # summing at least SHRINK_MIN_K_BLOCKS blocks of 64 along K; the expand's tiles are
-# EXPAND_BLOCK_N output columns wide; token tiles are 16 rows up to groups of SMALL_GROUP_MAX
-# tokens, else 64; programs have SHRINK_WARPS / EXPAND_WARPS warps.
-SHRINK_PROGRAMS = 256
+# EXPAND_BLOCK_N output columns wide and EXPAND_ROW_LOOP_MAX rows high at most; the shrink's token
+# tiles are 16 rows up to groups of SMALL_GROUP_MAX tokens, else 64; programs have SHRINK_WARPS /
+# EXPAND_WARPS warps. Defaults: the fastest of benchmarks/gpu/lora_profile.py's sweep at a
+# 64-token decode of Llama-3.1-8B's layers (8 groups) on an H100.
+SHRINK_PROGRAMS = 128
 SHRINK_MIN_K_BLOCKS = 2
 EXPAND_BLOCK_N = 128
 SMALL_GROUP_MAX = 16
 SHRINK_WARPS = 4
 EXPAND_WARPS = 4
+EXPAND_ROW_LOOP_MAX = 64
 _MAX_SLICES = 3  # qkv
 
 
@@ -79,7 +82,7 @@ def _slice_of(n, slice1, slice2):
 
 @triton.jit
 def _expand_kernel(s_ptr, b_ptr, y_ptr, token_ids_ptr, starts_ptr, slots_ptr, N, R, slice1, slice2, slice_rank,
-                   stride_sm, stride_bs, stride_bn, stride_ym,
+                   rows_per_program, stride_sm, stride_bs, stride_bn, stride_ym,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, NUM_N: tl.constexpr,
                    DOT_PRECISION: tl.constexpr):
     pid = tl.program_id(0)
@@ -88,32 +91,34 @@ def _expand_kernel(s_ptr, b_ptr, y_ptr, token_ids_ptr, starts_ptr, slots_ptr, N,
     pid_m = pid // NUM_N
     start = tl.load(starts_ptr + group)
     end = tl.load(starts_ptr + group + 1)
-    row0 = start + pid_m * BLOCK_M
+    row0 = start + pid_m * rows_per_program
     if row0 >= end:
         return
+    row_end = tl.minimum(row0 + rows_per_program, end)
     slot = tl.load(slots_ptr + group).to(tl.int64)
-    rows = row0 + tl.arange(0, BLOCK_M)
-    row_mask = rows < end
-    tokens = tl.load(token_ids_ptr + rows, mask=row_mask, other=0)
     n0 = pid_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     # Row n reads only its slice's rank columns; the tile loops over those of its rows' slices.
     first_col = _slice_of(offs_n, slice1, slice2) * slice_rank
     r_lo = _slice_of(n0, slice1, slice2) * slice_rank
     r_hi = tl.minimum((_slice_of(tl.minimum(n0 + BLOCK_N, N) - 1, slice1, slice2) + 1) * slice_rank, R)
-    delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for r0 in range(r_lo, r_hi, BLOCK_R):
-        offs_r = r0 + tl.arange(0, BLOCK_R)
-        s = tl.load(s_ptr + tokens[:, None] * stride_sm + offs_r[None, :],
-                    mask=row_mask[:, None] & (offs_r[None, :] < r_hi), other=0.0)
-        in_slice = (offs_r[:, None] >= first_col[None, :]) & (offs_r[:, None] < first_col[None, :] + slice_rank)
-        b = tl.load(b_ptr + slot * stride_bs + offs_n[None, :] * stride_bn + offs_r[:, None],
-                    mask=(offs_n[None, :] < N) & in_slice, other=0.0)
-        delta += tl.dot(s.to(b.dtype), b, input_precision=DOT_PRECISION)
-    mask = row_mask[:, None] & (offs_n[None, :] < N)
-    y = y_ptr + tokens[:, None] * stride_ym + offs_n[None, :]
-    acc = tl.load(y, mask=mask, other=0.0).to(tl.float32) + delta
-    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    for m0 in range(row0, row_end, BLOCK_M):  # the program's rows, BLOCK_M at a time
+        rows = m0 + tl.arange(0, BLOCK_M)
+        row_mask = rows < row_end
+        tokens = tl.load(token_ids_ptr + rows, mask=row_mask, other=0)
+        delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for r0 in range(r_lo, r_hi, BLOCK_R):
+            offs_r = r0 + tl.arange(0, BLOCK_R)
+            s = tl.load(s_ptr + tokens[:, None] * stride_sm + offs_r[None, :],
+                        mask=row_mask[:, None] & (offs_r[None, :] < r_hi), other=0.0)
+            in_slice = (offs_r[:, None] >= first_col[None, :]) & (offs_r[:, None] < first_col[None, :] + slice_rank)
+            b = tl.load(b_ptr + slot * stride_bs + offs_n[None, :] * stride_bn + offs_r[:, None],
+                        mask=(offs_n[None, :] < N) & in_slice, other=0.0)
+            delta += tl.dot(s.to(b.dtype), b, input_precision=DOT_PRECISION)
+        mask = row_mask[:, None] & (offs_n[None, :] < N)
+        y = y_ptr + tokens[:, None] * stride_ym + offs_n[None, :]
+        acc = tl.load(y, mask=mask, other=0.0).to(tl.float32) + delta
+        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -122,8 +127,8 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 def _block_m(max_group_size: int) -> int:
-    # Two tile heights only, so that the decode graphs' captures compile every variant that
-    # eager steps use (nothing compiles while serving).
+    # The shrink's two tile heights only, so that the decode graphs' captures compile every
+    # variant that eager steps use (nothing compiles while serving).
     return 16 if max_group_size <= SMALL_GROUP_MAX else 64
 
 
@@ -166,14 +171,19 @@ def lora_expand_(y: torch.Tensor, shrunk: torch.Tensor, lora_b: torch.Tensor, ma
     assert 1 <= len(slice_starts) <= _MAX_SLICES and slice_starts[0] == 0
     slice_rank = r if slice_rank is None else slice_rank
     bounds = [*slice_starts[1:], n, n][:2]  # first rows of slices 1 and 2 (n: no such slice)
-    block_m, block_n = _block_m(mapping.max_group_size), EXPAND_BLOCK_N
-    block_r = max(16, min(64, triton.next_power_of_2(slice_rank)))
+    block_n, block_r = EXPAND_BLOCK_N, max(16, min(64, triton.next_power_of_2(slice_rank)))
     num_n = triton.cdiv(n, block_n)
-    grid = (triton.cdiv(mapping.max_group_size, block_m) * num_n, mapping.num_groups)
+    # A program covers up to EXPAND_ROW_LOOP_MAX rows of a group, 16 at a time: in a decode graph
+    # (whose groups may hold all its tokens, but most hold a few) one program per output tile and
+    # group, with no program exiting idle and no 64-row tile mostly masked; one compiled variant.
+    rows_per_program = min(triton.cdiv(mapping.max_group_size, 16) * 16, EXPAND_ROW_LOOP_MAX)
+    block_m = 16
+    grid = (triton.cdiv(mapping.max_group_size, rows_per_program) * num_n, mapping.num_groups)
     _expand_kernel[grid](shrunk, lora_b, y, mapping.sorted_token_ids, mapping.starts_dev, mapping.active_slots_dev,
-                         n, r, bounds[0], bounds[1], slice_rank, shrunk.stride(0), lora_b.stride(0), lora_b.stride(1),
-                         y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, NUM_N=num_n,
-                         DOT_PRECISION=_dot_precision(lora_b.dtype), num_warps=EXPAND_WARPS)
+                         n, r, bounds[0], bounds[1], slice_rank, rows_per_program, shrunk.stride(0),
+                         lora_b.stride(0), lora_b.stride(1), y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
+                         BLOCK_R=block_r, NUM_N=num_n, DOT_PRECISION=_dot_precision(lora_b.dtype),
+                         num_warps=EXPAND_WARPS)
     return y
 
 

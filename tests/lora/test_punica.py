@@ -19,12 +19,14 @@ from pagedllm.lora.punica import add_lora_torch
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 # (tokens, K in, N out, R stacked rank, slots, dtype): ragged groups, tokens without an adapter,
-# split-K (K >> 64), R above one 64-wide block (the expand's R loop), N and K tails.
+# split-K (K >> 64), R above one 64-wide block (the expand's R loop), N and K tails, groups of more
+# than 64 tokens.
 CASES = [
     (7, 64, 48, 16, 3, torch.float32),
     (40, 96, 80, 24, 4, torch.float16),
     (5, 300, 20, 48, 2, torch.float32),
     (70, 128, 130, 96, 5, torch.float32),
+    (260, 32, 40, 16, 2, torch.float32),  # groups over 64 tokens: several expand programs, each looping
 ]
 
 
