@@ -14,9 +14,10 @@ layer (qkv: 3 slices, gate_up: 2) is one shrink and one expand over all its slic
 - expand: ``y[t, :] += shrunk[t, :] @ B[s]^T`` in place (B's dtype on the tensor cores, float32
   accumulation, one rounding into ``y``); each token is in one group, so its rows of ``y`` have one
   writer. A program's token tile is up to 64 rows, which it runs 16 at a time (a decode group of
-  a few tokens costs one 16-row pass, not a mostly masked 64-row tile). B of a merged layer is block-diagonal (``layers.py``): output row ``n`` reads only the
-  rank columns of its own slice, and a tile loops over those of its rows' slices only (one slice
-  but where a tile straddles two), not over the zero blocks of the others.
+  a few tokens costs one 16-row pass, not a mostly masked 64-row tile). B of a merged layer is
+  block-diagonal (``layers.py``): output row ``n`` reads only the rank columns of its own slice,
+  and a tile loops over those of its rows' slices only (one slice but where a tile straddles
+  two), not over the zero blocks of the others.
 """
 
 from __future__ import annotations
