@@ -10,7 +10,7 @@ does not stop the others):
 3. prefill: ``max_tokens`` 1, base requests against mixed;
 4. sweep: the launch shapes of the shrink and the expand alone for each layer kind at 64 tokens
    (``kernels.SHRINK_PROGRAMS`` / ``SHRINK_MIN_K_BLOCKS`` / ``EXPAND_BLOCK_N`` / ``SMALL_GROUP_MAX``
-   / ``EXPAND_ROW_LOOP_MAX`` / warps; CUDA graphs of 50 calls: GPU microseconds per call);
+   / ``SHRINK_ROW_LOOP_MAX`` / ``EXPAND_ROW_LOOP_MAX`` / warps; CUDA graphs of 50 calls: GPU microseconds per call);
 5. ops: each layer kind's whole delta at 64 and at 2048 tokens;
 6. kernels: the top kernels of 5 replays of each graph (torch profiler).
 
@@ -107,8 +107,9 @@ def launch_sweep(manager, bs: int, num_adapters: int, report: dict) -> None:
 
 
 # (name, kernels module attributes): the shrink's and the expand's launch shapes swept per layer
-# kind ("m16": 16-row shrink tiles although the graph's groups may hold up to 64 tokens; "rows16":
-# one expand program per 16 rows instead of one looping over a group's 64).
+# kind ("m16": 16-row shrink tiles although the graph's groups may hold up to 64 tokens; "loop":
+# one shrink program per group's rows, 16 at a time; "rows16": one expand program per 16 rows
+# instead of one looping over a group's 64).
 SHRINK_SWEEP = [("64/8", dict(SHRINK_PROGRAMS=64, SHRINK_MIN_K_BLOCKS=8)),
                 ("128/2", dict(SHRINK_PROGRAMS=128, SHRINK_MIN_K_BLOCKS=2)),
                 ("256/2", dict(SHRINK_PROGRAMS=256, SHRINK_MIN_K_BLOCKS=2)),
@@ -116,7 +117,9 @@ SHRINK_SWEEP = [("64/8", dict(SHRINK_PROGRAMS=64, SHRINK_MIN_K_BLOCKS=8)),
                 ("1024/1", dict(SHRINK_PROGRAMS=1024, SHRINK_MIN_K_BLOCKS=1)),
                 ("256/2 w8", dict(SHRINK_PROGRAMS=256, SHRINK_MIN_K_BLOCKS=2, SHRINK_WARPS=8)),
                 ("512/1 w2", dict(SHRINK_PROGRAMS=512, SHRINK_MIN_K_BLOCKS=1, SHRINK_WARPS=2)),
-                ("m16 1024/1", dict(SHRINK_PROGRAMS=1024, SHRINK_MIN_K_BLOCKS=1, SMALL_GROUP_MAX=1 << 20))]
+                ("m16 1024/1", dict(SHRINK_PROGRAMS=1024, SHRINK_MIN_K_BLOCKS=1, SMALL_GROUP_MAX=1 << 20)),
+                ("loop 128/2", dict(SHRINK_PROGRAMS=128, SHRINK_MIN_K_BLOCKS=2, SHRINK_ROW_LOOP_MAX=64)),
+                ("loop 256/2", dict(SHRINK_PROGRAMS=256, SHRINK_MIN_K_BLOCKS=2, SHRINK_ROW_LOOP_MAX=64))]
 EXPAND_SWEEP = [("64", dict(EXPAND_BLOCK_N=64)), ("128", dict(EXPAND_BLOCK_N=128)), ("256", dict(EXPAND_BLOCK_N=256)),
                 ("128 w2", dict(EXPAND_BLOCK_N=128, EXPAND_WARPS=2)), ("256 w8", dict(EXPAND_BLOCK_N=256, EXPAND_WARPS=8)),
                 ("128 rows16", dict(EXPAND_BLOCK_N=128, EXPAND_ROW_LOOP_MAX=16))]

@@ -30,11 +30,12 @@ from pagedllm.lora.mapping import LoRABatchMapping
 
 # Launch shapes (module attributes so that benchmarks/gpu/lora_profile.py can sweep them): the
 # shrink's split-K aims at about SHRINK_PROGRAMS programs (one wave on an H100's 132 SMs), each
-# summing at least SHRINK_MIN_K_BLOCKS blocks of 64 along K; the expand's tiles are
-# EXPAND_BLOCK_N output columns wide and EXPAND_ROW_LOOP_MAX rows high at most; the shrink's token
-# tiles are 16 rows up to groups of SMALL_GROUP_MAX tokens, else 64; programs have SHRINK_WARPS /
-# EXPAND_WARPS warps. Defaults: the fastest of benchmarks/gpu/lora_profile.py's sweep at a
-# 64-token decode of Llama-3.1-8B's layers (8 groups) on an H100.
+# summing at least SHRINK_MIN_K_BLOCKS blocks of 64 along K; its token tiles are 16 rows up to
+# groups of SMALL_GROUP_MAX tokens, else 64, or, up to groups of SHRINK_ROW_LOOP_MAX tokens (0:
+# never), a program runs all of a group's rows 16 at a time. The expand's tiles are EXPAND_BLOCK_N
+# output columns wide and up to EXPAND_ROW_LOOP_MAX rows high, run 16 rows at a time. Programs have
+# SHRINK_WARPS / EXPAND_WARPS warps. Defaults: the fastest of benchmarks/gpu/lora_profile.py's
+# sweep at a 64-token decode of Llama-3.1-8B's layers (8 groups) on an H100.
 SHRINK_PROGRAMS = 128
 SHRINK_MIN_K_BLOCKS = 2
 EXPAND_BLOCK_N = 128
@@ -42,12 +43,13 @@ SMALL_GROUP_MAX = 16
 SHRINK_WARPS = 4
 EXPAND_WARPS = 4
 EXPAND_ROW_LOOP_MAX = 64
+SHRINK_ROW_LOOP_MAX = 0
 _MAX_SLICES = 3  # qkv
 
 
 @triton.jit
 def _shrink_kernel(x_ptr, a_ptr, out_ptr, token_ids_ptr, starts_ptr, slots_ptr, K, R, k_per_split, split_k,
-                   stride_xm, stride_as, stride_ar, stride_om,
+                   rows_per_program, stride_xm, stride_as, stride_ar, stride_om,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_N: tl.constexpr,
                    DOT_PRECISION: tl.constexpr):
     pid = tl.program_id(0)
@@ -57,24 +59,26 @@ def _shrink_kernel(x_ptr, a_ptr, out_ptr, token_ids_ptr, starts_ptr, slots_ptr, 
     pid_m = pid // (split_k * NUM_N)
     start = tl.load(starts_ptr + group)
     end = tl.load(starts_ptr + group + 1)
-    row0 = start + pid_m * BLOCK_M
+    row0 = start + pid_m * rows_per_program
     if row0 >= end:
         return
+    row_end = tl.minimum(row0 + rows_per_program, end)
     slot = tl.load(slots_ptr + group).to(tl.int64)
-    rows = row0 + tl.arange(0, BLOCK_M)
-    tokens = tl.load(token_ids_ptr + rows, mask=rows < end, other=0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_begin = pid_k * k_per_split
-    for k0 in range(k_begin, k_begin + k_per_split, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + tokens[:, None] * stride_xm + offs_k[None, :],
-                    mask=(rows[:, None] < end) & (offs_k[None, :] < K), other=0.0)
-        a = tl.load(a_ptr + slot * stride_as + offs_n[None, :] * stride_ar + offs_k[:, None],
-                    mask=(offs_n[None, :] < R) & (offs_k[:, None] < K), other=0.0)
-        acc += tl.dot(x, a.to(x.dtype), input_precision=DOT_PRECISION)
-    mask = (rows[:, None] < end) & (offs_n[None, :] < R)
-    tl.atomic_add(out_ptr + tokens[:, None] * stride_om + offs_n[None, :], acc, mask=mask)
+    for m0 in range(row0, row_end, BLOCK_M):  # the program's rows, BLOCK_M at a time
+        rows = m0 + tl.arange(0, BLOCK_M)
+        tokens = tl.load(token_ids_ptr + rows, mask=rows < row_end, other=0)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_begin, k_begin + k_per_split, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + tokens[:, None] * stride_xm + offs_k[None, :],
+                        mask=(rows[:, None] < row_end) & (offs_k[None, :] < K), other=0.0)
+            a = tl.load(a_ptr + slot * stride_as + offs_n[None, :] * stride_ar + offs_k[:, None],
+                        mask=(offs_n[None, :] < R) & (offs_k[:, None] < K), other=0.0)
+            acc += tl.dot(x, a.to(x.dtype), input_precision=DOT_PRECISION)
+        mask = (rows[:, None] < row_end) & (offs_n[None, :] < R)
+        tl.atomic_add(out_ptr + tokens[:, None] * stride_om + offs_n[None, :], acc, mask=mask)
 
 
 @triton.jit
@@ -144,19 +148,23 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, mapping: LoRABatchMapping
     r = lora_a.shape[1]
     if out is None:
         out = torch.zeros(num_tokens, r, dtype=torch.float32, device=x.device)
-    block_m, block_n = _block_m(mapping.max_group_size), max(16, min(64, triton.next_power_of_2(r)))
-    block_k = 64
+    block_n, block_k = max(16, min(64, triton.next_power_of_2(r))), 64
     num_n = triton.cdiv(r, block_n)
+    if mapping.max_group_size <= SHRINK_ROW_LOOP_MAX:  # one program per group, 16 rows at a time
+        block_m, rows_per_program = 16, triton.cdiv(mapping.max_group_size, 16) * 16
+    else:
+        block_m = rows_per_program = _block_m(mapping.max_group_size)
     # Few token tiles (decode): split K so that enough programs stream A (at least two K blocks
     # each); many: the token tiles are the parallelism, no split.
-    num_m = triton.cdiv(mapping.max_group_size, block_m)
+    num_m = triton.cdiv(mapping.max_group_size, rows_per_program)
     tiles = num_m * num_n * mapping.num_groups
     split_k = max(1, min(triton.cdiv(SHRINK_PROGRAMS, tiles), triton.cdiv(k, SHRINK_MIN_K_BLOCKS * block_k)))
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_per_split)
     grid = (num_m * num_n * split_k, mapping.num_groups)
     _shrink_kernel[grid](x, lora_a, out, mapping.sorted_token_ids, mapping.starts_dev, mapping.active_slots_dev,
-                         k, r, k_per_split, split_k, x.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(0),
+                         k, r, k_per_split, split_k, rows_per_program, x.stride(0), lora_a.stride(0),
+                         lora_a.stride(1), out.stride(0),
                          BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_N=num_n,
                          DOT_PRECISION=_dot_precision(x.dtype), num_warps=SHRINK_WARPS)
     return out

@@ -148,6 +148,12 @@ for case in CASES:
 for case in SLICE_CASES:
     err = check_triton_slices(case)
     assert err < (1e-4 if case[-1] == torch.float32 else 1e-2), ("slices", case, err)
+from pagedllm.lora import kernels
+kernels.SHRINK_ROW_LOOP_MAX = 64  # the shrink's other launch shape: a program per group's rows
+for case in CASES:
+    limit = 1e-4 if case[-1] == torch.float32 else 1e-2
+    err = max(check_triton(case, "cpu"), check_triton_graph_mapping(case))
+    assert err < limit, ("shrink row loop", case, err)
 print("ok", len(CASES) + len(SLICE_CASES))
 """
 
