@@ -32,7 +32,9 @@ from pagedllm.lora.mapping import LoRABatchMapping
 # shrink's split-K aims at about SHRINK_PROGRAMS programs (one wave on an H100's 132 SMs), each
 # summing at least SHRINK_MIN_K_BLOCKS blocks of 64 along K; its token tiles are 16 rows up to
 # groups of SMALL_GROUP_MAX tokens, else 64, or, up to groups of SHRINK_ROW_LOOP_MAX tokens (0:
-# never), a program runs all of a group's rows 16 at a time. The expand's tiles are EXPAND_BLOCK_N
+# never), a program runs all of a group's rows 16 at a time (0: the H100 sweep found it 0.8 us a
+# layer faster at decode, but the decode graphs would then no longer compile the 64-row variant
+# that a prefill's shrink takes, so the first long prefill would compile it while serving). The expand's tiles are EXPAND_BLOCK_N
 # output columns wide and up to EXPAND_ROW_LOOP_MAX rows high, run 16 rows at a time. Programs have
 # SHRINK_WARPS / EXPAND_WARPS warps. Defaults: the fastest of benchmarks/gpu/lora_profile.py's
 # sweep at a 64-token decode of Llama-3.1-8B's layers (8 groups) on an H100.
