@@ -8,9 +8,10 @@
    draft is accepted, so this measures the mechanism's cost): output tokens/s at batch 1 and 16,
    k = 3 against no speculation, and the overhead of propose + verify per step.
 
-The n-gram part runs once per ``--ngram-load-formats`` entry: ``auto`` (a GGUF file's blocks stay
-packed: the Triton GGUF kernels on CUDA) and ``gguf_dequantized`` (float weights), and reports the
-time of one replay of the batch-1 decode and verify graphs. Prints a table and writes JSON to
+The n-gram part runs once per ``--ngram-paths`` entry (``default``: on CUDA the GGUF blocks are
+dequantized into the model dtype at load; ``packed``: ``quantization="gguf"``, the Triton GGUF
+kernels; ``gguf_dequantized``: float weights loaded) and reports the time of one replay of the
+batch-1 decode and verify graphs. Prints a table and writes JSON to
 ``--output-json``:
 
     python benchmarks/gpu/spec_decode_bench.py --output-json $OUT/spec_decode.json
@@ -93,14 +94,19 @@ def replay_ms(graphs, shape: tuple[int, int], n: int = 50) -> float:
     return start.elapsed_time(end) / n
 
 
-def ngram_part(ns, load_format: str) -> dict:
+# The GGUF serving paths the n-gram part can run: the default (on CUDA the blocks are dequantized into
+# the model dtype at load), the Triton GGUF kernels (quantization="gguf" given), float weights loaded.
+NGRAM_PATHS = {"default": {}, "packed": {"quantization": "gguf"}, "gguf_dequantized": {"load_format": "gguf_dequantized"}}
+
+
+def ngram_part(ns, path: str) -> dict:
     from pagedllm import LLM
 
     results = {}
     for name, spec in (("off", None), ("ngram", {"method": "ngram", "num_speculative_tokens": ns.ngram_k,
                                                   "prompt_lookup_min": 2, "prompt_lookup_max": 4})):
         llm = LLM(ns.ngram_model, max_model_len=2048, max_num_seqs=16, gpu_memory_utilization=0.4,
-                  speculative_config=spec, load_format=load_format)
+                  speculative_config=spec, **NGRAM_PATHS[path])
         prompt = copy_prompt(llm.get_tokenizer())
         timed(llm, [prompt], 16)  # warm-up
         graphs = llm.llm_engine.engine_core.runner.graph_runner
@@ -154,11 +160,11 @@ def draft_part(ns) -> dict:
     return results
 
 
-def print_ngram(ng: dict, load_format: str, k: int) -> None:
+def print_ngram(ng: dict, path: str, k: int) -> None:
     if "error" in ng:
-        print(f"n-gram ({load_format}): failed: {ng['error']}")
+        print(f"n-gram ({path}): failed: {ng['error']}")
         return
-    print(f"n-gram batch 1 ({load_format}): {ng['off']['ms_per_token']:.2f} ms/token off, "
+    print(f"n-gram batch 1 ({path}): {ng['off']['ms_per_token']:.2f} ms/token off, "
           f"{ng['ngram']['ms_per_token']:.2f} with k={k} (x{ng['speedup']:.2f}, mean acceptance length "
           f"{ng['ngram'].get('mean_acceptance_length', 1.0):.2f}, same output: {ng['same_output']})")
     print(f"  graph replays: off {ng['off']['graph_replays']}, n-gram {ng['ngram']['graph_replays']}; one replay (ms): "
@@ -168,8 +174,9 @@ def print_ngram(ng: dict, load_format: str, k: int) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ngram-model", default=None, help="default: the embedded SmolLM2 (real weights)")
-    ap.add_argument("--ngram-load-formats", nargs="+", default=["auto", "gguf_dequantized"],
-                    help="auto: a GGUF file's blocks stay packed; gguf_dequantized: float weights")
+    ap.add_argument("--ngram-paths", nargs="+", choices=sorted(NGRAM_PATHS), default=["default"],
+                    help="default (GGUF dequantized into the model dtype on CUDA), packed (the Triton GGUF "
+                         "kernels), gguf_dequantized (float weights)")
     ap.add_argument("--draft-model", default="benchmarks/configs/qwen3-0.6b")
     ap.add_argument("--parts", nargs="+", choices=["ngram", "draft"], default=["ngram", "draft"])
     ap.add_argument("--ngram-k", type=int, default=5)
@@ -179,12 +186,12 @@ def main() -> int:
     ap.add_argument("--output-json", default=None)
     ns = ap.parse_args()
     report: dict = {"ngram": {}}
-    for load_format in ns.ngram_load_formats if "ngram" in ns.parts else ():
+    for path in ns.ngram_paths if "ngram" in ns.parts else ():
         try:
-            report["ngram"][load_format] = ngram_part(ns, load_format)
+            report["ngram"][path] = ngram_part(ns, path)
         except Exception as e:  # noqa: BLE001 - one failing configuration must not lose the others
-            report["ngram"][load_format] = {"error": repr(e)}
-        print_ngram(report["ngram"][load_format], load_format, ns.ngram_k)
+            report["ngram"][path] = {"error": repr(e)}
+        print_ngram(report["ngram"][path], path, ns.ngram_k)
     if "draft" in ns.parts:
         report["draft_model"] = draft_part(ns)
         print(f"{'draft = target':<20} {'tok/s':>10} {'accept len':>11} {'overhead ms/step':>16}  graph replays (draft)")

@@ -3,7 +3,9 @@
 Which path a GGUF file takes (vLLM's rule: a GGUF model file implies ``quantization="gguf"``):
 
 - ``quantization`` None or "gguf" with ``load_format`` "auto" or "gguf": the file's quantized
-  matrices stay packed (``GGUFConfig``); norms and biases (F32 in the file) load as float.
+  matrices stay packed (``GGUFConfig``); norms and biases (F32 in the file) load as float. On a GPU
+  they stay packed only with ``quantization="gguf"`` given explicitly (``keeps_packed``); implied
+  by the file, they are dequantized into the model dtype at load (faster there).
 - ``load_format="gguf_dequantized"``: every weight dequantized to float at load (the
   dequantized-float path: 32 bits a weight on the CPU, the exact reference of the packed path).
 - another ``quantization`` (``fp8``) applies its own scheme to the dequantized weights.
@@ -128,6 +130,13 @@ def has_packed_kernel(device: torch.device) -> bool:
     return device.type in PACKED_KERNELS and device.type in PACKED_GATHERS
 
 
+def keeps_packed(device: torch.device, packed_on_gpu: bool) -> bool:
+    """Whether a layer on ``device`` keeps its blocks: where the device has a kernel, and on CUDA only
+    when asked (``quantization="gguf"`` given explicitly): the Triton kernels there save memory
+    (about 4.5 bits a weight for Q4_1) but are slower than the model dtype's GEMMs."""
+    return has_packed_kernel(device) and (device.type != "cuda" or packed_on_gpu)
+
+
 def as_gguf_tensor(loaded: GGUFTensor | torch.Tensor) -> GGUFTensor:
     """A checkpoint tensor as a ``GGUFTensor``: a float one (F32 in the file) becomes F32 rows."""
     if isinstance(loaded, GGUFTensor):
@@ -224,6 +233,9 @@ class GGUFLinearMethod(QuantizeMethodBase):
     ``process_weights_after_loading`` packs them into segments. Cost per call: one kernel per
     segment; the weight is read once."""
 
+    def __init__(self, packed_on_gpu: bool = False) -> None:
+        self.packed_on_gpu = packed_on_gpu
+
     def create_weights(self, layer: nn.Module) -> None:
         old = layer.weight
         param = nn.Parameter(torch.empty(0, dtype=torch.uint8, device=old.device), requires_grad=False)
@@ -252,7 +264,7 @@ class GGUFLinearMethod(QuantizeMethodBase):
             raise ValueError("quantization: gguf layers load their blocks from a GGUF file (load_format='dummy' "
                              "has none)")
         parts = [layer.gguf_shards[i] for i in sorted(layer.gguf_shards)]
-        pack_segments(layer.weight, parts, has_packed_kernel(layer.weight.device))
+        pack_segments(layer.weight, parts, keeps_packed(layer.weight.device, self.packed_on_gpu))
         layer.gguf_shards = {}
         as_float_layer(layer)
 
@@ -265,6 +277,9 @@ class GGUFEmbeddingMethod(QuantizeMethodBase):
     with their table in GGUF blocks. The checkpoint tensor is packed as it loads (one tensor, no
     shards); a tied head shares the embedding's Parameter and loads nothing itself."""
 
+    def __init__(self, packed_on_gpu: bool = False) -> None:
+        self.packed_on_gpu = packed_on_gpu
+
     def create_weights(self, layer: nn.Module) -> None:
         if getattr(layer, "tied", False):
             return  # the embedding's method turns the shared Parameter into its packed form
@@ -276,7 +291,7 @@ class GGUFEmbeddingMethod(QuantizeMethodBase):
             t = as_gguf_tensor(loaded)
             if t.shape != p.gguf_shape:
                 raise ValueError(f"weight shape {t.shape} does not match parameter {p.gguf_shape}")
-            pack_segments(p, [t], has_packed_kernel(p.device))
+            pack_segments(p, [t], keeps_packed(p.device, self.packed_on_gpu))
 
         param.weight_loader = load
 
@@ -305,8 +320,11 @@ class GGUFConfig(QuantizationConfig):
 
     name = "gguf"
 
-    def __init__(self) -> None:
+    def __init__(self, packed_on_gpu: bool = False) -> None:
+        """``packed_on_gpu``: the user gave ``quantization="gguf"`` (implied by a GGUF file, the
+        blocks are dequantized into the model dtype on a GPU: ``keeps_packed``)."""
         self.packed_modules_mapping: dict[str, list[str]] = {}
+        self.packed_on_gpu = packed_on_gpu
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> GGUFConfig:
@@ -318,17 +336,19 @@ class GGUFConfig(QuantizationConfig):
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
         if isinstance(layer, Linear):
-            return GGUFLinearMethod()
+            return GGUFLinearMethod(self.packed_on_gpu)
         if isinstance(layer, (VocabEmbedding, LMHead)):
-            return GGUFEmbeddingMethod()
+            return GGUFEmbeddingMethod(self.packed_on_gpu)
         return None
 
     def weight_iterator(self, source: Any) -> Any:
         return source.iter_weights(gguf_packed=True)
 
     def describe(self) -> str:
-        return ("gguf (the file's quantized blocks stay packed in the linear layers, embedding and LM head; "
-                "load_format='gguf_dequantized' loads them as float instead)")
+        gpu = ("packed on a GPU too (quantization='gguf' given: the Triton GGUF kernels)" if self.packed_on_gpu else
+               "dequantized into the model dtype on a GPU (quantization='gguf' keeps them packed there)")
+        return ("gguf (the file's quantized blocks stay packed in the linear layers, embedding and LM head on the "
+                f"CPU, {gpu}; load_format='gguf_dequantized' loads them as float instead)")
 
 
 def gguf_quantization(quantization: str | None, source_kind: str | None, load_format: str) -> str | None:

@@ -38,9 +38,10 @@ def get_quantization_config(quantization: str | None, hf_config: Any, source_kin
     GGUF file (``source_kind`` "gguf") implies "gguf" unless told otherwise (``gguf.gguf_quantization``)."""
     if quantization is not None and quantization not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be one of {sorted(QUANTIZATION_METHODS)} or None, got {quantization!r}")
+    requested = quantization
     quantization = gguf_quantization(quantization, source_kind, load_format)
     if quantization == "gguf":
-        return GGUFConfig()
+        return GGUFConfig(packed_on_gpu=requested == "gguf")
     checkpoint = checkpoint_quantization_config(hf_config)
     if checkpoint is None:
         return QUANTIZATION_METHODS[quantization].online() if quantization is not None else None

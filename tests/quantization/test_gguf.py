@@ -199,15 +199,17 @@ def test_without_a_kernel_the_tied_table_becomes_a_float_table_in_the_model_dtyp
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and has_default_model()), reason="needs CUDA and SmolLM2")
 def test_on_cuda_the_blocks_stay_packed_and_logits_match_the_dequantized_model():
-    """CUDA: the Triton kernels multiply the packed blocks in bfloat16 (GEMV at 1-4 rows, the tiled
+    """CUDA with quantization="gguf" given: the Triton kernels multiply the packed blocks in bfloat16 (GEMV at 1-4 rows, the tiled
     GEMM above, the gather for the embedding); logits agree with the bf16 dequantized model's."""
     from pagedllm.loader import load_hf_config, resolve_model
     from pagedllm.models.registry import load_model
 
     source = resolve_model(None)
     config = load_hf_config(source)
-    packed = load_model(source, config, torch.bfloat16, "cuda", GGUFConfig())
+    packed = load_model(source, config, torch.bfloat16, "cuda", GGUFConfig(packed_on_gpu=True))
     plain = load_model(source, config, torch.bfloat16, "cuda", None)
+    implied = load_model(source, config, torch.bfloat16, "cuda", GGUFConfig())  # a GGUF file without quantization=
+    assert implied.model.layers[0].self_attn.qkv_proj.quant_method is None
     qkv = packed.model.layers[0].self_attn.qkv_proj
     assert qkv.weight.dtype == torch.uint8 and qkv.quant_method is not None
     assert packed.lm_head.weight.dtype == torch.uint8
@@ -221,3 +223,24 @@ def test_on_cuda_the_blocks_stay_packed_and_logits_match_the_dequantized_model()
         outs[name] = torch.cat(logits).float()
     rel = float((outs["packed"] - outs["plain"]).abs().max() / outs["plain"].abs().max())
     assert rel < 3e-2, rel
+
+
+def test_on_a_gpu_blocks_stay_packed_only_when_gguf_is_asked_for(monkeypatch):
+    """A GGUF file implies quantization="gguf": packed on the CPU, dequantized into the model dtype on
+    a GPU (faster there); quantization="gguf" given explicitly keeps the blocks packed on the GPU."""
+    from pagedllm.quantization import gguf as gguf_module
+    from pagedllm.quantization.registry import get_quantization_config
+
+    monkeypatch.setattr(gguf_module, "has_packed_kernel", lambda device: True)
+    implied = get_quantization_config(None, object(), "gguf", "auto")
+    explicit = get_quantization_config("gguf", object(), "gguf", "auto")
+    assert not implied.packed_on_gpu and explicit.packed_on_gpu
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert gguf_module.keeps_packed(cpu, False) and gguf_module.keeps_packed(cpu, True)
+    assert not gguf_module.keeps_packed(cuda, False) and gguf_module.keeps_packed(cuda, True)
+    assert "dequantized into the model dtype on a GPU" in implied.describe()
+    from pagedllm.layers.linear import Linear
+
+    for config, packed in ((implied, False), (explicit, True)):
+        method = config.get_quant_method(Linear(32, 8), "layer")
+        assert method.packed_on_gpu is packed
