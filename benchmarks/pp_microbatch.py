@@ -30,7 +30,7 @@ CONFIGS = os.path.join(os.path.dirname(__file__), "configs")
 
 
 def build(model: str, pp: int, num_requests: int) -> LLMEngine:
-    args = EngineArgs(os.path.join(CONFIGS, model), load_format="dummy", skip_tokenizer_init=True, dtype="float32",
+    args = EngineArgs(os.path.join(CONFIGS, model), load_format="dummy", skip_tokenizer_init=True, dtype="float32", device="cpu",
                       max_model_len=512, max_num_seqs=num_requests, max_num_batched_tokens=512,
                       pipeline_parallel_size=pp, seed=0)
     return LLMEngine.from_engine_args(args)

@@ -59,9 +59,11 @@ def qwen3(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pp_engine(qwen3):
     """PP=2 with async scheduling (the last stage sends a step's ids only once the next step is
-    launched, or on the driver's flush) and jump-forward for constrained requests."""
+    launched, or on the driver's flush), prompts chunked by a 48-token budget, and jump-forward for
+    constrained requests."""
     engine = LLMEngine.from_engine_args(EngineArgs(qwen3[0], pipeline_parallel_size=2, async_scheduling=True,
-                                                   structured_outputs_jump_forward=True, **ENGINE))
+                                                   structured_outputs_jump_forward=True, max_num_batched_tokens=48,
+                                                   **ENGINE))
     yield engine
     engine.shutdown()
 
@@ -92,11 +94,22 @@ def test_pp2_aborts_mid_run_keep_the_others_exact_and_free_every_block(qwen3, pp
 
     folder, expected = qwen3
     ours = run(pp_engine, PROMPTS, GREEDY, abort_at={"3": 2, "5": 5, "6": 9})
+    assert set(ours) == set(expected)  # the aborted ones too (finish_reason "abort")
     aborted = {k: ours.pop(k) for k in ("3", "5", "6")}
     assert all(len(ids) < 24 for ids in aborted.values())
     assert not pp_engine.has_unfinished_requests()
     assert_all_blocks_free(pp_engine)
     assert_equal_up_to_near_ties(folder, ours, {k: expected[k] for k in ours})
+
+
+def test_pp2_seeded_sampling_equals_the_single_process_engine(qwen3, pp_engine):
+    params = SamplingParams(temperature=1.0, top_k=50, seed=123, max_tokens=8)
+    reference = LLMEngine.from_engine_args(EngineArgs(qwen3[0], **ENGINE))
+    try:
+        expected = run(reference, PROMPTS[:4], params)
+    finally:
+        reference.shutdown()
+    assert run(pp_engine, PROMPTS[:4], params) == expected
 
 
 def test_pp2_structured_output_with_jump_forward_equals_the_single_process_engine(qwen3, pp_engine):
