@@ -11,7 +11,13 @@ of rows and block of output columns, ``A[rows] @ W[expert]^T`` reading only that
 2. down: ``A`` = that activation (row ``assignment``), ``W = w2``; the epilogue multiplies by the
    routing weight and writes row ``assignment`` of ``[T*k, H]``;
 
-and the caller sums the top-k rows of each token. Rounding as the torch path (``fused_moe.grouped_experts``):
+and the caller sums the top-k rows of each token.
+
+At decode of a few tokens (``fused_experts_direct``: a handful of assignments, few of them sharing an
+expert) sorting and padding cost more launches than the GEMMs: ``_moe_gemv_kernel`` then takes one
+program per (assignment, column block), reads the expert id straight from the router's ``topk_ids``
+and streams that expert's weight rows as a GEMV (no tensor cores, no padding rows); an expert chosen
+by two tokens is read twice (from L2 when it is warm). Rounding as the torch path (``fused_moe.grouped_experts``):
 gate and up rounded to the input dtype before the float32 SiLU, its result rounded, the product
 rounded; the down product rounded before the float32 weight multiply. Under expert parallel the
 assignments to another rank's experts get no rows (and their output rows stay zero).
@@ -125,6 +131,76 @@ def _moe_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, weights: torc
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )
+
+
+@triton.jit
+def _moe_gemv_kernel(a_ptr, w_ptr, c_ptr, weights_ptr, ids_ptr, N, K, a_row_divisor, first_expert, num_local,
+                     stride_am, stride_we, stride_wn, stride_cm,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SILU_AND_MUL: tl.constexpr, MUL_WEIGHT: tl.constexpr):
+    # One program: assignment ``pid0`` (a row of ``c``), columns ``pid1 * BLOCK_N ..`` of it.
+    assignment = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    io_dtype = c_ptr.dtype.element_ty
+    expert = tl.load(ids_ptr + assignment).to(tl.int64) - first_expert
+    c_ptrs = c_ptr + assignment.to(tl.int64) * stride_cm + cols
+    if (expert < 0) | (expert >= num_local):  # another expert-parallel rank's expert
+        tl.store(c_ptrs, tl.zeros((BLOCK_N,), dtype=io_dtype), mask=col_mask)
+        return
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + (assignment // a_row_divisor).to(tl.int64) * stride_am + offs_k
+    w_ptrs = w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_mask = offs_k < K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+        if SILU_AND_MUL:  # the up rows sit N rows below the gate rows of the same expert
+            w_up = tl.load(w_ptrs + N * stride_wn, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+            acc_up += tl.sum(w_up.to(tl.float32) * a[None, :], axis=1)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    out = acc.to(io_dtype).to(tl.float32)
+    if SILU_AND_MUL:
+        up = acc_up.to(io_dtype).to(tl.float32)
+        out = (out / (1.0 + tl.exp(-out))).to(io_dtype).to(tl.float32) * up
+    if MUL_WEIGHT:
+        out = out * tl.load(weights_ptr + assignment)
+    tl.store(c_ptrs, out.to(io_dtype), mask=col_mask)
+
+
+def _moe_gemv(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+              a_row_divisor: int, first_expert: int, silu_and_mul: bool, config: tuple[int, int, int]) -> None:
+    block_n, block_k, num_warps = config
+    n, k = out.shape[1], a.shape[1]
+    _moe_gemv_kernel[(out.shape[0], triton.cdiv(n, block_n))](
+        a, w, out, weights, ids, n, k, a_row_divisor, first_expert, w.shape[0],
+        a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        BLOCK_N=block_n, BLOCK_K=block_k, SILU_AND_MUL=silu_and_mul, MUL_WEIGHT=not silu_and_mul,
+        num_warps=num_warps,
+    )
+
+
+def fused_experts_direct(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                         topk_ids: torch.Tensor, first_expert: int, config: tuple[int, int, int]) -> torch.Tensor:
+    """``fused_experts`` for a few tokens without sorting (module doc): two GEMV launches over the
+    assignments plus the top-k sum. ``config``: ``(block_n, block_k, num_warps)``. Same arguments,
+    result and rounding as ``fused_experts``; the weights must be contiguous in their last dim."""
+    num_tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    if num_tokens == 0:
+        return torch.zeros_like(x)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    ids = topk_ids.reshape(-1).contiguous()
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    act = torch.empty(num_tokens * top_k, w13.shape[1] // 2, dtype=x.dtype, device=x.device)
+    _moe_gemv(x, w13, act, weights, ids, top_k, first_expert, True, config)
+    rows = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
+    _moe_gemv(act, w2, rows, weights, ids, 1, first_expert, False, config)
+    return rows.view(num_tokens, top_k, hidden).sum(dim=1)
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
