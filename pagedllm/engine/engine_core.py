@@ -69,7 +69,9 @@ class EngineCore:
     Invariant: with async scheduling at most one launched step is not yet applied to the
     scheduler: sampled (``_in_flight``), or waiting for its bitmask (``_unsampled``, structured
     output: its forward is launched, its sample is the first thing the next step launches);
-    without it none. Cost per step: one schedule, one executor launch,
+    without it none. With pipeline parallelism instead (``_batch_queue``) at most
+    ``max_micro_batches`` launched steps are not yet applied, over disjoint requests, and they are
+    applied in launch order. Cost per step: one schedule, one executor launch,
     one wait for a step's tokens and one ``update_from_output``, all O(scheduled requests).
     ``stop_checker`` (the engine's stop-string check) is handed to the scheduler's update.
     ``structured_output`` (built from ``tokenizer``; None without one) owns the grammars.

@@ -7,10 +7,11 @@ Each call is pickled once and written to every worker's connection (the broadcas
 (``ParallelConfig.output_rank``) sends a step's ``ModelRunnerOutput`` back (``mp_worker.py`` says
 which calls reply). With async scheduling a rank holds a sampled step's reply until the next
 step's forward is launched; the driver that waits for the last step it sampled (pipeline parallel:
-nothing more to launch while micro-batches are in flight) first sends ``flush``. While it waits for a reply the driver watches every connection (and, where it
-has them, the workers' process sentinels): a worker that reports an exception, closes its
-connection or exits makes the call raise ``WorkerFailedError`` naming the rank and the cause, and
-every later call raises the same error, so the engine fails loudly rather than hang.
+nothing more to launch while micro-batches are in flight) first sends ``flush``. While it waits
+for a reply the driver watches every connection (and, where it has them, the workers' process
+sentinels): a worker that reports an exception, closes its connection or exits makes the call
+raise ``WorkerFailedError`` naming the rank and the cause, and every later call raises the same
+error, so the engine fails loudly rather than hang.
 """
 
 from __future__ import annotations
