@@ -1,7 +1,7 @@
 """The fused-MoE grouped GEMM: every expert's tokens in two launches (the published fused-MoE design).
 
 An *assignment* is one (token, slot) pair of the router's top-k, numbered ``token * top_k + slot``.
-``align_assignments`` sorts the assignments by expert and pads each expert's run to a multiple of
+``align_assignments`` groups the assignments by expert and pads each expert's run to a multiple of
 ``block_m`` (padding rows hold the sentinel ``T * top_k``), so that every block of ``block_m``
 sorted rows belongs to one expert (``block_expert``). ``_moe_gemm_kernel`` then computes, per block
 of rows and block of output columns, ``A[rows] @ W[expert]^T`` reading only that expert's weight:
@@ -36,33 +36,66 @@ import triton
 import triton.language as tl
 
 
+@triton.jit
+def _count_kernel(ids_ptr, counts_ptr, first_expert, num_experts):
+    # One program per assignment: count it on its (local) expert.
+    expert = tl.load(ids_ptr + tl.program_id(0)).to(tl.int32) - first_expert
+    if (expert >= 0) & (expert < num_experts):
+        tl.atomic_add(counts_ptr + expert, 1)
+
+
+@triton.jit
+def _offsets_kernel(counts_ptr, cursor_ptr, block_expert_ptr, num_padded_ptr, num_experts, num_blocks,
+                    BLOCK_M: tl.constexpr, EXPERTS: tl.constexpr, BLOCKS: tl.constexpr):
+    # One program: each expert's run padded to BLOCK_M rows, runs back to back in expert order;
+    # ``cursor`` = each run's first row (the scatter's next free row), and each block's expert.
+    experts = tl.arange(0, EXPERTS)
+    counts = tl.load(counts_ptr + experts, mask=experts < num_experts, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    tl.store(cursor_ptr + experts, ends - padded, mask=experts < num_experts)
+    tl.store(num_padded_ptr, tl.sum(padded, 0))
+    for first in range(0, num_blocks, BLOCKS):
+        blocks = first + tl.arange(0, BLOCKS)
+        # block b belongs to the first expert whose run ends after row b * BLOCK_M
+        ended = (ends[None, :] <= blocks[:, None] * BLOCK_M) & (experts[None, :] < num_experts)
+        tl.store(block_expert_ptr + blocks, tl.sum(ended.to(tl.int32), 1), mask=blocks < num_blocks)
+
+
+@triton.jit
+def _scatter_kernel(ids_ptr, cursor_ptr, sorted_ids_ptr, first_expert, num_experts):
+    # One program per assignment: take the next free row of its expert's run.
+    assignment = tl.program_id(0)
+    expert = tl.load(ids_ptr + assignment).to(tl.int32) - first_expert
+    if (expert >= 0) & (expert < num_experts):
+        row = tl.atomic_add(cursor_ptr + expert, 1)
+        tl.store(sorted_ids_ptr + row, assignment)
+
+
 def align_assignments(topk_ids: torch.Tensor, num_local_experts: int, first_expert: int,
                       block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(sorted_ids [R] int32, block_expert [R / block_m] int32, num_padded [1] int32)`` for the
-    router's ``topk_ids [T, k]``: the assignments to local experts ``first_expert ..`` sorted by
-    expert (stable), each expert's run padded to a multiple of ``block_m`` with the sentinel
-    ``T*k``; ``num_padded`` rows of the ``R`` (the host-known worst case) are in use, and block ``b``
-    of them belongs to expert ``block_expert[b]`` (beyond ``num_padded``: unspecified)."""
+    router's ``topk_ids [T, k]``: the assignments to local experts ``first_expert ..`` grouped by
+    expert (in expert order; within an expert's run in any order: every row is computed on its own),
+    each expert's run padded to a multiple of ``block_m`` with the sentinel ``T*k``; ``num_padded``
+    rows of the ``R`` (the host-known worst case) are in use, and block ``b`` of them belongs to
+    expert ``block_expert[b]`` (beyond ``num_padded``: unspecified). Five launches (two fills, a
+    count, the offsets, a scatter), each assignment one atomic add in the count and one in the scatter."""
     device = topk_ids.device
-    flat = topk_ids.reshape(-1).to(torch.int64) - first_expert
-    n, experts = flat.numel(), num_local_experts
-    bucket = torch.where((flat >= 0) & (flat < experts), flat, experts)  # ``experts``: another rank's
-    counts = torch.zeros(experts + 1, dtype=torch.int64, device=device).scatter_add_(0, bucket, torch.ones_like(bucket))
-    padded = (counts[:experts] + block_m - 1) // block_m * block_m
-    padded_end = torch.cumsum(padded, 0)
-    starts = torch.cumsum(counts, 0) - counts
-    order = torch.argsort(bucket, stable=True)
-    sorted_bucket = bucket[order]
-    rank_in_expert = torch.arange(n, device=device) - starts[sorted_bucket]
+    n, experts = topk_ids.numel(), num_local_experts
+    ids = topk_ids.reshape(-1)
     rows = triton.cdiv(n + min(experts, n) * (block_m - 1), block_m) * block_m
-    local = sorted_bucket < experts
-    first_row = (padded_end - padded)[sorted_bucket.clamp(max=experts - 1)]
-    dest = torch.where(local, first_row + rank_in_expert, rows)  # row ``rows``: dropped below
-    sorted_ids = torch.full((rows + 1,), n, dtype=torch.int32, device=device)
-    sorted_ids.scatter_(0, dest, order.to(torch.int32))
-    block_starts = torch.arange(0, rows, block_m, device=device)
-    block_expert = torch.searchsorted(padded_end, block_starts, right=True).to(torch.int32)
-    return sorted_ids[:rows], block_expert, padded_end[-1:].to(torch.int32)
+    num_blocks = rows // block_m
+    counts = torch.zeros(experts, dtype=torch.int32, device=device)
+    sorted_ids = torch.full((rows,), n, dtype=torch.int32, device=device)
+    cursor = torch.empty(experts, dtype=torch.int32, device=device)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    _count_kernel[(n,)](ids, counts, first_expert, experts)
+    _offsets_kernel[(1,)](counts, cursor, block_expert, num_padded, experts, num_blocks, BLOCK_M=block_m,
+                          EXPERTS=triton.next_power_of_2(experts), BLOCKS=max(16, 4096 // triton.next_power_of_2(experts)))
+    _scatter_kernel[(n,)](ids, cursor, sorted_ids, first_expert, experts)
+    return sorted_ids, block_expert, num_padded
 
 
 @triton.jit
