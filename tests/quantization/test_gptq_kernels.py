@@ -43,6 +43,18 @@ N8_INTERPRETER_CASES = [
     (4, 16, 256, 64, True, True, torch.float32),
     (7, 24, 256, 32, True, True, torch.float32),
 ]
+# The word-row layout's tiled GEMM (2 to TILED_MAX_ROWS half-precision rows): row tiles of 16 to 64
+# and two of them, output tiles of 16 to 64, runs of 8 to 32 words (chunks of one group: 32 to 128
+# columns, one group over K), split K, act-order, bias, a launch config. float16 only: Triton's
+# interpreter multiplies bfloat16 dots wrongly (the GPU tests take bfloat16).
+TILED_INTERPRETER_CASES = [
+    (2, 16, 256, 32, True, False, torch.float16),
+    (17, 64, 512, 32, True, True, torch.float16),
+    (70, 48, 1024, 128, False, True, torch.float16),
+    (4, 32, 1024, -1, True, True, torch.float16, (16, 16, 4, 4, 3)),
+    (3, 16, 2048, 128, False, True, torch.float16),
+    (33, 128, 4096, 128, True, False, torch.float16, (32, 64, 1, 4, 3)),
+]
 
 
 @functools.lru_cache(maxsize=1)  # a GPU case reuses its 8B-sized weight for every row count
@@ -83,7 +95,8 @@ def check_case(case, device: str, seed: int = 0, layout: str = int4.ROWS_LAYOUT)
 
 
 def _interpreter_main() -> None:
-    cases = [(c, int4.ROWS_LAYOUT) for c in INTERPRETER_CASES] + [(c, int4.N8_LAYOUT) for c in N8_INTERPRETER_CASES]
+    cases = [(c, int4.ROWS_LAYOUT) for c in INTERPRETER_CASES]
+    cases += [(c, int4.N8_LAYOUT) for c in N8_INTERPRETER_CASES + TILED_INTERPRETER_CASES]
     for case, layout in cases:
         err = check_case(case, "cpu", layout=layout)
         tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[case[6]]
@@ -98,7 +111,7 @@ def test_kernels_match_the_reference_in_the_triton_interpreter():
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
                           cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert proc.stdout.count("ok") == len(INTERPRETER_CASES) + len(N8_INTERPRETER_CASES)
+    assert proc.stdout.count("ok") == len(INTERPRETER_CASES) + len(N8_INTERPRETER_CASES) + len(TILED_INTERPRETER_CASES)
 
 
 def test_word_rows_pack_eight_outputs_of_one_input_column():
@@ -191,6 +204,53 @@ def test_word_row_gemv_compiles_for_hopper_without_spills():
                                                                            "BLOCK": 1024}), target=target)
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_tiled_gemm_compiles_to_tensor_core_dots_for_hopper(block_m):
+    """The tiled GEMM built for sm_90 (no GPU needed): its dot is a tensor-core instruction (wgmma
+    at 64 rows, mma below), its loads are pipelined (cp.async), and nothing spills."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from pagedllm.quantization.kernels import int4_gemm
+
+    ints = ("M", "N", "K", "GROUP_SIZE", "K_PER_SPLIT", "stride_xm", "stride_sn", "stride_om")
+    signature = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16", "perm_ptr": "*i32",
+                 "b_ptr": "*bf16", "out_ptr": "*bf16", **dict.fromkeys(ints, "i32"),
+                 **dict.fromkeys(("HAS_PERM", "HAS_BIAS", "SPLIT", "BLOCK_M", "BLOCK_N", "RUN", "SEG", "CHUNK"),
+                                 "constexpr")}
+    run, seg, chunk = int4_gemm.tiled_n8_chunk(4096, 128)
+    constants = {"HAS_PERM": True, "HAS_BIAS": True, "SPLIT": 1, "BLOCK_M": block_m, "BLOCK_N": 64, "RUN": run,
+                 "SEG": seg, "CHUNK": chunk}
+    kernel = triton.compile(ASTSource(int4_gemm._int4_gemm_n8_kernel, signature, constants),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+    ptx = kernel.asm["ptx"]
+    assert ("wgmma" in ptx or "mma.sync" in ptx) and "cp.async" in ptx and "ld.local" not in ptx
+
+
+def test_tiled_gemm_chunks_lie_in_one_group_and_config_divides_the_shape():
+    """A chunk is whole GEMV runs of one group (16 to 128 columns); the config's tiles divide N and
+    its splits the chunks of K; shapes whose tiles and groups do not nest are refused."""
+    from pagedllm.quantization.kernels import int4_gemm
+
+    assert int4_gemm.tiled_n8_chunk(4096, 128) == (32, 16, 128)  # 8 runs of 16 words, 512 bytes apart
+    assert int4_gemm.tiled_n8_chunk(14336, 128) == (16, 32, 128)
+    assert int4_gemm.tiled_n8_chunk(14336, 14336) == (16, 32, 128)  # one group
+    assert int4_gemm.tiled_n8_chunk(256, 32) == (8, 16, 32)
+    assert int4_gemm.tiled_n8_chunk(1024, 8) is None  # chunks of 8 columns: shorter than a dot
+    assert int4_gemm.tiled_n8_chunk(3072, 96) is None  # groups of 96 straddle the 1024-column tiles
+    x = torch.empty(2, 4096, dtype=torch.bfloat16)
+    assert int4_gemm.tiled_n8_fits(x, 6144, 128) and not int4_gemm.tiled_n8_fits(x.float(), 6144, 128)
+    assert not int4_gemm.tiled_n8_fits(x, 6152, 128)  # N not a multiple of 16
+    for m in (2, 3, 16, 17, 64, 128):
+        for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (48, 1024)]:
+            block_m, block_n, split, _, _ = int4_gemm.tiled_n8_config(m, n, k, 128, 132)
+            assert block_m >= min(64, m) and n % block_n == 0 and (k // 128) % split == 0, (m, n, k)
+            assert -(-m // block_m) * (n // block_n) * split >= 132 or split == max(
+                d for d in range(1, int4_gemm.TILED_MAX_SPLIT + 1) if (k // 128) % d == 0), (m, n, k)
+
+
 # ---- CUDA (the lead runs these on a GPU) -------------------------------------------------------
 
 # Llama-3.1-8B's projections (qkv, o, gate_up, down) at decode and prefill row counts.
@@ -204,9 +264,32 @@ GPU_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 @pytest.mark.parametrize("act_order", [False, True])
 def test_kernels_match_the_reference_on_cuda(shape, act_order, layout):
     n, k = shape
-    for m in (1, 2, 3, 4, 16, 64, 300):
+    for m in (1, 2, 3, 4, 8, 16, 33, 64, 128, 300):
         err = check_case((m, n, k, 128, act_order, m == 3, torch.bfloat16), "cuda", layout=layout)
         assert err < 1e-2, (m, err)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_each_word_row_kernel_matches_the_reference_on_cuda(shape):
+    """Every word-row kernel where it takes the rows, whichever the dispatch picks: the GEMV at 1-4
+    rows, the tiled GEMM at 1-128 (float16 and bfloat16, bias, act-order), dequantize + cuBLAS."""
+    from pagedllm.quantization.kernels import int4_gemm
+
+    n, k = shape
+    qweight, scales, zeros, perm = make_weight(n, k, 128, True, "cuda", layout=int4.N8_LAYOUT)
+    kernels = {"gemv": (int4_gemm.int4_gemv_n8, (1, 2, 3, 4)), "tiled": (int4_gemm.int4_gemm_n8, (1, 2, 5, 16, 64, 128)),
+               "dequant": (functools.partial(int4_gemm.int4_dequant_matmul, layout=int4.N8_LAYOUT), (1, 64))}
+    for name, (kernel, rows) in kernels.items():
+        for m in rows:
+            for dtype in (torch.bfloat16, torch.float16):
+                x = torch.randn(m, k, device="cuda", dtype=dtype)
+                bias = torch.randn(n, device="cuda", dtype=dtype)
+                want = int4.int4_linear_reference(x, qweight, scales, zeros, perm, 128, int4.N8_LAYOUT) + bias.float()
+                got = kernel(x, qweight, scales, zeros, perm, 128, bias)
+                err = float((got.float() - want).abs().max() / want.abs().max())
+                assert got.dtype == dtype and err < 1e-2, (name, m, dtype, err)
 
 
 @pytest.mark.gpu

@@ -53,6 +53,14 @@ ELEMENTWISE_MAX_ROWS: tl.constexpr = tl.constexpr(2)
 MAGIC = 0x4B000000  # the bits of the float 2^23, whose mantissa takes a code (``_n8_plane``)
 # The word-row GEMV splits K until there are this many programs per SM.
 N8_PROGRAMS_PER_SM = 2
+# Word-row layout: rows the GEMV takes (one: its per-row sums cost registers and a second row
+# doubles its arithmetic), and rows the tiled GEMM takes (above: dequantize once + cuBLAS, whose
+# tiles reuse each weight across many rows).
+N8_GEMV_MAX_ROWS = 1
+TILED_MAX_ROWS = 128
+# Input columns a tiled-GEMM step covers at most, and the most K splits it makes.
+TILED_MAX_CHUNK = 128
+TILED_MAX_SPLIT = 8
 
 
 @triton.jit
@@ -320,6 +328,56 @@ def _int4_dequant_n8_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, GROUP_SIZE, strid
         tl.store(w_ptr + rows[:, None].to(tl.int64) * K + rk[None, :], w.to(w_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _int4_gemm_n8_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, b_ptr, out_ptr, M, N, K, GROUP_SIZE,
+                         K_PER_SPLIT, stride_xm, stride_sn, stride_om,
+                         HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RUN: tl.constexpr,
+                         SEG: tl.constexpr, CHUNK: tl.constexpr):
+    """The tiled GEMM over the word-row layout: a ``[BLOCK_M, BLOCK_N]`` output tile over one split
+    of K, ``CHUNK`` columns a step. A chunk is the columns of ``CHUNK / RUN`` consecutive GEMV
+    threads (``n8_memory_order``): one group (``tiled_n8_chunk``), stored as ``RUN / 4`` runs of
+    ``SEG`` contiguous words 512 bytes apart, so a step loads ``[BLOCK_N / 8, CHUNK]`` words (each
+    read once), one scale and zero point per output row, and the matching ``x`` columns (a
+    gather: the stored order). The codes (``(q - z)``, exact in bf16/fp16) go to a tensor-core dot
+    in x's dtype, accumulated in float32; the group's scale multiplies the step's dot."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = rm < M
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rb = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
+    c = tl.arange(0, CHUNK)
+    stored_offs = 128 * (c // SEG) + c % SEG  # position of chunk column c in its stored runs
+    column_offs = (c % SEG // 4) * RUN + 4 * (c // SEG) + c % 4  # the input column it multiplies
+    shifts = 4 * tl.arange(0, 8)
+    word_rows = qw_ptr + rb[:, None].to(tl.int64) * K
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    k_begin = pid_k * K_PER_SPLIT
+    for k0 in range(k_begin, k_begin + K_PER_SPLIT, CHUNK):
+        q = k0 % (32 * RUN) // CHUNK
+        words = tl.load(word_rows + (k0 - q * (CHUNK - SEG) + stored_offs)[None, :])
+        cols = k0 + column_offs
+        if HAS_PERM:
+            cols = tl.load(perm_ptr + cols)
+        xt = tl.load(x_ptr + rm[:, None] * stride_xm + cols[None, :], mask=m_mask[:, None], other=0.0)
+        g = k0 // GROUP_SIZE
+        s = tl.load(s_ptr + rn * stride_sn + g).to(tl.float32)
+        z = tl.load(z_ptr + rn * stride_sn + g).to(tl.float32)
+        bits = ((words[:, None, :] >> shifts[None, :, None]) & 0xF) | 0x4B000000
+        codes = tl.reshape(bits.to(tl.float32, bitcast=True), (BLOCK_N, CHUNK))
+        w = (codes - (z + 8388608.0)[:, None]).to(xt.dtype)
+        acc += tl.dot(xt, tl.trans(w)) * s[None, :]
+    if SPLIT > 1:
+        out_ptr += pid_k * M * N
+        stride_om = N
+    elif HAS_BIAS:
+        acc += tl.load(b_ptr + rn).to(tl.float32)[None, :]
+    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m_mask[:, None])
+
+
 def int4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
                     dtype: torch.dtype, layout: str = ROWS_LAYOUT) -> torch.Tensor:
     """The ``[N, K]`` weight in ``dtype`` (its columns in the serving form's order: apply ``perm``
@@ -339,6 +397,11 @@ def int4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
     _int4_dequant_kernel[grid](qweight, scales, zeros, w, n, k, group_size, qweight.stride(0), scales.stride(0),
                                BLOCK_N=block_n, BLOCK_W=block_w, num_warps=4)
     return w
+
+
+def num_outputs(qweight: torch.Tensor, layout: str) -> int:
+    """N of a packed weight in ``layout``."""
+    return qweight.shape[0] * PACK if layout == N8_LAYOUT else qweight.shape[0]
 
 
 def in_features(qweight: torch.Tensor, layout: str) -> int:
@@ -389,15 +452,97 @@ def gemv_n8_config(m: int, n: int, k: int, group_size: int, sm_count: int) -> tu
     return num_warps, run, split
 
 
-def _gemv_n8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-             perm: torch.Tensor | None, group_size: int, bias: torch.Tensor | None, out: torch.Tensor,
-             config: tuple[int, int, int] | None) -> None:
+def tiled_n8_chunk(k: int, group_size: int) -> tuple[int, int, int] | None:
+    """``(run, seg, chunk)`` of the tiled GEMM's K step over a word-row weight of ``k`` inputs:
+    ``chunk`` columns (at most ``TILED_MAX_CHUNK``) = ``chunk / run`` whole GEMV runs inside one
+    group, stored as ``run / 4`` segments of ``seg`` words; None where the layout's tiles of ``32 *
+    run`` columns and the groups do not nest (or a chunk would be shorter than a dot's 16)."""
+    run = n8_run(k, group_size)
+    if run is None:
+        return None
+    tile = 32 * run
+    if group_size % tile and tile % group_size:
+        return None
+    chunk = max(run, min(TILED_MAX_CHUNK, tile, group_size))
+    return (run, 4 * chunk // run, chunk) if chunk >= 16 else None
+
+
+def tiled_n8_fits(x: torch.Tensor, n: int, group_size: int) -> bool:
+    """Whether the tiled GEMM takes ``x`` against a word-row weight of ``n`` outputs: a half-precision
+    input (a float32 one would multiply in TF32) and whole ``[16, chunk]`` tiles."""
+    return (x.dtype in (torch.float16, torch.bfloat16) and n % 16 == 0
+            and tiled_n8_chunk(x.shape[1], group_size) is not None)
+
+
+def tiled_n8_config(m: int, n: int, k: int, group_size: int, sm_count: int) -> tuple[int, int, int, int, int]:
+    """``(block_m, block_n, split_k, num_warps, num_stages)`` of the tiled GEMM: row tiles of 16 to
+    64 (a dot takes 16 rows at least; padding rows cost no weight bytes), 64 outputs where N allows,
+    and K split (a divisor of the chunks, at most ``TILED_MAX_SPLIT``) until there are ``sm_count``
+    programs or more: at decode sizes every program streams weights, and fewer than one an SM
+    leaves bandwidth unused."""
+    _, _, chunk = tiled_n8_chunk(k, group_size)
+    block_m = min(64, max(16, triton.next_power_of_2(m)))
+    block_n = next(b for b in (64, 32, 16) if n % b == 0)
+    programs = triton.cdiv(m, block_m) * (n // block_n)
+    chunks = k // chunk
+    splits = [d for d in range(1, TILED_MAX_SPLIT + 1) if chunks % d == 0]
+    split = next((d for d in splits if programs * d >= sm_count), splits[-1])
+    return block_m, block_n, split, 4, 3
+
+
+def int4_gemm_n8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 perm: torch.Tensor | None, group_size: int, bias: torch.Tensor | None,
+                 out: torch.Tensor | None = None, config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """``x[:, perm] @ W^T (+ bias)`` by the tiled GEMM (``_int4_gemm_n8_kernel``) from a word-row
+    weight; ``config``: ``tiled_n8_config``'s tuple (default its choice). Precondition:
+    ``tiled_n8_fits``. Split K writes float32 partial sums, added by ``_splitk_sum_kernel``."""
     m, k = x.shape
     n = qweight.shape[0] * PACK
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    block_m, block_n, split, num_warps, num_stages = config or tiled_n8_config(m, n, k, group_size, _sm_count(x))
+    run, seg, chunk = tiled_n8_chunk(k, group_size)
+    if n % block_n or k % (chunk * split):
+        raise ValueError(f"int4 tiled GEMM config {(block_m, block_n, split)}: block_n must divide N={n} and the "
+                         f"splits the {k // chunk} chunks of K")
+    target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    _int4_gemm_n8_kernel[(triton.cdiv(m, block_m), n // block_n, split)](
+        x, qweight, scales, zeros, perm if perm is not None else qweight, bias if bias is not None else out, target,
+        m, n, k, group_size, k // split, x.stride(0), scales.stride(0), out.stride(0),
+        HAS_PERM=perm is not None, HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n,
+        RUN=run, SEG=seg, CHUNK=chunk, num_warps=num_warps, num_stages=num_stages)
+    if split > 1:
+        _splitk_sum(target, bias, out)
+    return out
+
+
+def _sm_count(x: torch.Tensor) -> int:
+    """The SM count of x's device (an H100's under the interpreter)."""
+    if not x.is_cuda:
+        return 132
+    return num_sms(x.device.index if x.device.index is not None else torch.cuda.current_device())
+
+
+def _splitk_sum(partials: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    """``out = partials.sum(0) (+ bias)`` in out's dtype (``partials`` float32 ``[split, M, N]``)."""
+    split, m, n = partials.shape
+    block = 1024
+    _splitk_sum_kernel[(triton.cdiv(m * n, block),)](partials, bias if bias is not None else out, out, m, n,
+                                                     out.stride(0), SPLIT=split, HAS_BIAS=bias is not None,
+                                                     BLOCK=block, num_warps=4)
+
+
+def int4_gemv_n8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 perm: torch.Tensor | None, group_size: int, bias: torch.Tensor | None,
+                 out: torch.Tensor | None = None, config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """``x[:, perm] @ W^T (+ bias)`` by the word-row GEMV (``_int4_gemv_n8_kernel``; up to
+    ``GEMV_MAX_ROWS`` rows); ``config``: ``gemv_n8_config``'s tuple (default its choice)."""
+    m, k = x.shape
+    n = qweight.shape[0] * PACK
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if config is None:
-        sms = num_sms(x.device.index if x.device.index is not None else torch.cuda.current_device()) \
-            if x.is_cuda else 132  # under the interpreter: an H100's
-        config = gemv_n8_config(m, n, k, group_size, sms)
+        config = gemv_n8_config(m, n, k, group_size, _sm_count(x))
     num_warps, run, split = config
     threads = 32 * num_warps
     if run != n8_run(k, group_size) or k % (threads * run * split):
@@ -413,27 +558,28 @@ def _gemv_n8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
         HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=triton.next_power_of_2(m),
         THREADS=threads, RUN=run, num_warps=num_warps)
     if split > 1:
-        block = 1024
-        _splitk_sum_kernel[(triton.cdiv(m * n, block),)](target, bias if bias is not None else out, out, m, n,
-                                                         out.stride(0), SPLIT=split, HAS_BIAS=bias is not None,
-                                                         BLOCK=block, num_warps=4)
+        _splitk_sum(target, bias, out)
+    return out
 
 
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                 perm: torch.Tensor | None, group_size: int, bias: torch.Tensor | None,
                 out: torch.Tensor | None = None, config: tuple[int, ...] | None = None,
                 layout: str = ROWS_LAYOUT) -> torch.Tensor:
-    """``[M, N]`` in x's dtype (``out`` if given); ``config``: the launch sizes of the GEMV that runs
-    (``gemv_config``'s shape for the row layout, ``gemv_n8_config``'s for the word-row layout; default
+    """``[M, N]`` in x's dtype (``out`` if given), by the kernel the layout and M pick (module doc);
+    ``config``: the launch sizes of that kernel (``gemv_config``'s tuple for the row-layout GEMV,
+    ``gemv_n8_config``'s for the word-row GEMV, ``tiled_n8_config``'s for the tiled GEMM; default
     theirs). Precondition: ``fits`` (and ``n8_layout_fits`` for the word-row layout)."""
     m, k = x.shape
-    n = qweight.shape[0] * (PACK if layout == N8_LAYOUT else 1)
+    n = num_outputs(qweight, layout)
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m <= GEMV_MAX_ROWS and layout == N8_LAYOUT:
-        _gemv_n8(x, qweight, scales, zeros, perm, group_size, bias, out, config)
-        return out
-    if m <= GEMV_MAX_ROWS:
+    tiled = layout == N8_LAYOUT and m <= TILED_MAX_ROWS and tiled_n8_fits(x, n, group_size)
+    if layout == N8_LAYOUT and (m <= N8_GEMV_MAX_ROWS or (m <= GEMV_MAX_ROWS and not tiled)):
+        return int4_gemv_n8(x, qweight, scales, zeros, perm, group_size, bias, out, config)
+    if tiled:
+        return int4_gemm_n8(x, qweight, scales, zeros, perm, group_size, bias, out, config)
+    if layout == ROWS_LAYOUT and m <= GEMV_MAX_ROWS:
         common = (x, qweight, scales, zeros, perm if perm is not None else qweight, bias if bias is not None else out,
                   out, m, n, k, group_size, x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0))
         block_n, block_k, num_warps, word_tiles = config or gemv_config(m, n, k)
@@ -441,9 +587,17 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
             *common, HAS_PERM=perm is not None, HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(m),
             BLOCK_N=block_n, BLOCK_K=block_k, WORD_TILES=word_tiles and m == 1, num_warps=num_warps)
         return out
-    # More rows: dequantize once and let cuBLAS multiply. W is written and read back in x's dtype
-    # (about twice a bf16 GEMM's bytes), far cheaper at 16+ rows than a fused tiled kernel whose
-    # tiles cannot load the row-packed codes coalesced.
+    return int4_dequant_matmul(x, qweight, scales, zeros, perm, group_size, bias, out, layout)
+
+
+def int4_dequant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                        perm: torch.Tensor | None, group_size: int, bias: torch.Tensor | None,
+                        out: torch.Tensor | None = None, layout: str = ROWS_LAYOUT) -> torch.Tensor:
+    """``x[:, perm] @ W^T (+ bias)``: W dequantized in x's dtype (``int4_dequantize``), then cuBLAS.
+    W is written and read back (about twice a bf16 GEMM's bytes): at prefill sizes a small cost
+    next to the GEMM, whose tiles reuse each weight across many rows."""
+    if out is None:
+        out = torch.empty(x.shape[0], num_outputs(qweight, layout), dtype=x.dtype, device=x.device)
     w = int4_dequantize(qweight, scales, zeros, group_size, x.dtype, layout)
     xp = x if perm is None else x.index_select(1, perm)
     torch.matmul(xp, w.t(), out=out)
