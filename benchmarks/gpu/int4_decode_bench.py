@@ -168,7 +168,7 @@ def kernels_part(rows: tuple[int, ...], sweep: bool, gguf: bool) -> dict:
             "gguf": [row for name in ("o", "gate_up") for row in time_gguf(name, *SHAPES[name])] if gguf else []}
 
 
-def engine_part(variant: str, batch_sizes: list[int], input_len: int, output_len: int) -> dict:
+def engine_part(variant: str, batch_sizes: list[int], input_len: int, output_len: int, profile: bool) -> dict:
     import random
 
     import torch
@@ -200,8 +200,51 @@ def engine_part(variant: str, batch_sizes: list[int], input_len: int, output_len
         runs.append({"batch_size": bs, "decode_step_ms": step * 1e3, "floor_ms": floor * 1e3,
                      "step_over_floor": step / floor})
         print(f"{variant} batch {bs}: {step * 1e3:.3f} ms (floor {floor * 1e3:.3f} ms)", flush=True)
-    return {"variant": variant, "device": device_name(runner.device), "weight_bytes": weight_bytes,
-            "copy_bytes_per_s": bandwidth, "torch": torch.__version__, "runs": runs}
+    result = {"variant": variant, "device": device_name(runner.device), "weight_bytes": weight_bytes,
+              "copy_bytes_per_s": bandwidth, "torch": torch.__version__, "runs": runs}
+    if profile:
+        result["profile"] = {bs: profile_decode(llm, bs, input_len) for bs in batch_sizes}
+    return result
+
+
+def profile_decode(llm, batch: int, ctx: int, steps: int = 10) -> list[dict]:
+    """The CUDA kernels of ``steps`` steady decode steps at ``batch`` requests of about ``ctx``
+    tokens (torch.profiler): name, calls and microseconds per step, most time first (top 30), with
+    the total; printed too."""
+    import random
+
+    import torch
+
+    from pagedllm import SamplingParams
+
+    engine = llm.llm_engine
+    vocab = min(100000, engine.model_config.vocab_size)
+    rng = random.Random(1)
+    params = SamplingParams(max_tokens=steps + 20, ignore_eos=True, detokenize=False)
+    for i in range(batch):
+        engine.add_request(f"profile-{batch}-{i}", {"prompt_token_ids": [rng.randrange(0, vocab) for _ in range(ctx)]},
+                           params)
+    scheduler = engine.engine_core.scheduler
+    while scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    while engine.has_unfinished_requests():
+        engine.step()
+    rows = sorted(({"kernel": e.key[:90], "calls_per_step": e.count / steps,
+                    "us_per_step": e.device_time_total / steps} for e in prof.key_averages() if e.device_time_total > 0),
+                  key=lambda r: -r["us_per_step"])
+    total = sum(r["us_per_step"] for r in rows)
+    print(f"profile batch {batch}: {total:.0f} us of kernels a step")
+    for r in rows[:30]:
+        print(f"  {r['us_per_step']:8.1f} us {r['calls_per_step']:6.1f} calls  {r['kernel']}")
+    return [{"kernel": "total", "calls_per_step": sum(r["calls_per_step"] for r in rows), "us_per_step": total},
+            *rows[:30]]
 
 
 def run_child(args: list[str]) -> dict:
@@ -254,16 +297,17 @@ def main() -> int:
     p.add_argument("--rows", type=int, nargs="+", default=list(ROWS), help="row counts of the kernel table")
     p.add_argument("--sweep", action="store_true", help=f"also the tiled GEMM's launch sizes at {SWEEP_ROWS} rows")
     p.add_argument("--gguf", action="store_true", help="also the GGUF block kernels")
+    p.add_argument("--profile", action="store_true", help="also the CUDA kernels of 10 decode steps per batch size")
     p.add_argument("--child", choices=["kernels", *VARIANTS], help=argparse.SUPPRESS)
     p.add_argument("--child-json", help=argparse.SUPPRESS)
     ns = p.parse_args()
     if ns.child:
         out = kernels_part(tuple(ns.rows), ns.sweep, ns.gguf) if ns.child == "kernels" else engine_part(ns.child, ns.batch_sizes, ns.input_len,
-                                                                         ns.output_len)
+                                                                         ns.output_len, ns.profile)
         Path(ns.child_json).write_text(json.dumps(out))
         return 0
     sizes = ["--batch-sizes", *map(str, ns.batch_sizes), "--input-len", str(ns.input_len),
-             "--output-len", str(ns.output_len)]
+             "--output-len", str(ns.output_len)] + ["--profile"] * ns.profile
     kernel_args = ["--rows", *map(str, ns.rows)] + ["--sweep"] * ns.sweep + ["--gguf"] * ns.gguf
     result = {"kernels": {} if ns.skip_kernels else run_child(["--child", "kernels", *kernel_args]),
               "engine": {} if ns.skip_engine else {v: run_child(["--child", v, *sizes]) for v in ns.variants}}
