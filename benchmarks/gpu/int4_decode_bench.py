@@ -131,7 +131,7 @@ def tiled_sweep(m: int, n: int, k: int, sms: int) -> list[tuple[int, int, int, i
     from pagedllm.quantization.kernels import int4_gemm
 
     block_m, block_n, split, warps, stages = int4_gemm.tiled_n8_config(m, n, k, 128, sms)
-    chunks = k // int4_gemm.tiled_n8_chunk(k, 128)[2]
+    chunks = k // int4_gemm.tiled_n8_chunk(k, 128)[1]
     configs = [(block_m, block_n, split, warps, s) for s in (2, 4, 5)]
     configs += [(block_m, block_n, split, 8, stages), (block_m, block_n, split, 2, stages)]
     configs += [(block_m, b, d, warps, stages) for b in (32, 128) for d in (max(1, split // 2), split, split * 2)]

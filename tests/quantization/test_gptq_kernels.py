@@ -218,11 +218,11 @@ def test_tiled_gemm_compiles_to_tensor_core_dots_for_hopper(block_m):
     ints = ("M", "N", "K", "GROUP_SIZE", "K_PER_SPLIT", "stride_xm", "stride_sn", "stride_om")
     signature = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16", "perm_ptr": "*i32",
                  "b_ptr": "*bf16", "out_ptr": "*bf16", **dict.fromkeys(ints, "i32"),
-                 **dict.fromkeys(("HAS_PERM", "HAS_BIAS", "SPLIT", "BLOCK_M", "BLOCK_N", "RUN", "SEG", "CHUNK"),
+                 **dict.fromkeys(("HAS_PERM", "HAS_BIAS", "SPLIT", "BLOCK_M", "BLOCK_N", "RUN", "CHUNK"),
                                  "constexpr")}
-    run, seg, chunk = int4_gemm.tiled_n8_chunk(4096, 128)
+    run, chunk = int4_gemm.tiled_n8_chunk(4096, 128)
     constants = {"HAS_PERM": True, "HAS_BIAS": True, "SPLIT": 1, "BLOCK_M": block_m, "BLOCK_N": 64, "RUN": run,
-                 "SEG": seg, "CHUNK": chunk}
+                 "CHUNK": chunk}
     kernel = triton.compile(ASTSource(int4_gemm._int4_gemm_n8_kernel, signature, constants),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
     ptx = kernel.asm["ptx"]
@@ -234,10 +234,10 @@ def test_tiled_gemm_chunks_lie_in_one_group_and_config_divides_the_shape():
     its splits the chunks of K; shapes whose tiles and groups do not nest are refused."""
     from pagedllm.quantization.kernels import int4_gemm
 
-    assert int4_gemm.tiled_n8_chunk(4096, 128) == (32, 16, 128)  # 8 runs of 16 words, 512 bytes apart
-    assert int4_gemm.tiled_n8_chunk(14336, 128) == (16, 32, 128)
-    assert int4_gemm.tiled_n8_chunk(14336, 14336) == (16, 32, 128)  # one group
-    assert int4_gemm.tiled_n8_chunk(256, 32) == (8, 16, 32)
+    assert int4_gemm.tiled_n8_chunk(4096, 128) == (32, 128)  # four runs of 32 columns
+    assert int4_gemm.tiled_n8_chunk(14336, 128) == (16, 128)
+    assert int4_gemm.tiled_n8_chunk(14336, 14336) == (16, 128)  # one group
+    assert int4_gemm.tiled_n8_chunk(256, 32) == (8, 32)
     assert int4_gemm.tiled_n8_chunk(1024, 8) is None  # chunks of 8 columns: shorter than a dot
     assert int4_gemm.tiled_n8_chunk(3072, 96) is None  # groups of 96 straddle the 1024-column tiles
     x = torch.empty(2, 4096, dtype=torch.bfloat16)

@@ -4,17 +4,27 @@ dequantized inside the kernel: the packed codes are read from memory once.
 Word-row layout (``N8_LAYOUT``, ``[N / 8, K]``: a word holds eight output rows of one input
 column; chosen at load where ``n8_layout_fits``):
 
-- ``_int4_gemv_n8_kernel`` (``GEMV_MAX_ROWS`` rows or fewer): a program owns one word row (eight
-  outputs) and a split of K; in each step its ``THREADS`` threads each take ``RUN`` columns (up
-  to 32) that lie in one group, so a thread loads its eight scales and zero points once a step
-  and one ``x`` value serves eight codes; the layout stores each 16-byte load of a warp's 32
-  threads next to each other (512 contiguous bytes a load). A code costs one logic op (the
-  nibble stays in place in the mantissa of 2^23: no shift per code, no int-to-float conversion),
-  one add (minus ``2^23 + z``, exact) and one multiply-add; the scale multiplies a step's sums. Grid
-  ``(N / 8, split)``: split K (``gemv_n8_config``) where the word rows alone leave SMs idle, its
-  float32 partial sums added by ``_splitk_sum_kernel`` (with the bias, in x's dtype). Act-order:
-  the input is permuted by one gather first.
-- more rows: ``_int4_dequant_n8_kernel`` writes W in x's dtype, then cuBLAS multiplies.
+- ``_int4_gemv_n8_kernel`` (``N8_GEMV_MAX_ROWS`` rows; up to ``GEMV_MAX_ROWS`` where the tiled GEMM
+  does not take the input): a program owns one word row (eight outputs) and a split of K; in each
+  step its ``THREADS`` threads each take ``RUN`` columns (up to 32) that lie in one group, so a
+  thread loads its eight scales and zero points once a step and one ``x`` value serves eight
+  codes; the layout stores each 16-byte load of a warp's 32 threads next to each other (512
+  contiguous bytes a load). A code costs one logic op (the nibble stays in place in the mantissa
+  of 2^23: no shift per code, no int-to-float conversion), one add (minus ``2^23 + z``, exact) and
+  one multiply-add; the scale multiplies a step's sums. Grid ``(N / 8, split)``: split K
+  (``gemv_n8_config``) where the word rows alone leave SMs idle, its float32 partial sums added by
+  ``_splitk_sum_kernel`` (with the bias, in x's dtype). Act-order: the input is permuted by one
+  gather first.
+- ``_int4_gemm_n8_kernel`` (the tiled GEMM, above the GEMV up to ``TILED_MAX_ROWS`` half-precision
+  rows): a program owns a ``[BLOCK_M, BLOCK_N]`` output tile and a split of K; a step takes one
+  chunk of K (whole GEMV runs of one group: ``tiled_n8_chunk``), loads its ``[BLOCK_N / 8,
+  chunk]`` words once, turns them into ``q - z`` in x's dtype in registers (exact), multiplies
+  them with the gathered input columns on the tensor cores (float32 accumulate) and scales the
+  step's dot by the group's scales. Padding rows up to a 16-row tile cost no weight bytes, so
+  2-16 rows cost about what one does. Grid ``(M / BLOCK_M, N / BLOCK_N, split)``; split K
+  (``tiled_n8_config``) as the GEMV does. Act-order: the kernel gathers ``x[:, perm]`` itself.
+- more rows: ``_int4_dequant_n8_kernel`` writes W in x's dtype, then cuBLAS multiplies
+  (``int4_dequant_matmul``; also for float32 inputs, which a dot would round to TF32).
 
 Row layout (``ROWS_LAYOUT``, ``[N, K / 8]``; shapes the word-row GEMV does not take):
 
@@ -26,11 +36,11 @@ Row layout (``ROWS_LAYOUT``, ``[N, K / 8]``; shapes the word-row GEMV does not t
   and the scale are applied once per word: ``sum_k x_k (q_k - z) s = sum_words s (sum_j x q - z
   sum_j x)``. Grid ``cdiv(N, BLOCK_N)``.
 - more rows: ``_int4_dequant_kernel`` writes W in x's dtype, then cuBLAS multiplies (a tiled
-  GEMM dequantizing in registers measured 18-51x slower than bf16 at 16-64 rows on an H100: the
-  row-packed codes do not load coalesced as a ``[BLOCK_K, BLOCK_N]`` tile).
+  GEMM dequantizing in registers over this layout measured 18-51x slower than bf16 at 16-64 rows
+  on an H100: the row-packed codes do not load coalesced as a ``[BLOCK_K, BLOCK_N]`` tile).
 
-The GEMVs accumulate in float32 and round once to the output dtype; W is rounded to x's dtype
-before cuBLAS, as a fused kernel's ``tl.dot`` would. No host sync, no autotuning at call time (the
+The kernels accumulate in float32 and round once to the output dtype; W is rounded to x's dtype
+before cuBLAS (the tiled GEMM's ``q - z`` needs no rounding: it scales the dot instead). No host sync, no autotuning at call time (the
 launch sizes are a function of the shape: CUDA graphs capture them); the only allocations are the
 output, the split-K partial sums, the permuted input and W (from the caching allocator, so a CUDA
 graph can capture them). Requirements (``fits``): a 2-D contiguous float input, K a multiple of 8,
@@ -332,15 +342,14 @@ def _int4_dequant_n8_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, GROUP_SIZE, strid
 def _int4_gemm_n8_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, b_ptr, out_ptr, M, N, K, GROUP_SIZE,
                          K_PER_SPLIT, stride_xm, stride_sn, stride_om,
                          HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RUN: tl.constexpr,
-                         SEG: tl.constexpr, CHUNK: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RUN: tl.constexpr, CHUNK: tl.constexpr):
     """The tiled GEMM over the word-row layout: a ``[BLOCK_M, BLOCK_N]`` output tile over one split
-    of K, ``CHUNK`` columns a step. A chunk is the columns of ``CHUNK / RUN`` consecutive GEMV
-    threads (``n8_memory_order``): one group (``tiled_n8_chunk``), stored as ``RUN / 4`` runs of
-    ``SEG`` contiguous words 512 bytes apart, so a step loads ``[BLOCK_N / 8, CHUNK]`` words (each
-    read once), one scale and zero point per output row, and the matching ``x`` columns (a
-    gather: the stored order). The codes (``(q - z)``, exact in bf16/fp16) go to a tensor-core dot
-    in x's dtype, accumulated in float32; the group's scale multiplies the step's dot."""
+    of K, ``CHUNK`` columns a step. A chunk is ``CHUNK / RUN`` consecutive GEMV runs inside one group
+    (``tiled_n8_chunk``): the contiguous input columns ``k0 .. k0 + CHUNK``, whose words lie in 16-byte
+    pieces (four columns of one run) 512 bytes apart (``n8_memory_order``). A step loads the
+    ``[BLOCK_N / 8, CHUNK]`` words (each read once), one scale and zero point per output row and
+    the ``[BLOCK_M, CHUNK]`` inputs; the codes become ``q - z`` in x's dtype (exact) for a tensor-core
+    dot accumulated in float32, which the group's scales multiply."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -349,19 +358,21 @@ def _int4_gemm_n8_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, b_ptr, out_ptr, 
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rb = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
     c = tl.arange(0, CHUNK)
-    stored_offs = 128 * (c // SEG) + c % SEG  # position of chunk column c in its stored runs
-    column_offs = (c % SEG // 4) * RUN + 4 * (c // SEG) + c % 4  # the input column it multiplies
+    # Where column k0 + c sits after its chunk's first stored word: load (c % RUN) // 4 of run c // RUN.
+    stored_offs = 128 * (c % RUN // 4) + 4 * (c // RUN) + c % 4
+    stored_offs = tl.max_contiguous(tl.multiple_of(stored_offs, 4), 4)  # 16-byte pieces: vector loads
     shifts = 4 * tl.arange(0, 8)
-    word_rows = qw_ptr + rb[:, None].to(tl.int64) * K
+    word_rows = qw_ptr + rb[:, None].to(tl.int64) * K + stored_offs[None, :]
+    x_rows = x_ptr + rm[:, None] * stride_xm
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     k_begin = pid_k * K_PER_SPLIT
     for k0 in range(k_begin, k_begin + K_PER_SPLIT, CHUNK):
-        q = k0 % (32 * RUN) // CHUNK
-        words = tl.load(word_rows + (k0 - q * (CHUNK - SEG) + stored_offs)[None, :])
-        cols = k0 + column_offs
+        q = k0 % (32 * RUN) // CHUNK  # the chunk's place in its tile of 32 runs
+        words = tl.load(word_rows + (k0 - q * CHUNK + q * (4 * CHUNK // RUN)))
         if HAS_PERM:
-            cols = tl.load(perm_ptr + cols)
-        xt = tl.load(x_ptr + rm[:, None] * stride_xm + cols[None, :], mask=m_mask[:, None], other=0.0)
+            xt = tl.load(x_rows + tl.load(perm_ptr + k0 + c)[None, :], mask=m_mask[:, None], other=0.0)
+        else:
+            xt = tl.load(x_rows + (k0 + c)[None, :], mask=m_mask[:, None], other=0.0)
         g = k0 // GROUP_SIZE
         s = tl.load(s_ptr + rn * stride_sn + g).to(tl.float32)
         z = tl.load(z_ptr + rn * stride_sn + g).to(tl.float32)
@@ -452,11 +463,11 @@ def gemv_n8_config(m: int, n: int, k: int, group_size: int, sm_count: int) -> tu
     return num_warps, run, split
 
 
-def tiled_n8_chunk(k: int, group_size: int) -> tuple[int, int, int] | None:
-    """``(run, seg, chunk)`` of the tiled GEMM's K step over a word-row weight of ``k`` inputs:
-    ``chunk`` columns (at most ``TILED_MAX_CHUNK``) = ``chunk / run`` whole GEMV runs inside one
-    group, stored as ``run / 4`` segments of ``seg`` words; None where the layout's tiles of ``32 *
-    run`` columns and the groups do not nest (or a chunk would be shorter than a dot's 16)."""
+def tiled_n8_chunk(k: int, group_size: int) -> tuple[int, int] | None:
+    """``(run, chunk)`` of the tiled GEMM's K step over a word-row weight of ``k`` inputs: ``chunk``
+    columns (at most ``TILED_MAX_CHUNK``) = ``chunk / run`` whole GEMV runs inside one group; None
+    where the layout's tiles of ``32 * run`` columns and the groups do not nest (or a chunk would
+    be shorter than a dot's 16)."""
     run = n8_run(k, group_size)
     if run is None:
         return None
@@ -464,7 +475,7 @@ def tiled_n8_chunk(k: int, group_size: int) -> tuple[int, int, int] | None:
     if group_size % tile and tile % group_size:
         return None
     chunk = max(run, min(TILED_MAX_CHUNK, tile, group_size))
-    return (run, 4 * chunk // run, chunk) if chunk >= 16 else None
+    return (run, chunk) if chunk >= 16 else None
 
 
 def tiled_n8_fits(x: torch.Tensor, n: int, group_size: int) -> bool:
@@ -480,7 +491,7 @@ def tiled_n8_config(m: int, n: int, k: int, group_size: int, sm_count: int) -> t
     and K split (a divisor of the chunks, at most ``TILED_MAX_SPLIT``) until there are ``sm_count``
     programs or more: at decode sizes every program streams weights, and fewer than one an SM
     leaves bandwidth unused."""
-    _, _, chunk = tiled_n8_chunk(k, group_size)
+    _, chunk = tiled_n8_chunk(k, group_size)
     block_m = min(64, max(16, triton.next_power_of_2(m)))
     block_n = next(b for b in (64, 32, 16) if n % b == 0)
     programs = triton.cdiv(m, block_m) * (n // block_n)
@@ -501,7 +512,7 @@ def int4_gemm_n8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     block_m, block_n, split, num_warps, num_stages = config or tiled_n8_config(m, n, k, group_size, _sm_count(x))
-    run, seg, chunk = tiled_n8_chunk(k, group_size)
+    run, chunk = tiled_n8_chunk(k, group_size)
     if n % block_n or k % (chunk * split):
         raise ValueError(f"int4 tiled GEMM config {(block_m, block_n, split)}: block_n must divide N={n} and the "
                          f"splits the {k // chunk} chunks of K")
@@ -510,7 +521,7 @@ def int4_gemm_n8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         x, qweight, scales, zeros, perm if perm is not None else qweight, bias if bias is not None else out, target,
         m, n, k, group_size, k // split, x.stride(0), scales.stride(0), out.stride(0),
         HAS_PERM=perm is not None, HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n,
-        RUN=run, SEG=seg, CHUNK=chunk, num_warps=num_warps, num_stages=num_stages)
+        RUN=run, CHUNK=chunk, num_warps=num_warps, num_stages=num_stages)
     if split > 1:
         _splitk_sum(target, bias, out)
     return out
