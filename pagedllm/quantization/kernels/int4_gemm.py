@@ -71,6 +71,9 @@ TILED_MAX_ROWS = 128
 # Input columns a tiled-GEMM step covers at most, and the most K splits it makes.
 TILED_MAX_CHUNK = 128
 TILED_MAX_SPLIT = 8
+# The tiled GEMM's codes as 16-bit floats ``base + q`` (q in 0..15 in the low mantissa bits of
+# ``base``, whose ulp is 1): (bits of base, base) per input dtype.
+CODE_BASES = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
 
 
 @triton.jit
@@ -342,14 +345,18 @@ def _int4_dequant_n8_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, GROUP_SIZE, strid
 def _int4_gemm_n8_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, b_ptr, out_ptr, M, N, K, GROUP_SIZE,
                          K_PER_SPLIT, stride_xm, stride_sn, stride_om,
                          HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RUN: tl.constexpr, CHUNK: tl.constexpr):
-    """The tiled GEMM over the word-row layout: a ``[BLOCK_M, BLOCK_N]`` output tile over one split
-    of K, ``CHUNK`` columns a step. A chunk is ``CHUNK / RUN`` consecutive GEMV runs inside one group
-    (``tiled_n8_chunk``): the contiguous input columns ``k0 .. k0 + CHUNK``, whose words lie in 16-byte
-    pieces (four columns of one run) 512 bytes apart (``n8_memory_order``). A step loads the
-    ``[BLOCK_N / 8, CHUNK]`` words (each read once), one scale and zero point per output row and
-    the ``[BLOCK_M, CHUNK]`` inputs; the codes become ``q - z`` in x's dtype (exact) for a tensor-core
-    dot accumulated in float32, which the group's scales multiply."""
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RUN: tl.constexpr, CHUNK: tl.constexpr,
+                         CODE_BITS: tl.constexpr, CODE_BASE: tl.constexpr):
+    """The tiled GEMM over the word-row layout, computed transposed (``W x^T``: the weight tile is
+    the dot's 64-row operand, so 16 input rows fill a tensor-core tile): a ``[BLOCK_N, BLOCK_M]``
+    tile of ``out^T`` over one split of K, ``CHUNK`` columns a step. A chunk is ``CHUNK / RUN``
+    consecutive GEMV runs inside one group (``tiled_n8_chunk``): the contiguous input columns ``k0
+    .. k0 + CHUNK``, whose words lie in 16-byte pieces (four columns of one run) 512 bytes apart
+    (``n8_memory_order``). A step loads the ``[BLOCK_N / 8, CHUNK]`` words (each read once) and the
+    ``[BLOCK_M, CHUNK]`` inputs; a code becomes the 16-bit float ``CODE_BASE + q`` by two logic ops
+    (OR-ed into the mantissa of ``CODE_BASE``, whose bits are ``CODE_BITS``: exact, no conversion),
+    the dot accumulates in float32, and the group's zero point and scale are applied to its sums:
+    ``s (dot(W', x) - (CODE_BASE + z) sum(x))``."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -364,7 +371,7 @@ def _int4_gemm_n8_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, b_ptr, out_ptr, 
     shifts = 4 * tl.arange(0, 8)
     word_rows = qw_ptr + rb[:, None].to(tl.int64) * K + stored_offs[None, :]
     x_rows = x_ptr + rm[:, None] * stride_xm
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     k_begin = pid_k * K_PER_SPLIT
     for k0 in range(k_begin, k_begin + K_PER_SPLIT, CHUNK):
         q = k0 % (32 * RUN) // CHUNK  # the chunk's place in its tile of 32 runs
@@ -376,17 +383,17 @@ def _int4_gemm_n8_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, b_ptr, out_ptr, 
         g = k0 // GROUP_SIZE
         s = tl.load(s_ptr + rn * stride_sn + g).to(tl.float32)
         z = tl.load(z_ptr + rn * stride_sn + g).to(tl.float32)
-        bits = ((words[:, None, :] >> shifts[None, :, None]) & 0xF) | 0x4B000000
-        codes = tl.reshape(bits.to(tl.float32, bitcast=True), (BLOCK_N, CHUNK))
-        w = (codes - (z + 8388608.0)[:, None]).to(xt.dtype)
-        acc += tl.dot(xt, tl.trans(w)) * s[None, :]
+        bits = ((words[:, None, :] >> shifts[None, :, None]) & 0xF) | CODE_BITS
+        w = tl.reshape(bits.to(tl.int16).to(xt.dtype, bitcast=True), (BLOCK_N, CHUNK))
+        xsum = tl.sum(xt.to(tl.float32), axis=1)
+        acc += (tl.dot(w, tl.trans(xt)) - (z + CODE_BASE)[:, None] * xsum[None, :]) * s[:, None]
     if SPLIT > 1:
         out_ptr += pid_k * M * N
         stride_om = N
     elif HAS_BIAS:
-        acc += tl.load(b_ptr + rn).to(tl.float32)[None, :]
-    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=m_mask[:, None])
+        acc += tl.load(b_ptr + rn).to(tl.float32)[:, None]
+    tl.store(out_ptr + rm[None, :] * stride_om + rn[:, None], acc.to(out_ptr.dtype.element_ty),
+             mask=m_mask[None, :])
 
 
 def int4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
@@ -521,7 +528,7 @@ def int4_gemm_n8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         x, qweight, scales, zeros, perm if perm is not None else qweight, bias if bias is not None else out, target,
         m, n, k, group_size, k // split, x.stride(0), scales.stride(0), out.stride(0),
         HAS_PERM=perm is not None, HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n,
-        RUN=run, CHUNK=chunk, num_warps=num_warps, num_stages=num_stages)
+        RUN=run, CHUNK=chunk, CODE_BITS=CODE_BASES[x.dtype][0], CODE_BASE=CODE_BASES[x.dtype][1], num_warps=num_warps, num_stages=num_stages)
     if split > 1:
         _splitk_sum(target, bias, out)
     return out
