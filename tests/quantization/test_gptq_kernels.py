@@ -166,11 +166,29 @@ def test_off_cuda_the_reference_path_runs():
     torch.testing.assert_close(int4.int4_linear(x, qweight, scales, zeros, perm, 32, None), want)
 
 
+def _assert_no_spills(kernel) -> None:
+    """A compiled kernel's registers fit: no local memory, no stack (read from its cubin by
+    Triton's bundled cuobjdump, where there is one)."""
+    import shutil
+
+    import triton
+
+    bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    cuobjdump = shutil.which("cuobjdump") or bundled
+    if not os.path.exists(cuobjdump):
+        return
+    cubin = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"int4_kernel_{os.getpid()}.cubin")
+    with open(cubin, "wb") as f:
+        f.write(kernel.asm["cubin"])
+    usage = subprocess.run([cuobjdump, "-res-usage", cubin], capture_output=True, text=True).stdout
+    os.unlink(cubin)
+    assert " LOCAL:0 " in usage and "STACK:0 " in usage, usage
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
 def test_word_row_gemv_compiles_for_hopper_without_spills():
     """The interpreter does not compile: build the one-row GEMV (and the split-K sum) for sm_90 with
     Triton's own ptxas, no GPU needed, and read its registers: none spilled to local memory."""
-    import shutil
 
     import triton
     from triton.backends.compiler import GPUTarget
@@ -190,14 +208,7 @@ def test_word_row_gemv_compiles_for_hopper_without_spills():
     kernel = triton.compile(ASTSource(int4_gemm._int4_gemv_n8_kernel, signature, constants), target=target,
                             options={"num_warps": 4})
     assert "ld.global" in kernel.asm["ptx"] and "ld.local" not in kernel.asm["ptx"]
-    cuobjdump = shutil.which("cuobjdump") or os.path.join(os.path.dirname(ptxas), "cuobjdump")
-    if os.path.exists(cuobjdump):
-        cubin = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"int4_gemv_n8_{os.getpid()}.cubin")
-        with open(cubin, "wb") as f:
-            f.write(kernel.asm["cubin"])
-        usage = subprocess.run([cuobjdump, "-res-usage", cubin], capture_output=True, text=True).stdout
-        os.unlink(cubin)
-        assert " LOCAL:0 " in usage and "STACK:0 " in usage, usage
+    _assert_no_spills(kernel)
     sum_signature = {"ws_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32",
                      "stride_om": "i32", "SPLIT": "constexpr", "HAS_BIAS": "constexpr", "BLOCK": "constexpr"}
     triton.compile(ASTSource(int4_gemm._splitk_sum_kernel, sum_signature, {"SPLIT": 7, "HAS_BIAS": True,
@@ -207,8 +218,9 @@ def test_word_row_gemv_compiles_for_hopper_without_spills():
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_tiled_gemm_compiles_to_tensor_core_dots_for_hopper(block_m):
-    """The tiled GEMM built for sm_90 (no GPU needed): its dot is a tensor-core instruction (wgmma
-    at 64 rows, mma below), its loads are pipelined (cp.async), and nothing spills."""
+    """The tiled GEMM built for sm_90 (no GPU needed): its dot is a tensor-core instruction (wgmma:
+    the weight tile is the 64-row operand), the words and inputs load by 16-byte cp.async, and
+    nothing spills."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -216,17 +228,24 @@ def test_tiled_gemm_compiles_to_tensor_core_dots_for_hopper(block_m):
     from pagedllm.quantization.kernels import int4_gemm
 
     ints = ("M", "N", "K", "GROUP_SIZE", "K_PER_SPLIT", "stride_xm", "stride_sn", "stride_om")
-    signature = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16", "perm_ptr": "*i32",
+    signature = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16",
                  "b_ptr": "*bf16", "out_ptr": "*bf16", **dict.fromkeys(ints, "i32"),
-                 **dict.fromkeys(("HAS_PERM", "HAS_BIAS", "SPLIT", "BLOCK_M", "BLOCK_N", "RUN", "CHUNK"),
-                                 "constexpr")}
+                 **dict.fromkeys(("HAS_BIAS", "SPLIT", "BLOCK_M", "BLOCK_N", "RUN", "CHUNK", "CODE_BITS",
+                                  "CODE_BASE"), "constexpr")}
     run, chunk = int4_gemm.tiled_n8_chunk(4096, 128)
-    constants = {"HAS_PERM": True, "HAS_BIAS": True, "SPLIT": 1, "BLOCK_M": block_m, "BLOCK_N": 64, "RUN": run,
-                 "CHUNK": chunk}
-    kernel = triton.compile(ASTSource(int4_gemm._int4_gemm_n8_kernel, signature, constants),
+    code_bits, code_base = int4_gemm.CODE_BASES[torch.bfloat16]
+    constants = {"HAS_BIAS": True, "SPLIT": 1, "BLOCK_M": block_m, "BLOCK_N": 64, "RUN": run,
+                 "CHUNK": chunk, "CODE_BITS": code_bits, "CODE_BASE": code_base}
+    # The launcher's specialization: pointers, K and the strides are multiples of 16 (vector loads).
+    aligned = ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "b_ptr", "out_ptr", "N", "K", "K_PER_SPLIT",
+               "stride_xm", "stride_om")
+    attrs = {(list(signature).index(name),): [["tt.divisibility", 16]] for name in aligned}
+    kernel = triton.compile(ASTSource(int4_gemm._int4_gemm_n8_kernel, signature, constants, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
     ptx = kernel.asm["ptx"]
-    assert ("wgmma" in ptx or "mma.sync" in ptx) and "cp.async" in ptx and "ld.local" not in ptx
+    copies = [line for line in ptx.splitlines() if "cp.async.cg.shared.global" in line or "cp.async.ca" in line]
+    assert "wgmma.mma_async" in ptx and copies and all("0x10" in line for line in copies)
+    _assert_no_spills(kernel)
 
 
 def test_tiled_gemm_chunks_lie_in_one_group_and_config_divides_the_shape():

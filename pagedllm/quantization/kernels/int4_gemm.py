@@ -22,7 +22,7 @@ column; chosen at load where ``n8_layout_fits``):
   them with the gathered input columns on the tensor cores (float32 accumulate) and scales the
   step's dot by the group's scales. Padding rows up to a 16-row tile cost no weight bytes, so
   2-16 rows cost about what one does. Grid ``(M / BLOCK_M, N / BLOCK_N, split)``; split K
-  (``tiled_n8_config``) as the GEMV does. Act-order: the kernel gathers ``x[:, perm]`` itself.
+  (``tiled_n8_config``) as the GEMV does. Act-order: the input is permuted by one gather first.
 - more rows: ``_int4_dequant_n8_kernel`` writes W in x's dtype, then cuBLAS multiplies
   (``int4_dequant_matmul``; also for float32 inputs, which a dot would round to TF32).
 
@@ -342,9 +342,8 @@ def _int4_dequant_n8_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, GROUP_SIZE, strid
 
 
 @triton.jit
-def _int4_gemm_n8_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, b_ptr, out_ptr, M, N, K, GROUP_SIZE,
-                         K_PER_SPLIT, stride_xm, stride_sn, stride_om,
-                         HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+def _int4_gemm_n8_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, GROUP_SIZE,
+                         K_PER_SPLIT, stride_xm, stride_sn, stride_om, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RUN: tl.constexpr, CHUNK: tl.constexpr,
                          CODE_BITS: tl.constexpr, CODE_BASE: tl.constexpr):
     """The tiled GEMM over the word-row layout, computed transposed (``W x^T``: the weight tile is
@@ -376,10 +375,7 @@ def _int4_gemm_n8_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, b_ptr, out_ptr, 
     for k0 in range(k_begin, k_begin + K_PER_SPLIT, CHUNK):
         q = k0 % (32 * RUN) // CHUNK  # the chunk's place in its tile of 32 runs
         words = tl.load(word_rows + (k0 - q * CHUNK + q * (4 * CHUNK // RUN)))
-        if HAS_PERM:
-            xt = tl.load(x_rows + tl.load(perm_ptr + k0 + c)[None, :], mask=m_mask[:, None], other=0.0)
-        else:
-            xt = tl.load(x_rows + (k0 + c)[None, :], mask=m_mask[:, None], other=0.0)
+        xt = tl.load(x_rows + (k0 + c)[None, :], mask=m_mask[:, None], other=0.0)
         g = k0 // GROUP_SIZE
         s = tl.load(s_ptr + rn * stride_sn + g).to(tl.float32)
         z = tl.load(z_ptr + rn * stride_sn + g).to(tl.float32)
@@ -524,10 +520,13 @@ def int4_gemm_n8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         raise ValueError(f"int4 tiled GEMM config {(block_m, block_n, split)}: block_n must divide N={n} and the "
                          f"splits the {k // chunk} chunks of K")
     target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    # Act-order: the permuted input as one small gather (inside the kernel the gathered tile would
+    # load element by element and hold a pointer per element: registers spill at 64 rows).
+    xp = x if perm is None else x.index_select(1, perm)
     _int4_gemm_n8_kernel[(triton.cdiv(m, block_m), n // block_n, split)](
-        x, qweight, scales, zeros, perm if perm is not None else qweight, bias if bias is not None else out, target,
-        m, n, k, group_size, k // split, x.stride(0), scales.stride(0), out.stride(0),
-        HAS_PERM=perm is not None, HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n,
+        xp, qweight, scales, zeros, bias if bias is not None else out, target,
+        m, n, k, group_size, k // split, xp.stride(0), scales.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n,
         RUN=run, CHUNK=chunk, CODE_BITS=CODE_BASES[x.dtype][0], CODE_BASE=CODE_BASES[x.dtype][1], num_warps=num_warps, num_stages=num_stages)
     if split > 1:
         _splitk_sum(target, bias, out)
