@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "benchmarks/configs/llama-3.1-8b/config.json"
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 ROWS = (1, 2, 3, 4, 8, 16, 32, 64, 128, 256)
-SWEEP_ROWS = (2, 16, 64)  # row counts at which --sweep times the tiled GEMM's launch sizes
+SWEEP_ROWS = (16, 64)  # row counts at which --sweep times the tiled GEMM's launch sizes
 VARIANTS = {
     "bf16": None,
     "gptq-g128": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True},
@@ -106,13 +106,13 @@ def time_shape(name: str, n: int, k: int, rows: tuple[int, ...], sweep: bool) ->
                          int4_gemm.gemv_n8_config(m, n, k, 128, sms)))
         runs.append(("tiled", lambda x=x: int4_gemm.int4_gemm_n8(x, qw, scales, zeros, None, 128, None),
                      int4_gemm.tiled_n8_config(m, n, k, 128, sms)))
-        if m >= 16:
+        if m >= 32:
             runs.append(("dequant+cublas", lambda x=x: int4_gemm.int4_dequant_matmul(
                 x, qw, scales, zeros, None, 128, None, layout=N8_LAYOUT), "default"))
         if m == 1:
             runs.append(("rows", lambda x=x: int4_gemm.int4_linear(x, words[ROWS_LAYOUT], scales, zeros, None, 128,
                                                                    None), "default"))
-        if sweep and m in SWEEP_ROWS:
+        if sweep and m in SWEEP_ROWS and m <= int4_gemm.TILED_MAX_ROWS:
             runs += [("tiled sweep", lambda x=x, c=c: int4_gemm.int4_gemm_n8(x, qw, scales, zeros, None, 128, None,
                                                                              config=c), c)
                      for c in tiled_sweep(m, n, k, sms)]
@@ -126,16 +126,15 @@ def time_shape(name: str, n: int, k: int, rows: tuple[int, ...], sweep: bool) ->
 
 
 def tiled_sweep(m: int, n: int, k: int, sms: int) -> list[tuple[int, int, int, int, int]]:
-    """Launch sizes of the tiled GEMM around its default (``tiled_n8_config``): other output tiles,
-    K splits, warps and pipeline stages; those that do not divide the shape are left out."""
+    """Launch sizes of the tiled GEMM around its default (``tiled_n8_config``): output tiles of 64
+    and 128, 4 and 8 warps, 3 to 5 pipeline stages, other K splits; those that do not divide the
+    shape are left out."""
     from pagedllm.quantization.kernels import int4_gemm
 
     block_m, block_n, split, warps, stages = int4_gemm.tiled_n8_config(m, n, k, 128, sms)
     chunks = k // int4_gemm.tiled_n8_chunk(k, 128)[1]
-    configs = [(block_m, block_n, split, warps, s) for s in (2, 4, 5)]
-    configs += [(block_m, block_n, split, 8, stages), (block_m, block_n, split, 2, stages)]
-    configs += [(block_m, b, d, warps, stages) for b in (32, 128) for d in (max(1, split // 2), split, split * 2)]
-    configs += [(block_m, block_n, d, warps, stages) for d in (1, 2, 4, 8, 16) if d != split]
+    configs = [(block_m, b, split * block_n // b or 1, w, s) for b in (64, 128) for w in (4, 8) for s in (3, 4, 5)]
+    configs += [(block_m, block_n, d, warps, stages) for d in (1, 2, 4, 8, 16)]
     if block_m > 16:
         configs.append((block_m // 2, block_n, split, warps, stages))
     unique = dict.fromkeys(c for c in configs if n % c[1] == 0 and chunks % c[2] == 0)
@@ -163,8 +162,8 @@ def time_gguf(name: str, n: int, k: int) -> list[dict]:
     return rows
 
 
-def kernels_part(rows: tuple[int, ...], sweep: bool, gguf: bool) -> dict:
-    return {"kernels": [row for name, (n, k) in SHAPES.items() for row in time_shape(name, n, k, rows, sweep)],
+def kernels_part(rows: tuple[int, ...], sweep: bool, gguf: bool, layers: list[str]) -> dict:
+    return {"kernels": [row for name in layers for row in time_shape(name, *SHAPES[name], rows, sweep)],
             "gguf": [row for name in ("o", "gate_up") for row in time_gguf(name, *SHAPES[name])] if gguf else []}
 
 
@@ -295,6 +294,7 @@ def main() -> int:
     p.add_argument("--skip-kernels", action="store_true")
     p.add_argument("--skip-engine", action="store_true", help="only the kernel timings (about a minute)")
     p.add_argument("--rows", type=int, nargs="+", default=list(ROWS), help="row counts of the kernel table")
+    p.add_argument("--layers", nargs="+", default=list(SHAPES), choices=list(SHAPES), help="projections of the kernel table")
     p.add_argument("--sweep", action="store_true", help=f"also the tiled GEMM's launch sizes at {SWEEP_ROWS} rows")
     p.add_argument("--gguf", action="store_true", help="also the GGUF block kernels")
     p.add_argument("--profile", action="store_true", help="also the CUDA kernels of 10 decode steps per batch size")
@@ -302,13 +302,13 @@ def main() -> int:
     p.add_argument("--child-json", help=argparse.SUPPRESS)
     ns = p.parse_args()
     if ns.child:
-        out = kernels_part(tuple(ns.rows), ns.sweep, ns.gguf) if ns.child == "kernels" else engine_part(ns.child, ns.batch_sizes, ns.input_len,
+        out = kernels_part(tuple(ns.rows), ns.sweep, ns.gguf, ns.layers) if ns.child == "kernels" else engine_part(ns.child, ns.batch_sizes, ns.input_len,
                                                                          ns.output_len, ns.profile)
         Path(ns.child_json).write_text(json.dumps(out))
         return 0
     sizes = ["--batch-sizes", *map(str, ns.batch_sizes), "--input-len", str(ns.input_len),
              "--output-len", str(ns.output_len)] + ["--profile"] * ns.profile
-    kernel_args = ["--rows", *map(str, ns.rows)] + ["--sweep"] * ns.sweep + ["--gguf"] * ns.gguf
+    kernel_args = ["--rows", *map(str, ns.rows), "--layers", *ns.layers] + ["--sweep"] * ns.sweep + ["--gguf"] * ns.gguf
     result = {"kernels": {} if ns.skip_kernels else run_child(["--child", "kernels", *kernel_args]),
               "engine": {} if ns.skip_engine else {v: run_child(["--child", v, *sizes]) for v in ns.variants}}
     print_tables(result)
