@@ -34,6 +34,8 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+# The kernel table's device and input dtype (a CPU smoke test under TRITON_INTERPRET=1 sets others).
+DEVICE, DTYPE = "cuda", "bfloat16"
 CONFIG = ROOT / "benchmarks/configs/llama-3.1-8b/config.json"
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 ROWS = (1, 2, 3, 4, 8, 16, 32, 64, 128, 256)
@@ -73,71 +75,82 @@ def graph_time_us(fn, calls: int = 20) -> float:
 
 
 def time_shape(name: str, n: int, k: int, rows: tuple[int, ...], sweep: bool) -> list[dict]:
-    """The int4 kernels and bf16 ``F.linear`` for one ``[n, k]`` weight (GPTQ g128) at each row
-    count: the word-row dispatch (``n8``: what the engine runs; ``n8-act-order``: with the input
-    gather), each word-row kernel forced where it takes the rows (``gemv``, ``tiled``,
-    ``dequant+cublas``), the row-layout fallback at one row, and (``sweep``) the tiled GEMM's launch
-    sizes at a few row counts."""
+    """The int4 kernels (``kernel_runs``) and bf16 ``F.linear`` for one ``[n, k]`` weight (GPTQ g128)
+    at each row count; a kernel that fails is recorded with its error and the table goes on."""
     import torch
     import torch.nn.functional as F
 
     from pagedllm.quantization.int4 import N8_LAYOUT, ROWS_LAYOUT
     from pagedllm.quantization.kernels import int4_gemm
 
-    words = {ROWS_LAYOUT: torch.randint(-(2**31), 2**31 - 1, (n, k // 8), dtype=torch.int32, device="cuda"),
-             N8_LAYOUT: torch.randint(-(2**31), 2**31 - 1, (n // 8, k), dtype=torch.int32, device="cuda")}
-    scales = torch.full((n, k // 128), 0.01, dtype=torch.float16, device="cuda")
-    zeros = torch.full((n, k // 128), 8.0, dtype=torch.float16, device="cuda")
-    perm = torch.randperm(k, device="cuda").to(torch.int32)
-    weight = torch.randn(n, k, dtype=torch.bfloat16, device="cuda")
+    words = {ROWS_LAYOUT: torch.randint(-(2**31), 2**31 - 1, (n, k // 8), dtype=torch.int32, device=DEVICE),
+             N8_LAYOUT: torch.randint(-(2**31), 2**31 - 1, (n // 8, k), dtype=torch.int32, device=DEVICE)}
+    scales = torch.full((n, k // 128), 0.01, dtype=torch.float16, device=DEVICE)
+    zeros = torch.full((n, k // 128), 8.0, dtype=torch.float16, device=DEVICE)
+    perm = torch.randperm(k, device=DEVICE).to(torch.int32)
+    weight = torch.randn(n, k, dtype=getattr(torch, DTYPE), device=DEVICE)
     int4_bytes = n * k / 2 + 4 * n * (k // 128)
-    sms = int4_gemm.num_sms(torch.cuda.current_device())
-    qw = words[N8_LAYOUT]
+    sms = int4_gemm.num_sms(torch.cuda.current_device()) if DEVICE == "cuda" else 132
     out = []
     for m in rows:
-        x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+        x = torch.randn(m, k, dtype=getattr(torch, DTYPE), device=DEVICE)
         bf16_us = graph_time_us(lambda x=x: F.linear(x, weight))
-        runs = [("n8", lambda x=x: int4_gemm.int4_linear(x, qw, scales, zeros, None, 128, None, layout=N8_LAYOUT),
-                 "default"),
-                ("n8-act-order", lambda x=x: int4_gemm.int4_linear(x, qw, scales, zeros, perm, 128, None,
-                                                                   layout=N8_LAYOUT), "default")]
-        if m <= int4_gemm.GEMV_MAX_ROWS:
-            runs.append(("gemv", lambda x=x: int4_gemm.int4_gemv_n8(x, qw, scales, zeros, None, 128, None),
-                         int4_gemm.gemv_n8_config(m, n, k, 128, sms)))
-        runs.append(("tiled", lambda x=x: int4_gemm.int4_gemm_n8(x, qw, scales, zeros, None, 128, None),
-                     int4_gemm.tiled_n8_config(m, n, k, 128, sms)))
-        if m >= 32:
-            runs.append(("dequant+cublas", lambda x=x: int4_gemm.int4_dequant_matmul(
-                x, qw, scales, zeros, None, 128, None, layout=N8_LAYOUT), "default"))
-        if m == 1:
-            runs.append(("rows", lambda x=x: int4_gemm.int4_linear(x, words[ROWS_LAYOUT], scales, zeros, None, 128,
-                                                                   None), "default"))
-        if sweep and m in SWEEP_ROWS and m <= int4_gemm.TILED_MAX_ROWS:
-            runs += [("tiled sweep", lambda x=x, c=c: int4_gemm.int4_gemm_n8(x, qw, scales, zeros, None, 128, None,
-                                                                             config=c), c)
-                     for c in tiled_sweep(m, n, k, sms)]
-        for kernel, fn, config in runs:
-            us = graph_time_us(fn)
-            out.append({"layer": name, "n": n, "k": k, "m": m, "kernel": kernel,
-                        "config": list(config) if config != "default" else config, "int4_us": us,
-                        "bf16_us": bf16_us, "ratio": us / bf16_us, "int4_gb_per_s": int4_bytes / us / 1e3,
-                        "bf16_gb_per_s": 2 * n * k / bf16_us / 1e3})
+        for kernel, fn, config in kernel_runs(x, words, scales, zeros, perm, sms, sweep):
+            row = {"layer": name, "n": n, "k": k, "m": m, "kernel": kernel,
+                   "config": list(config) if config != "default" else config, "bf16_us": bf16_us,
+                   "bf16_gb_per_s": 2 * n * k / bf16_us / 1e3}
+            try:
+                us = graph_time_us(fn)
+                row.update(int4_us=us, ratio=us / bf16_us, int4_gb_per_s=int4_bytes / us / 1e3)
+            except Exception as e:  # one launch size that does not compile or fit must not end the table
+                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            out.append(row)
     return out
+
+
+def kernel_runs(x, words: dict, scales, zeros, perm, sms: int, sweep: bool) -> list[tuple]:
+    """``(kernel, fn, config)`` to time at ``x``'s rows: the word-row dispatch (``n8``: what the
+    engine runs; ``n8-act-order``: with the input gather), each word-row kernel forced where it takes
+    the rows (``gemv``, ``tiled``, ``dequant+cublas``), the row-layout fallback at one row, and
+    (``sweep``) the tiled GEMM's launch sizes at ``SWEEP_ROWS``."""
+    from pagedllm.quantization.int4 import N8_LAYOUT, ROWS_LAYOUT
+    from pagedllm.quantization.kernels import int4_gemm
+
+    m, k = x.shape
+    qw = words[N8_LAYOUT]
+    n = qw.shape[0] * 8
+    runs = [("n8", lambda: int4_gemm.int4_linear(x, qw, scales, zeros, None, 128, None, layout=N8_LAYOUT), "default"),
+            ("n8-act-order", lambda: int4_gemm.int4_linear(x, qw, scales, zeros, perm, 128, None, layout=N8_LAYOUT),
+             "default")]
+    if m <= int4_gemm.GEMV_MAX_ROWS:
+        runs.append(("gemv", lambda: int4_gemm.int4_gemv_n8(x, qw, scales, zeros, None, 128, None),
+                     int4_gemm.gemv_n8_config(m, n, k, 128, sms)))
+    runs.append(("tiled", lambda: int4_gemm.int4_gemm_n8(x, qw, scales, zeros, None, 128, None),
+                 int4_gemm.tiled_n8_config(m, n, k, 128, sms)))
+    if m >= 32:
+        runs.append(("dequant+cublas", lambda: int4_gemm.int4_dequant_matmul(x, qw, scales, zeros, None, 128, None,
+                                                                             layout=N8_LAYOUT), "default"))
+    if m == 1:
+        runs.append(("rows", lambda: int4_gemm.int4_linear(x, words[ROWS_LAYOUT], scales, zeros, None, 128, None),
+                     "default"))
+    if sweep and m in SWEEP_ROWS:
+        runs += [("tiled sweep", lambda c=c: int4_gemm.int4_gemm_n8(x, qw, scales, zeros, None, 128, None, config=c),
+                  c) for c in tiled_sweep(m, n, k, sms)]
+    return runs
 
 
 def tiled_sweep(m: int, n: int, k: int, sms: int) -> list[tuple[int, int, int, int, int]]:
     """Launch sizes of the tiled GEMM around its default (``tiled_n8_config``): output tiles of 64
-    and 128, 4 and 8 warps, 3 to 5 pipeline stages, other K splits; those that do not divide the
+    and 128, 4 and 8 warps, 3 and 4 pipeline stages, other K splits; those that do not divide the
     shape are left out."""
     from pagedllm.quantization.kernels import int4_gemm
 
     block_m, block_n, split, warps, stages = int4_gemm.tiled_n8_config(m, n, k, 128, sms)
     chunks = k // int4_gemm.tiled_n8_chunk(k, 128)[1]
-    configs = [(block_m, b, split * block_n // b or 1, w, s) for b in (64, 128) for w in (4, 8) for s in (3, 4, 5)]
-    configs += [(block_m, block_n, d, warps, stages) for d in (1, 2, 4, 8, 16)]
-    if block_m > 16:
-        configs.append((block_m // 2, block_n, split, warps, stages))
-    unique = dict.fromkeys(c for c in configs if n % c[1] == 0 and chunks % c[2] == 0)
+    configs = [(block_m, b, max(1, split * block_n // b), w, s) for b in (64, 128) for w in (4, 8) for s in (3, 4)]
+    configs += [(block_m, block_n, d, warps, stages) for d in (1, 2, 4, 8)]
+    unique = dict.fromkeys(c for c in configs if n % c[1] == 0 and chunks % c[2] == 0 and c != (
+        block_m, block_n, split, warps, stages))
     return list(unique)
 
 
@@ -263,6 +276,9 @@ def print_tables(result: dict) -> None:
           f"{'bf16 GB/s':>9} {'ratio':>6}")
     for r in result.get("kernels", {}).get("kernels", []):
         config = "default" if r["config"] == "default" else ",".join(map(str, r["config"]))
+        if "error" in r:
+            print(f"{r['layer']:8} {r['m']:>3} {r['kernel']:14} {config:>15} error: {r['error']}")
+            continue
         print(f"{r['layer']:8} {r['m']:>3} {r['kernel']:14} {config:>15} {r['int4_us']:>8.1f} "
               f"{r['int4_gb_per_s']:>9.0f} {r['bf16_us']:>8.1f} {r['bf16_gb_per_s']:>9.0f} {r['ratio']:>6.2f}")
     gguf = result.get("kernels", {}).get("gguf", [])
