@@ -31,8 +31,8 @@ INTERPRETER_CASES = [
     (17, 64, 256, 128, False, False, torch.float16),
     (9, 24, 64, 8, True, False, torch.float32),
 ]
-# The word-row layout (K a multiple of 128): its GEMV at 1-4 rows (per-element sums up to 2 rows,
-# per-step sums above), runs of 4 to 32 words, split K (partial sums + the reduce kernel), groups
+# The word-row layout (K a multiple of 128): its GEMV at 1-4 rows (a program per row), runs of 4
+# to 32 words, split K (partial sums + the reduce kernel), groups
 # of 8 to one, act-order; more rows through its dequantize kernel.
 N8_INTERPRETER_CASES = [
     (1, 16, 256, 128, False, True, torch.float32),
@@ -203,8 +203,8 @@ def test_word_row_gemv_compiles_for_hopper_without_spills():
     ints = ("M", "N", "K", "GROUP_SIZE", "K_PER_SPLIT", "stride_xm", "stride_sn", "stride_om", "magic")
     signature = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16", "b_ptr": "*bf16",
                  "out_ptr": "*bf16", **dict.fromkeys(ints, "i32"),
-                 **dict.fromkeys(("HAS_BIAS", "SPLIT", "BLOCK_M", "THREADS", "RUN"), "constexpr")}
-    constants = {"HAS_BIAS": True, "SPLIT": 1, "BLOCK_M": 1, "THREADS": 128, "RUN": 32}
+                 **dict.fromkeys(("HAS_BIAS", "SPLIT", "THREADS", "RUN"), "constexpr")}
+    constants = {"HAS_BIAS": True, "SPLIT": 1, "THREADS": 128, "RUN": 32}
     kernel = triton.compile(ASTSource(int4_gemm._int4_gemv_n8_kernel, signature, constants), target=target,
                             options={"num_warps": 4})
     assert "ld.global" in kernel.asm["ptx"] and "ld.local" not in kernel.asm["ptx"]

@@ -11,8 +11,9 @@ column; chosen at load where ``n8_layout_fits``):
   codes; the layout stores each 16-byte load of a warp's 32 threads next to each other (512
   contiguous bytes a load). A code costs one logic op (the nibble stays in place in the mantissa
   of 2^23: no shift per code, no int-to-float conversion), one add (minus ``2^23 + z``, exact) and
-  one multiply-add; the scale multiplies a step's sums. Grid ``(N / 8, split)``: split K
-  (``gemv_n8_config``) where the word rows alone leave SMs idle, its float32 partial sums added by
+  one multiply-add; the scale multiplies a step's sums. Grid ``(M, N / 8, split)``: a program per
+  input row (a word row's programs run together: the words come from DRAM once), split K
+  (``gemv_n8_config``) where the programs alone leave SMs idle, its float32 partial sums added by
   ``_splitk_sum_kernel`` (with the bias, in x's dtype). Act-order: the input is permuted by one
   gather first.
 - ``_int4_gemm_n8_kernel`` (the tiled GEMM, above the GEMV up to ``TILED_MAX_ROWS`` half-precision
@@ -58,8 +59,6 @@ import triton.language as tl
 from pagedllm.quantization.int4_layout import N8_LAYOUT, PACK, ROWS_LAYOUT, n8_run
 
 GEMV_MAX_ROWS = 4
-# Rows the word-row GEMV keeps a float32 sum per element for (registers: 32 a row and thread).
-ELEMENTWISE_MAX_ROWS: tl.constexpr = tl.constexpr(2)
 MAGIC = 0x4B000000  # the bits of the float 2^23, whose mantissa takes a code (``_n8_plane``)
 # The word-row GEMV splits K until there are this many programs per SM.
 N8_PROGRAMS_PER_SM = 2
@@ -164,11 +163,11 @@ def _int4_dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, GROUP_SIZE, stride_q
 
 
 @triton.jit
-def _n8_x_tile(x_ptr, rm, m_mask, stride_xm, cols):
-    """``x[rm, cols]`` as float32 ``[BLOCK_M, THREADS, 4]`` (``cols`` ``[THREADS, 4]``: four
-    consecutive columns a thread, one vector load)."""
-    ptrs = x_ptr + rm[:, None, None] * stride_xm + cols[None, :, :]
-    return tl.load(ptrs, mask=m_mask[:, None, None], other=0.0).to(tl.float32)
+def _n8_x_tile(x_row, cols, in_rows):
+    """``x[row, cols]`` as float32 ``[THREADS, 4]`` (``cols`` ``[THREADS, 4]``: four consecutive
+    columns a thread, one vector load). ``in_rows`` (always true) masks the load: unmasked, the
+    compiler hoists every step's loads together and takes 95 -> 127 registers (sm_90)."""
+    return tl.load(x_row + cols, mask=in_rows, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -182,49 +181,36 @@ def _n8_constants(s_ptr, z_ptr, row, stride_sn, g, SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _n8_plane(part, words, SHIFT: tl.constexpr, c, xv, magic, BLOCK_M: tl.constexpr):
-    """Adds one plane's products to ``part``. The nibble at bits ``SHIFT .. SHIFT+3`` of ``words``
-    ``[THREADS, 4]`` (``SHIFT`` <= 16: inside the 23 mantissa bits) stays in place in the mantissa
-    of 2^23 (``magic`` = 0x4B000000: the float ``2^23 + q * 2^SHIFT``, one logic op); minus ``c`` it
-    is ``(q - z) * 2^SHIFT``, exactly (one add); then one fused multiply-add by ``x`` (``xv``
-    ``[BLOCK_M, THREADS, 4]``). Up to ``ELEMENTWISE_MAX_ROWS`` rows ``part`` is ``[BLOCK_M,
-    THREADS, 4]`` (a sum per element: one multiply-add a product); more rows, whose per-element
-    sums would not fit in registers: ``[BLOCK_M, THREADS]``."""
+def _n8_plane(part, words, SHIFT: tl.constexpr, c, xv, magic):
+    """Adds one plane's products to ``part`` (``[THREADS, 4]``: a sum per element, one multiply-add
+    a product). The nibble at bits ``SHIFT .. SHIFT+3`` of ``words`` ``[THREADS, 4]`` (``SHIFT`` <=
+    16: inside the 23 mantissa bits) stays in place in the mantissa of 2^23 (``magic`` =
+    0x4B000000: the float ``2^23 + q * 2^SHIFT``, one logic op); minus ``c`` it is ``(q - z) *
+    2^SHIFT``, exactly (one add); then one fused multiply-add by ``x`` (``xv`` ``[THREADS, 4]``)."""
     bits = (words & (15 << SHIFT)) | magic
     v = bits.to(tl.float32, bitcast=True) - c[:, None]
-    if BLOCK_M <= ELEMENTWISE_MAX_ROWS:
-        part = part + v[None, :, :] * xv
-    else:
-        part = part + tl.sum(v[None, :, :] * xv, axis=2)
-    return part
+    return part + v * xv
 
 
 @triton.jit
-def _n8_scaled(part, s, BLOCK_M: tl.constexpr):
-    """A step's ``part`` times the plane's scale per thread, as ``[BLOCK_M, THREADS]``."""
-    if BLOCK_M <= ELEMENTWISE_MAX_ROWS:
-        scaled = tl.sum(part, axis=2) * s[None, :]
-    else:
-        scaled = part * s[None, :]
-    return scaled
-
-
-@triton.jit
-def _n8_store(out_ptr, y, row, rm, m_mask, stride_om, b_ptr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
-    """Stores one output row's ``[BLOCK_M]`` sums: with the bias and in out's dtype, or (split K)
-    as float32 partial sums at ``out_ptr`` (this split's ``[M, N]`` slice)."""
+def _n8_store(out_ptr, y, col, b_ptr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+    """Stores one output's sum at ``out_ptr + col`` (the program's output row): with the bias and in
+    out's dtype, or (split K) as a float32 partial sum (``out_ptr`` in this split's ``[M, N]`` slice)."""
     if SPLIT == 1 and HAS_BIAS:
-        y += tl.load(b_ptr + row).to(tl.float32)
-    tl.store(out_ptr + rm * stride_om + row, y.to(out_ptr.dtype.element_ty), mask=m_mask)
+        y += tl.load(b_ptr + col).to(tl.float32)
+    tl.store(out_ptr + col, y.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
 def _int4_gemv_n8_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, GROUP_SIZE,
                          K_PER_SPLIT, stride_xm, stride_sn, stride_om, magic,
-                         HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                         BLOCK_M: tl.constexpr, THREADS: tl.constexpr, RUN: tl.constexpr):
-    """One word row (outputs ``8b .. 8b+7``, plane ``j`` = output ``8b + j``) over one split of K:
-    ``y[m, 8b+j] = sum_k x[m, k] (q - z) s``. A step covers ``THREADS * RUN`` columns: thread ``t``
+                         HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, THREADS: tl.constexpr,
+                         RUN: tl.constexpr):
+    """One input row ``m`` against one word row (outputs ``8b .. 8b+7``, plane ``j`` = output ``8b +
+    j``) over one split of K: ``y[m, 8b+j] = sum_k x[m, k] (q - z) s``. The rows of ``x`` are
+    separate programs next to each other in the grid, so a word row's programs run together and
+    all but the first read its words from L2 (per-row sums in registers cost occupancy and the
+    row's multiply-adds instead). A step covers ``THREADS * RUN`` columns: thread ``t``
     takes the ``RUN`` columns from ``t * RUN`` on (inside one group), so its scales and zero points
     load once a step, and each word feeds its eight planes from one ``x`` value; the layout stores
     load ``r`` of a warp's 32 threads as 512 contiguous bytes (``int4.n8_memory_order``, whose run
@@ -233,15 +219,15 @@ def _int4_gemv_n8_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, G
     masks are the logic op's immediates.
     ``SPLIT`` > 1: float32 partial sums into ``out_ptr`` (``[SPLIT, M, N]``), the bias and the
     rounding left to ``_splitk_sum_kernel``."""
-    pid_b = tl.program_id(0)
-    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    pid_k = tl.program_id(2)
     t = tl.arange(0, THREADS)
     e = tl.arange(0, 4)
-    rm = tl.arange(0, BLOCK_M)
-    m_mask = rm < M
+    x_row = x_ptr + pid_m * stride_xm
     row = pid_b * 8
     word_row = qw_ptr + pid_b.to(tl.int64) * K
-    acc0 = tl.zeros((BLOCK_M, THREADS), tl.float32)
+    acc0 = tl.zeros((THREADS,), tl.float32)
     acc1 = tl.zeros_like(acc0)
     acc2 = tl.zeros_like(acc0)
     acc3 = tl.zeros_like(acc0)
@@ -261,10 +247,7 @@ def _int4_gemv_n8_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, G
         s5, c5 = _n8_constants(s_ptr, z_ptr, row + 5, stride_sn, g, 8)
         s6, c6 = _n8_constants(s_ptr, z_ptr, row + 6, stride_sn, g, 12)
         s7, c7 = _n8_constants(s_ptr, z_ptr, row + 7, stride_sn, g, 16)
-        if BLOCK_M <= ELEMENTWISE_MAX_ROWS:
-            p0 = tl.zeros((BLOCK_M, THREADS, 4), tl.float32)
-        else:
-            p0 = tl.zeros((BLOCK_M, THREADS), tl.float32)
+        p0 = tl.zeros((THREADS, 4), tl.float32)
         p1 = tl.zeros_like(p0)
         p2 = tl.zeros_like(p0)
         p3 = tl.zeros_like(p0)
@@ -276,34 +259,33 @@ def _int4_gemv_n8_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, G
             cols = run0[:, None] + 4 * r + e[None, :]
             stored = kb + (t // 32 * 32 * RUN + 128 * r + 4 * (t % 32))[:, None] + e[None, :]
             words = tl.load(word_row + stored, eviction_policy="evict_first")
-            xv = _n8_x_tile(x_ptr, rm, m_mask, stride_xm, cols)
-            p0 = _n8_plane(p0, words, 0, c0, xv, magic, BLOCK_M)
-            p1 = _n8_plane(p1, words, 4, c1, xv, magic, BLOCK_M)
-            p2 = _n8_plane(p2, words, 8, c2, xv, magic, BLOCK_M)
-            p3 = _n8_plane(p3, words, 12, c3, xv, magic, BLOCK_M)
-            p4 = _n8_plane(p4, words, 16, c4, xv, magic, BLOCK_M)
+            xv = _n8_x_tile(x_row, cols, pid_m < M)
+            p0 = _n8_plane(p0, words, 0, c0, xv, magic)
+            p1 = _n8_plane(p1, words, 4, c1, xv, magic)
+            p2 = _n8_plane(p2, words, 8, c2, xv, magic)
+            p3 = _n8_plane(p3, words, 12, c3, xv, magic)
+            p4 = _n8_plane(p4, words, 16, c4, xv, magic)
             high = words >> 12
-            p5 = _n8_plane(p5, high, 8, c5, xv, magic, BLOCK_M)
-            p6 = _n8_plane(p6, high, 12, c6, xv, magic, BLOCK_M)
-            p7 = _n8_plane(p7, high, 16, c7, xv, magic, BLOCK_M)
-        acc0 += _n8_scaled(p0, s0, BLOCK_M)
-        acc1 += _n8_scaled(p1, s1, BLOCK_M)
-        acc2 += _n8_scaled(p2, s2, BLOCK_M)
-        acc3 += _n8_scaled(p3, s3, BLOCK_M)
-        acc4 += _n8_scaled(p4, s4, BLOCK_M)
-        acc5 += _n8_scaled(p5, s5, BLOCK_M)
-        acc6 += _n8_scaled(p6, s6, BLOCK_M)
-        acc7 += _n8_scaled(p7, s7, BLOCK_M)
-    out = out_ptr if SPLIT == 1 else out_ptr + pid_k * M * N
-    stride = stride_om if SPLIT == 1 else N
-    _n8_store(out, tl.sum(acc0, axis=1), row, rm, m_mask, stride, b_ptr, HAS_BIAS, SPLIT)
-    _n8_store(out, tl.sum(acc1, axis=1), row + 1, rm, m_mask, stride, b_ptr, HAS_BIAS, SPLIT)
-    _n8_store(out, tl.sum(acc2, axis=1), row + 2, rm, m_mask, stride, b_ptr, HAS_BIAS, SPLIT)
-    _n8_store(out, tl.sum(acc3, axis=1), row + 3, rm, m_mask, stride, b_ptr, HAS_BIAS, SPLIT)
-    _n8_store(out, tl.sum(acc4, axis=1), row + 4, rm, m_mask, stride, b_ptr, HAS_BIAS, SPLIT)
-    _n8_store(out, tl.sum(acc5, axis=1), row + 5, rm, m_mask, stride, b_ptr, HAS_BIAS, SPLIT)
-    _n8_store(out, tl.sum(acc6, axis=1), row + 6, rm, m_mask, stride, b_ptr, HAS_BIAS, SPLIT)
-    _n8_store(out, tl.sum(acc7, axis=1), row + 7, rm, m_mask, stride, b_ptr, HAS_BIAS, SPLIT)
+            p5 = _n8_plane(p5, high, 8, c5, xv, magic)
+            p6 = _n8_plane(p6, high, 12, c6, xv, magic)
+            p7 = _n8_plane(p7, high, 16, c7, xv, magic)
+        acc0 += tl.sum(p0, axis=1) * s0
+        acc1 += tl.sum(p1, axis=1) * s1
+        acc2 += tl.sum(p2, axis=1) * s2
+        acc3 += tl.sum(p3, axis=1) * s3
+        acc4 += tl.sum(p4, axis=1) * s4
+        acc5 += tl.sum(p5, axis=1) * s5
+        acc6 += tl.sum(p6, axis=1) * s6
+        acc7 += tl.sum(p7, axis=1) * s7
+    out = out_ptr + pid_m * stride_om if SPLIT == 1 else out_ptr + pid_k * M * N + pid_m * N
+    _n8_store(out, tl.sum(acc0), row, b_ptr, HAS_BIAS, SPLIT)
+    _n8_store(out, tl.sum(acc1), row + 1, b_ptr, HAS_BIAS, SPLIT)
+    _n8_store(out, tl.sum(acc2), row + 2, b_ptr, HAS_BIAS, SPLIT)
+    _n8_store(out, tl.sum(acc3), row + 3, b_ptr, HAS_BIAS, SPLIT)
+    _n8_store(out, tl.sum(acc4), row + 4, b_ptr, HAS_BIAS, SPLIT)
+    _n8_store(out, tl.sum(acc5), row + 5, b_ptr, HAS_BIAS, SPLIT)
+    _n8_store(out, tl.sum(acc6), row + 6, b_ptr, HAS_BIAS, SPLIT)
+    _n8_store(out, tl.sum(acc7), row + 7, b_ptr, HAS_BIAS, SPLIT)
 
 
 @triton.jit
@@ -462,7 +444,7 @@ def gemv_n8_config(m: int, n: int, k: int, group_size: int, sm_count: int) -> tu
     run = n8_run(k, group_size)
     num_warps = next(w for w in (4, 2, 1) if k % (32 * w * run) == 0)
     steps = k // (32 * num_warps * run)
-    programs = n // PACK
+    programs = m * n // PACK  # a program per input row and word row
     split = next((d for d in range(1, steps + 1) if steps % d == 0 and programs * d >= N8_PROGRAMS_PER_SM * sm_count),
                  steps)
     return num_warps, run, split
@@ -571,11 +553,10 @@ def int4_gemv_n8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     # Act-order: the permuted input as one small gather (inside the kernel it would not load as
     # the vector tiles the weight words load as).
     xp = x if perm is None else x.index_select(1, perm)
-    _int4_gemv_n8_kernel[(n // PACK, split)](
+    _int4_gemv_n8_kernel[(m, n // PACK, split)](
         xp, qweight, scales, zeros, bias if bias is not None else out, target, m, n, k, group_size, k // split,
         xp.stride(0), scales.stride(0), out.stride(0), MAGIC,
-        HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=triton.next_power_of_2(m),
-        THREADS=threads, RUN=run, num_warps=num_warps)
+        HAS_BIAS=bias is not None, SPLIT=split, THREADS=threads, RUN=run, num_warps=num_warps)
     if split > 1:
         _splitk_sum(target, bias, out)
     return out
