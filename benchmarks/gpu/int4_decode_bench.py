@@ -95,11 +95,17 @@ def time_shape(name: str, n: int, k: int, rows: tuple[int, ...], sweep: bool) ->
     for m in rows:
         x = torch.randn(m, k, dtype=getattr(torch, DTYPE), device=DEVICE)
         bf16_us = graph_time_us(lambda x=x: F.linear(x, weight))
+        # Each kernel's output against dequantize + cuBLAS (an independent path; the act-order
+        # kernel against the same with the permuted input): relative max error, a correctness check.
+        want = {p: int4_gemm.int4_dequant_matmul(x, words[N8_LAYOUT], scales, zeros, p, 128, None,
+                                                 layout=N8_LAYOUT).float() for p in (None, perm)}
         for kernel, fn, config in kernel_runs(x, words, scales, zeros, perm, sms, sweep):
             row = {"layer": name, "n": n, "k": k, "m": m, "kernel": kernel,
                    "config": list(config) if config != "default" else config, "bf16_us": bf16_us,
                    "bf16_gb_per_s": 2 * n * k / bf16_us / 1e3}
             try:
+                ref = want[perm if kernel == "n8-act-order" else None]
+                row["rel_err"] = float((fn().float() - ref).abs().max() / ref.abs().max())
                 us = graph_time_us(fn)
                 row.update(int4_us=us, ratio=us / bf16_us, int4_gb_per_s=int4_bytes / us / 1e3)
             except Exception as e:  # one launch size that does not compile or fit must not end the table
@@ -273,14 +279,15 @@ def run_child(args: list[str]) -> dict:
 def print_tables(result: dict) -> None:
     print("\nkernels (us per call, CUDA graph; int4 GPTQ g128 vs bf16 F.linear; GB/s: bytes read per second)")
     print(f"{'layer':8} {'m':>3} {'kernel':14} {'config':>15} {'int4 us':>8} {'int4 GB/s':>9} {'bf16 us':>8} "
-          f"{'bf16 GB/s':>9} {'ratio':>6}")
+          f"{'bf16 GB/s':>9} {'ratio':>6} {'rel err':>8}")
     for r in result.get("kernels", {}).get("kernels", []):
         config = "default" if r["config"] == "default" else ",".join(map(str, r["config"]))
         if "error" in r:
             print(f"{r['layer']:8} {r['m']:>3} {r['kernel']:14} {config:>15} error: {r['error']}")
             continue
         print(f"{r['layer']:8} {r['m']:>3} {r['kernel']:14} {config:>15} {r['int4_us']:>8.1f} "
-              f"{r['int4_gb_per_s']:>9.0f} {r['bf16_us']:>8.1f} {r['bf16_gb_per_s']:>9.0f} {r['ratio']:>6.2f}")
+              f"{r['int4_gb_per_s']:>9.0f} {r['bf16_us']:>8.1f} {r['bf16_gb_per_s']:>9.0f} {r['ratio']:>6.2f} "
+              f"{r['rel_err']:>8.1e}")
     gguf = result.get("kernels", {}).get("gguf", [])
     if gguf:
         print("\nGGUF block kernels (us per call, CUDA graph; random blocks) vs bf16 F.linear")

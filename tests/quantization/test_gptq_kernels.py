@@ -311,14 +311,38 @@ def test_each_word_row_kernel_matches_the_reference_on_cuda(shape):
                 assert got.dtype == dtype and err < 1e-2, (name, m, dtype, err)
 
 
+def _max_rel_err(kernel, m: int, weight: tuple, config: tuple) -> float:
+    """``kernel``'s error against the reference on the down projection's shape (bias, act-order)."""
+    qweight, scales, zeros, perm = weight
+    x = torch.randn(m, 14336, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    want = int4.int4_linear_reference(x, qweight, scales, zeros, perm, 128, int4.N8_LAYOUT) + bias.float()
+    got = kernel(x, qweight, scales, zeros, perm, 128, bias, config=config)
+    return float((got.float() - want).abs().max() / want.abs().max())
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("config", [(4, 16, 1), (4, 16, 7), (2, 16, 7), (1, 16, 14)])
 def test_word_row_gemv_launch_sizes_on_cuda(config):
-    """The sizes the benchmark sweeps (split K included) on the down projection's shape."""
+    """GEMV sizes the benchmark sweeps (split K included) on the down projection's shape."""
+    from pagedllm.quantization.kernels import int4_gemm
+
+    weight = make_weight(4096, 14336, 128, True, "cuda", layout=int4.N8_LAYOUT)
     for m in (1, 2, 4):
-        err = check_case((m, 4096, 14336, 128, True, True, torch.bfloat16, config), "cuda", layout=int4.N8_LAYOUT)
-        assert err < 1e-2, (m, config, err)
+        assert _max_rel_err(int4_gemm.int4_gemv_n8, m, weight, config) < 1e-2, (m, config)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("config", [(16, 128, 4, 8, 3), (64, 64, 7, 4, 4), (32, 64, 2, 8, 5), (16, 32, 16, 4, 3)])
+def test_tiled_gemm_launch_sizes_on_cuda(config):
+    """Tiled-GEMM sizes the benchmark sweeps (output tiles, warps, stages, split K)."""
+    from pagedllm.quantization.kernels import int4_gemm
+
+    weight = make_weight(4096, 14336, 128, True, "cuda", layout=int4.N8_LAYOUT)
+    for m in (1, 5, 16, 64):
+        assert _max_rel_err(int4_gemm.int4_gemm_n8, m, weight, config) < 1e-2, (m, config)
 
 
 @pytest.mark.gpu
