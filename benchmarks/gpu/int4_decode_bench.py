@@ -97,14 +97,16 @@ def time_shape(name: str, n: int, k: int, rows: tuple[int, ...], sweep: bool) ->
         bf16_us = graph_time_us(lambda x=x: F.linear(x, weight))
         # Each kernel's output against dequantize + cuBLAS (an independent path; the act-order
         # kernel against the same with the permuted input): relative max error, a correctness check.
-        want = {p: int4_gemm.int4_dequant_matmul(x, words[N8_LAYOUT], scales, zeros, p, 128, None,
-                                                 layout=N8_LAYOUT).float() for p in (None, perm)}
+        want = {kernel: int4_gemm.int4_dequant_matmul(x, words[layout], scales, zeros, p, 128, None,
+                                                      layout=layout).float()
+                for kernel, layout, p in (("n8", N8_LAYOUT, None), ("n8-act-order", N8_LAYOUT, perm),
+                                          ("rows", ROWS_LAYOUT, None))}
         for kernel, fn, config in kernel_runs(x, words, scales, zeros, perm, sms, sweep):
             row = {"layer": name, "n": n, "k": k, "m": m, "kernel": kernel,
                    "config": list(config) if config != "default" else config, "bf16_us": bf16_us,
                    "bf16_gb_per_s": 2 * n * k / bf16_us / 1e3}
             try:
-                ref = want[perm if kernel == "n8-act-order" else None]
+                ref = want.get(kernel, want["n8"])
                 row["rel_err"] = float((fn().float() - ref).abs().max() / ref.abs().max())
                 us = graph_time_us(fn)
                 row.update(int4_us=us, ratio=us / bf16_us, int4_gb_per_s=int4_bytes / us / 1e3)
