@@ -51,6 +51,7 @@ the group size a multiple of 8.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
@@ -65,13 +66,16 @@ N8_PROGRAMS_PER_SM = 2
 # Word-row layout: rows the GEMV takes (one: its per-row sums cost registers and a second row
 # doubles its arithmetic), and rows the tiled GEMM takes (above: dequantize once + cuBLAS, whose
 # tiles reuse each weight across many rows).
-N8_GEMV_MAX_ROWS = 1
-TILED_MAX_ROWS = 64  # at 128 rows dequantize + cuBLAS measured 1.6x faster on an H100
-# Input columns a tiled-GEMM step covers at most; the most K splits it makes, and the programs
-# per SM it splits K for (each streams weights: enough of them keep enough loads in flight).
+# (H100: at 2 rows the GEMV took 0.65-0.69x of bf16 on the 8B MLP shapes, the tiled GEMM 0.9x; at
+# 4 rows 1.1-1.3x against 0.9x. At 128 rows dequantize + cuBLAS was 1.6x faster than tiled.)
+N8_GEMV_MAX_ROWS = 2
+TILED_MAX_ROWS = 64
+# Input columns a tiled-GEMM step covers at most; the most K splits it makes, and the programs per
+# SM it splits K towards, by row tile (each streams weights: small row tiles need more of them in
+# flight; an H100 sweep of splits 1-8 at 16 and 64 rows on the 8B shapes picked these).
 TILED_MAX_CHUNK = 128
 TILED_MAX_SPLIT = 8
-TILED_PROGRAMS_PER_SM = 2
+TILED_PROGRAMS_PER_SM = {16: 6, 32: 4, 64: 2}
 # The tiled GEMM's codes as 16-bit floats ``base + q`` (q in 0..15 in the low mantissa bits of
 # ``base``, whose ulp is 1): (bits of base, base) per input dtype.
 CODE_BASES = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
@@ -475,16 +479,18 @@ def tiled_n8_fits(x: torch.Tensor, n: int, group_size: int) -> bool:
 def tiled_n8_config(m: int, n: int, k: int, group_size: int, sm_count: int) -> tuple[int, int, int, int, int]:
     """``(block_m, block_n, split_k, num_warps, num_stages)`` of the tiled GEMM: row tiles of 16 to
     64 (a dot takes 16 rows at least; padding rows cost no weight bytes), 64 outputs where N allows,
-    and K split (a divisor of the chunks, at most ``TILED_MAX_SPLIT``) until there are
-    ``TILED_PROGRAMS_PER_SM`` programs an SM: at decode sizes every program streams weights, and
-    too few leave bandwidth unused; four pipeline stages (loads of three chunks ahead in flight)."""
+    and K split (a divisor of the chunks, at most ``TILED_MAX_SPLIT``) to the number of programs
+    nearest ``TILED_PROGRAMS_PER_SM`` an SM (by ratio): at decode sizes every program streams
+    weights, too few leave bandwidth unused and too many add partial sums; four pipeline stages
+    (loads of three chunks ahead in flight)."""
     _, chunk = tiled_n8_chunk(k, group_size)
     block_m = min(64, max(16, triton.next_power_of_2(m)))
     block_n = next(b for b in (64, 32, 16) if n % b == 0)
     programs = triton.cdiv(m, block_m) * (n // block_n)
     chunks = k // chunk
+    target = TILED_PROGRAMS_PER_SM[block_m] * sm_count
     splits = [d for d in range(1, TILED_MAX_SPLIT + 1) if chunks % d == 0]
-    split = next((d for d in splits if programs * d >= TILED_PROGRAMS_PER_SM * sm_count), splits[-1])
+    split = min(splits, key=lambda d: abs(math.log(programs * d / target)))
     return block_m, block_n, split, 4, 4
 
 
