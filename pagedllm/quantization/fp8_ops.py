@@ -7,6 +7,11 @@ with the dot product accumulated in float32: exactly what ``torch._scaled_mm`` c
 (cuBLASLt, row-wise scales) and what ``fp8_linear_tiled`` computes on any device, a tile of weight
 rows at a time (the float32 copy of one tile is the only extra memory).
 
+Decode rows (``gemv_fits``: CUDA, at most ``kernels/fp8_gemv.GEMV_MAX_ROWS`` rows): the Triton
+weight-only GEMV (``fp8_gemv``) reads each weight byte once and multiplies the activations as they
+are (no activation quantization: one launch, or two with split K, and a product closer to the
+float one); above, the activations are quantized and cuBLASLt multiplies.
+
 Constraints of ``torch._scaled_mm`` (checked by ``scaled_mm_fits``): CUDA with compute capability
 >= 8.9, K and N multiples of 16, row-wise scales (torch >= 2.5), which take a bfloat16 output only.
 Elsewhere (the CPU, float16 or float32 models, odd shapes) the tiled path runs.
@@ -19,6 +24,7 @@ whole blocks at a time (every device; no cuBLASLt path yet).
 from __future__ import annotations
 
 import functools
+import importlib.util
 import math
 
 import torch
@@ -27,6 +33,7 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 # A scale never goes below this (an all-zero row would give 0 and then 0/0): vLLM's lower bound.
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 # Weight elements per float32 tile of the tiled GEMM (8 MiB).
 TILE_ELEMENTS = 1 << 21
 
@@ -109,6 +116,22 @@ def scaled_mm_fits(x: torch.Tensor, wq: torch.Tensor) -> bool:
     n, k = wq.shape
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     return k % 16 == 0 and n % 16 == 0 and _has_fp8_tensor_cores(index)
+
+
+def gemv_fits(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor) -> bool:
+    """Whether the Triton weight-only GEMV takes this product (module doc)."""
+    if not (HAS_TRITON and x.is_cuda and x.dim() == 2):
+        return False
+    from pagedllm.quantization.kernels import fp8_gemv
+
+    return x.shape[0] <= fp8_gemv.GEMV_MAX_ROWS and fp8_gemv.fits(x, wq, w_scale)
+
+
+def fp8_gemv(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``[M, N]`` in x's dtype: ``x @ (Wq * w_scale)^T (+ bias)`` by the Triton GEMV (precondition: ``gemv_fits``)."""
+    from pagedllm.quantization.kernels import fp8_gemv as kernel
+
+    return kernel.fp8_gemv(x, wq, w_scale, bias)
 
 
 def fp8_linear_scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,

@@ -1,0 +1,170 @@
+"""``y = x W^T (+ b)`` at a few rows for FP8 weights, weight-only (W8A16): ``W [N, K]``
+float8_e4m3fn with a float32 scale per output row (``W ~= Wq * scale[:, None]``), ``x`` in bf16 /
+fp16 / fp32 as it is (no activation quantization), float32 sums, one rounding to x's dtype.
+
+At decode (1 to ``GEMV_MAX_ROWS`` rows) a linear layer is a read of W. cuBLASLt's FP8 GEMM picks
+tiles for large M and needs the activations quantized first (a few small launches a layer); here
+one kernel reads each weight byte once and leaves x in its dtype:
+
+- ``_fp8_gemv_kernel``: a program owns ``BLOCK_N`` output rows and one split of K; it streams
+  their ``[BLOCK_N, BLOCK_K]`` chunks of W (contiguous along K: 16-byte loads), converts them to
+  float32 and multiplies them with the chunk's ``[BLOCK_M, BLOCK_K]`` inputs, either on the CUDA
+  cores (``DOT`` off: at one row a float32 sum per element, reduced once at the end; more rows,
+  one reduction a chunk) or on the tensor cores (``DOT`` on: the codes converted to x's dtype,
+  exactly for bf16 and fp16, then ``tl.dot`` on at least 16 rows). The row scale multiplies the sums once.
+- Split K (``SPLIT_K``, where the row blocks alone leave SMs idle: narrow layers such as o_proj
+  and down_proj): each split writes its float32 partial sums to ``[SPLIT, M, N]`` and
+  ``_splitk_sum_kernel`` adds them with the bias, in x's dtype.
+
+Launch sizes are a function of the shape (``gemv_config``), never timed at call time: a CUDA graph
+captures the launches as they are. The only allocations are the output and the split-K partial
+sums (the caching allocator's: capturable). Requirements (``fits``): a 2-D float input with
+contiguous rows, a contiguous ``[N, K]`` float8_e4m3fn weight, ``[N]`` scales.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+# At most this many rows take the GEMV; more rows the caller's GEMM (cuBLASLt FP8 on Hopper).
+GEMV_MAX_ROWS = 16
+# K is split until there are this many programs per SM (or the splits would be shorter than a chunk).
+PROGRAMS_PER_SM = 2
+
+
+@triton.jit
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_wn,
+                     stride_om, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr):
+    """Rows ``rn`` of the output over one split of K (module doc). ``BLOCK_M`` >= M (a power of two;
+    at least 16 with ``DOT``)."""
+    pid_k = tl.program_id(1)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rn < N
+    rm = tl.arange(0, BLOCK_M)
+    m_mask = rm < M
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    x_rows = x_ptr + rm[:, None] * stride_xm
+    k_begin = pid_k * K_PER_SPLIT
+    if DOT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    elif BLOCK_M == 1:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(k_begin, k_begin + K_PER_SPLIT, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_mask = rk < K
+        w = tl.load(w_rows + rk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0,
+                    eviction_policy="evict_first")
+        x = tl.load(x_rows + rk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if DOT:
+            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+        elif BLOCK_M == 1:
+            acc += w.to(tl.float32) * x.to(tl.float32)
+        else:
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    if not DOT and BLOCK_M == 1:
+        y = tl.sum(acc, axis=1)[None, :]
+    else:
+        y = acc
+    y = y * tl.load(s_ptr + rn, mask=n_mask, other=0.0)[None, :]
+    if SPLIT_K:  # float32 partial sums into this split's [M, N] slice
+        out = out_ptr + pid_k * M * N
+        stride = N
+    else:
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        out = out_ptr
+        stride = stride_om
+    tl.store(out + rm[:, None] * stride + rn[None, :], y.to(out_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _splitk_sum_kernel(ws_ptr, b_ptr, out_ptr, M, N, stride_om, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """``out[m, n] = sum_s ws[s, m, n] (+ bias[n])`` in out's dtype (the split-K GEMV's second half)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for s in tl.static_range(SPLIT):
+        acc += tl.load(ws_ptr + s * M * N + offs, mask=mask, other=0.0)
+    n = offs % N
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + (offs // N) * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@functools.cache
+def num_sms(device_index: int) -> int:
+    """The SM count of CUDA device ``device_index`` (cached)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _device_sms(x: torch.Tensor) -> int:
+    if not x.is_cuda:
+        return 132  # under the interpreter: an H100's
+    return num_sms(x.device.index if x.device.index is not None else torch.cuda.current_device())
+
+
+def gemv_config(m: int, n: int, k: int, sm_count: int) -> tuple[int, int, int, bool, int]:
+    """``(block_n, block_k, num_warps, dot, split)`` for ``m`` rows and an ``[n, k]`` weight: at one
+    row, 8 weight rows x 1024 columns a chunk (8 KiB of codes: enough in flight per program) on the
+    CUDA cores; at 2-4 rows 16 x 512 on the CUDA cores; above, the tensor cores on 64 x 256 chunks.
+    K is split (in whole chunks) until there are ``PROGRAMS_PER_SM`` programs per SM."""
+    if m == 1:
+        block_n, block_k, num_warps, dot = 8, 1024, 4, False
+    elif m <= 4:
+        block_n, block_k, num_warps, dot = 16, 512, 4, False
+    else:
+        block_n, block_k, num_warps, dot = 64, 256, 4, True
+    block_k = min(block_k, triton.next_power_of_2(k))
+    return block_n, block_k, num_warps, dot, split_k(n, k, block_n, block_k, sm_count)
+
+
+def split_k(n: int, k: int, block_n: int, block_k: int, sm_count: int) -> int:
+    """The splits of K for ``block_n x block_k`` chunks: doubled from 1 until there are
+    ``PROGRAMS_PER_SM`` programs per SM or as many splits as chunks."""
+    chunks = triton.cdiv(k, block_k)
+    programs = triton.cdiv(n, block_n)
+    split = 1
+    while split < chunks and programs * split < PROGRAMS_PER_SM * sm_count:
+        split *= 2
+    return min(split, chunks)
+
+
+def fits(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor) -> bool:
+    """Whether the kernel takes ``x @ Wq^T`` (module doc)."""
+    return (x.dim() == 2 and x.stride(-1) == 1 and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and wq.dim() == 2 and wq.is_contiguous() and wq.dtype == torch.float8_e4m3fn
+            and x.shape[1] == wq.shape[1] and w_scale.numel() == wq.shape[0] and w_scale.is_contiguous())
+
+
+def fp8_gemv(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
+             config: tuple[int, int, int, bool, int] | None = None) -> torch.Tensor:
+    """``[M, N]`` in x's dtype: ``x @ (Wq * w_scale[:, None])^T (+ bias)``; ``config`` as
+    ``gemv_config`` returns (its default for the shape). Precondition: ``fits``; any M works (the
+    engine takes it up to ``GEMV_MAX_ROWS``). With ``dot``, a float32 ``x`` runs the tensor cores in
+    tf32 (float32 tests use ``dot`` off)."""
+    m, k = x.shape
+    n = wq.shape[0]
+    block_n, block_k, num_warps, dot, split = config or gemv_config(m, n, k, _device_sms(x))
+    block_m = max(16 if dot else 1, triton.next_power_of_2(m))
+    k_per_split = triton.cdiv(triton.cdiv(k, block_k), split) * block_k
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    b = bias if bias is not None else w_scale
+    _fp8_gemv_kernel[(triton.cdiv(n, block_n), split)](
+        x, wq, w_scale, b, target, m, n, k, k_per_split, x.stride(0), wq.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, SPLIT_K=split > 1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot,
+        num_warps=num_warps)
+    if split > 1:
+        block = 1024
+        _splitk_sum_kernel[(triton.cdiv(m * n, block),)](target, b, out, m, n, out.stride(0), SPLIT=split,
+                                                         HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+    return out

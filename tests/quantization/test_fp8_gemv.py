@@ -1,0 +1,168 @@
+"""The FP8 weight-only Triton GEMV (pagedllm/quantization/kernels/fp8_gemv.py) against the torch
+reference that dequantizes: under Triton's interpreter in CI (small shapes, a subprocess with
+``TRITON_INTERPRET=1``), and on CUDA (``gpu``: the 8B shapes, a captured CUDA graph, the layer's
+dispatch between the GEMV and cuBLASLt)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from pagedllm.quantization import fp8, fp8_ops
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+needs_cuda = pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs Triton and CUDA")
+
+# (rows M, outputs N, inputs K, dtype, bias[, config (block_n, block_k, num_warps, dot, split)]):
+# per-element sums at one row, per-chunk sums at 2-4 rows, tensor cores above (fp16: the
+# interpreter's bf16 tl.dot is wrong), split K with uneven and empty splits, ragged N and K tails.
+INTERPRETER_CASES = [
+    (1, 40, 200, torch.float32, True),
+    (1, 16, 256, torch.bfloat16, False, (8, 64, 4, False, 3)),  # 4 chunks in 3 splits: one empty
+    (2, 24, 96, torch.float32, True, (16, 32, 4, False, 2)),
+    (3, 24, 100, torch.float16, False),
+    (5, 72, 96, torch.float16, True),
+    (17, 64, 256, torch.float16, True, (32, 64, 4, True, 2)),
+    (4, 40, 136, torch.bfloat16, True, (8, 32, 2, False, 5)),
+]
+
+
+def check_case(case, device: str, seed: int = 0) -> float:
+    """Relative max error of the kernel against the dequantized float64 product for one case."""
+    from pagedllm.quantization.kernels import fp8_gemv
+
+    m, n, k, dtype, with_bias, *config = case
+    gen = torch.Generator().manual_seed(seed)
+    wq, w_scale = fp8_ops.quantize_rows(torch.randn(n, k, generator=gen) * 0.05)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
+    want = x.double() @ fp8_ops.dequantize_rows(wq, w_scale).double().t()
+    if bias is not None:
+        want += bias.double()
+    wq, w_scale, x = wq.to(device), w_scale.to(device), x.to(device)
+    bias = None if bias is None else bias.to(device)
+    assert fp8_gemv.fits(x, wq, w_scale)
+    got = fp8_gemv.fp8_gemv(x, wq, w_scale, bias, config[0] if config else None)
+    assert got.dtype == dtype and got.shape == (m, n)
+    return float((got.double().cpu() - want).abs().max() / want.abs().max())
+
+
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def _interpreter_main() -> None:
+    for case in INTERPRETER_CASES:
+        err = check_case(case, "cpu")
+        assert err < TOLERANCE[case[3]], (case, err)
+        print("ok", case, err)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
+def test_gemv_matches_the_reference_in_the_triton_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    code = f"import runpy; runpy.run_path({__file__!r})['_interpreter_main']()"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("ok") == len(INTERPRETER_CASES)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
+def test_gemv_config_splits_k_only_where_the_row_blocks_leave_sms_idle():
+    from pagedllm.quantization.kernels import fp8_gemv
+
+    # gate_up at one row: 28672 / 8 = 3584 programs fill 132 SMs; o_proj: 512 programs, split 1 -> 264+.
+    assert fp8_gemv.gemv_config(1, 28672, 4096, 132)[4] == 1
+    assert fp8_gemv.gemv_config(1, 4096, 4096, 132) == (8, 1024, 4, False, 1)
+    assert fp8_gemv.gemv_config(16, 4096, 14336, 132)[3:] == (True, 8)  # 64 row blocks x 8 splits >= 264
+    assert fp8_gemv.split_k(64, 256, 8, 128, 132) == 2  # never more splits than chunks
+
+
+class _Layer(nn.Module):
+    def __init__(self, n: int, k: int) -> None:
+        super().__init__()
+        wq, scale = fp8_ops.quantize_rows(torch.randn(n, k, generator=torch.Generator().manual_seed(3)))
+        self.weight, self.weight_scale = nn.Parameter(wq, requires_grad=False), nn.Parameter(scale, requires_grad=False)
+
+
+@pytest.mark.parametrize("activations", ["token", "static", None])
+def test_apply_takes_the_gemv_where_it_fits_with_the_bias_inside(monkeypatch, activations):
+    """Every scheme's decode rows go to the weight-only GEMV (no activation quantization), which adds
+    the bias itself; where it does not fit, the quantized-activation path runs."""
+    calls = []
+
+    def gemv(x, wq, w_scale, bias):
+        calls.append(bias)
+        return fp8_ops.fp8_linear_tiled(x, None, wq, w_scale, x.dtype) + (0 if bias is None else bias)
+
+    layer, bias = _Layer(24, 32), torch.randn(24)
+    layer.input_scale = nn.Parameter(torch.tensor([0.05]), requires_grad=False)
+    x = torch.randn(2, 3, 32)
+    method = fp8.Fp8LinearMethod(fp8.Fp8Scheme(serialized=True, activations=activations))
+    monkeypatch.setattr(fp8_ops, "fp8_gemv", gemv)
+    monkeypatch.setattr(fp8_ops, "quantize_activations", lambda *a, **k: pytest.fail("quantized the activations"))
+    monkeypatch.setattr(fp8_ops, "gemv_fits", lambda x, wq, s: x.shape[0] <= 6)
+    y = method.apply(layer, x, bias)
+    assert y.shape == (2, 3, 24) and calls == [bias]
+    want = x.reshape(6, 32) @ fp8_ops.dequantize_rows(layer.weight, layer.weight_scale).t() + bias
+    torch.testing.assert_close(y.reshape(6, 24), want)
+    monkeypatch.undo()
+    assert not fp8_ops.gemv_fits(x.reshape(6, 32), layer.weight, layer.weight_scale)  # the CPU: never
+    monkeypatch.setattr(fp8_ops, "fp8_gemv", lambda *a: pytest.fail("took the GEMV"))
+    monkeypatch.setattr(fp8_ops, "gemv_fits", lambda x, wq, s: x.shape[0] <= 5)  # 6 rows: too many
+    y = method.apply(layer, x, bias)
+    torch.testing.assert_close(y.reshape(6, 24), want, rtol=0.1, atol=0.1 * float(want.abs().max()))
+
+
+GPU_SHAPES = [(6144, 4096), (4096, 14336), (28672, 4096)]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_gemv_matches_the_reference_on_cuda(shape):
+    n, k = shape
+    for m in (1, 2, 3, 4, 8, 16, 33, 64):
+        err = check_case((m, n, k, torch.bfloat16, m == 3), "cuda")
+        assert err < 1e-2, (m, err)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_gemv_replays_in_a_cuda_graph(m):
+    from pagedllm.quantization.kernels import fp8_gemv
+
+    wq, w_scale = fp8_ops.quantize_rows(torch.randn(4096, 4096, device="cuda"))
+    x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+    eager = fp8_gemv.fp8_gemv(x, wq, w_scale)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_gemv.fp8_gemv(x, wq, w_scale)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, fp8_gemv.fp8_gemv(x, wq, w_scale))
+    assert not torch.equal(out, eager)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_layer_uses_the_gemv_up_to_its_row_limit_then_cublaslt():
+    from pagedllm.quantization.kernels import fp8_gemv
+
+    layer = _Layer(256, 512).cuda()
+    method = fp8.Fp8LinearMethod(fp8.Fp8Scheme(serialized=True))
+    limit = fp8_gemv.GEMV_MAX_ROWS
+    for m, gemv in ((1, True), (limit, True), (limit + 1, False)):
+        x = torch.randn(m, 512, device="cuda", dtype=torch.bfloat16)
+        assert fp8_ops.gemv_fits(x, layer.weight, layer.weight_scale) == gemv
+        y = method.apply(layer, x, None)
+        want = x.float() @ fp8_ops.dequantize_rows(layer.weight, layer.weight_scale).t()
+        torch.testing.assert_close(y.float(), want, rtol=5e-2, atol=5e-2 * float(want.abs().max()))
