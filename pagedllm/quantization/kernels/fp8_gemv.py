@@ -16,6 +16,9 @@ one kernel reads each weight byte once and leaves x in its dtype:
   and down_proj): each split writes its float32 partial sums to ``[SPLIT, M, N]`` and
   ``_splitk_sum_kernel`` adds them with the bias, in x's dtype.
 
+With PDL (``pagedllm/pdl.py``: the batch-1 decode graph) each program waits for the kernel that
+wrote x before its loop and lets the next kernel launch after it, as the bf16 GEMVs do.
+
 Launch sizes are a function of the shape (``gemv_config``), never timed at call time: a CUDA graph
 captures the launches as they are. The only allocations are the output and the split-K partial
 sums (the caching allocator's: capturable). Requirements (``fits``): a 2-D float input with
@@ -30,6 +33,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.pdl import launch_kwargs
+from pagedllm.triton_pdl import allow_dependents, wait_for_inputs
+
 # At most this many rows take the GEMV; more rows the caller's GEMM (cuBLASLt FP8 on Hopper).
 GEMV_MAX_ROWS = 16
 # K is split until there are this many programs per SM (or the splits would be shorter than a chunk).
@@ -39,7 +45,7 @@ PROGRAMS_PER_SM = 2
 @triton.jit
 def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_wn,
                      stride_om, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr, USE_PDL: tl.constexpr):
     """Rows ``rn`` of the output over one split of K (module doc). ``BLOCK_M`` >= M (a power of two;
     at least 16 with ``DOT``)."""
     pid_k = tl.program_id(1)
@@ -50,6 +56,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, K_PER_SPLIT, 
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + rm[:, None] * stride_xm
     k_begin = pid_k * K_PER_SPLIT
+    wait_for_inputs(USE_PDL)
     if DOT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     elif BLOCK_M == 1:
@@ -68,6 +75,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, K_PER_SPLIT, 
             acc += w.to(tl.float32) * x.to(tl.float32)
         else:
             acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    allow_dependents(USE_PDL)
     if not DOT and BLOCK_M == 1:
         y = tl.sum(acc, axis=1)[None, :]
     else:
@@ -87,8 +95,10 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, K_PER_SPLIT, 
 
 @triton.jit
 def _splitk_sum_kernel(ws_ptr, b_ptr, out_ptr, M, N, stride_om, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       BLOCK: tl.constexpr):
+                       BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     """``out[m, n] = sum_s ws[s, m, n] (+ bias[n])`` in out's dtype (the split-K GEMV's second half)."""
+    wait_for_inputs(USE_PDL)
+    allow_dependents(USE_PDL)  # one short wave: the next kernel may take the SMs it leaves
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
     acc = tl.zeros((BLOCK,), tl.float32)
@@ -162,9 +172,10 @@ def fp8_gemv(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: tor
     _fp8_gemv_kernel[(triton.cdiv(n, block_n), split)](
         x, wq, w_scale, b, target, m, n, k, k_per_split, x.stride(0), wq.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, SPLIT_K=split > 1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot,
-        num_warps=num_warps)
+        num_warps=num_warps, **launch_kwargs(x.device))
     if split > 1:
         block = 1024
         _splitk_sum_kernel[(triton.cdiv(m * n, block),)](target, b, out, m, n, out.stride(0), SPLIT=split,
-                                                         HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+                                                         HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
+                                                         **launch_kwargs(x.device))
     return out
