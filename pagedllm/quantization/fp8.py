@@ -153,6 +153,26 @@ class Fp8LinearMethod(QuantizeMethodBase):
         layer.weight = nn.Parameter(wq, requires_grad=False)
         layer.weight_scale = nn.Parameter(scale, requires_grad=False)
 
+    def apply_norm_prologue(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
+                            norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(apply(norm(x + residual)), x + residual)`` in one launch (``Linear.forward_norm_prologue``),
+        or None where the GEMV does not take the norm (not CUDA, too many rows, block-wise scales,
+        a norm weight or residual unlike ``x``)."""
+        if not (self.scheme.block is None and fp8_ops.prologue_fits(x, layer.weight, layer.weight_scale, "norm")
+                and norm.weight.dtype == x.dtype and norm.weight.is_contiguous()
+                and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
+                                          and residual.stride(-1) == 1))):
+            return None
+        return fp8_ops.rms_norm_fp8_gemv(x, residual, norm.weight, norm.eps, layer.weight, layer.weight_scale,
+                                         layer.bias)
+
+    def apply_act_prologue(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """``apply(silu(gate) * up)`` for ``x = [gate | up]`` in one launch (``Linear.forward_act_prologue``),
+        or None where the GEMV does not take it."""
+        if not (self.scheme.block is None and fp8_ops.prologue_fits(x, layer.weight, layer.weight_scale, "act")):
+            return None
+        return fp8_ops.silu_and_mul_fp8_gemv(x, layer.weight, layer.weight_scale, layer.bias)
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         wq = layer.weight

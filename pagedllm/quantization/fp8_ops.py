@@ -10,7 +10,9 @@ rows at a time (the float32 copy of one tile is the only extra memory).
 Decode rows (``gemv_fits``: CUDA, at most ``kernels/fp8_gemv.GEMV_MAX_ROWS`` rows): the Triton
 weight-only GEMV (``fp8_gemv``) reads each weight byte once and multiplies the activations as they
 are (no activation quantization: one launch, or two with split K, and a product closer to the
-float one); above, the activations are quantized and cuBLASLt multiplies.
+float one), with the residual add + RMSNorm or the SiLU-and-mul before it in its prologue where the
+layer's fused methods ask (``rms_norm_fp8_gemv``, ``silu_and_mul_fp8_gemv``); above, the activations
+are quantized and cuBLASLt multiplies.
 
 Constraints of ``torch._scaled_mm`` (checked by ``scaled_mm_fits``): CUDA with compute capability
 >= 8.9, K and N multiples of 16, row-wise scales (torch >= 2.5), which take a bfloat16 output only.
@@ -132,6 +134,34 @@ def fp8_gemv(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: tor
     from pagedllm.quantization.kernels import fp8_gemv as kernel
 
     return kernel.fp8_gemv(x, wq, w_scale, bias)
+
+
+def prologue_fits(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, prologue: str) -> bool:
+    """Whether the GEMV takes ``prologue`` ("norm": residual add + RMSNorm of ``x``; "act": SiLU-and-mul
+    of ``x = [gate | up]``) at ``x``'s rows (``kernels/fp8_gemv.prologue_fits``), on CUDA."""
+    if not (HAS_TRITON and x.is_cuda and x.dim() == 2):
+        return False
+    from pagedllm.quantization.kernels import fp8_gemv as kernel
+
+    code = kernel.NORM_PROLOGUE if prologue == "norm" else kernel.ACT_PROLOGUE
+    return kernel.prologue_fits(x, wq, w_scale, code)
+
+
+def rms_norm_fp8_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                      wq: torch.Tensor, w_scale: torch.Tensor,
+                      bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(GEMV of rmsnorm(x + residual) * g, x + residual)`` in one launch (precondition: ``prologue_fits``)."""
+    from pagedllm.quantization.kernels import fp8_gemv as kernel
+
+    return kernel.rms_norm_fp8_gemv(x, residual, norm_weight, eps, wq, w_scale, bias)
+
+
+def silu_and_mul_fp8_gemv(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+                          bias: torch.Tensor | None) -> torch.Tensor:
+    """GEMV of ``silu(gate) * up`` for ``x = [gate | up]`` in one launch (precondition: ``prologue_fits``)."""
+    from pagedllm.quantization.kernels import fp8_gemv as kernel
+
+    return kernel.silu_and_mul_fp8_gemv(x, wq, w_scale, bias)
 
 
 def fp8_linear_scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,

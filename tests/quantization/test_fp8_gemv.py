@@ -54,11 +54,56 @@ def check_case(case, device: str, seed: int = 0) -> float:
 
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+# (rows M, outputs N, inputs K, dtype, prologue "norm" | "norm-no-residual" | "act", bias[, config]);
+# no bfloat16 norm: the interpreter rounds float32 to bfloat16 by truncation (the residual sum differs).
+PROLOGUE_CASES = [
+    (1, 40, 200, torch.float32, "norm", True),
+    (2, 24, 96, torch.float32, "norm-no-residual", False),
+    (3, 16, 128, torch.float16, "norm", False, (8, 32, 2, False, 1)),
+    (1, 40, 136, torch.float32, "act", True),
+    (4, 24, 96, torch.float16, "act", False, (8, 32, 4, False, 2)),  # split K: partial sums
+]
+
+
+def check_prologue_case(case, device: str, seed: int = 0) -> float:
+    """Relative max error of a prologue GEMV against the torch ops then the dequantized product; checks
+    the new residual (the norm) exactly."""
+    from pagedllm.quantization.kernels import fp8_gemv
+
+    m, n, k, dtype, prologue, with_bias, *config = case
+    config = config[0] if config else None
+    gen = torch.Generator().manual_seed(seed)
+    wq, w_scale = fp8_ops.quantize_rows(torch.randn(n, k, generator=gen) * 0.05)
+    w = fp8_ops.dequantize_rows(wq, w_scale).double()
+    bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
+    to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    if prologue == "act":
+        x = torch.randn(m, 2 * k, generator=gen).to(dtype)
+        act = torch.nn.functional.silu(x[:, :k].float()).to(dtype)
+        inputs = (act.float() * x[:, k:].float()).to(dtype).double()
+        assert fp8_gemv.fits(to(x), to(wq), to(w_scale), fp8_gemv.ACT_PROLOGUE)
+        got = fp8_gemv.silu_and_mul_fp8_gemv(to(x), to(wq), to(w_scale), to(bias), config)
+    else:
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        residual = torch.randn(m, k, generator=gen).to(dtype) if prologue == "norm" else None
+        g, eps = torch.rand(k, generator=gen).to(dtype) + 0.5, 1e-5
+        s = x if residual is None else (x.float() + residual.float()).to(dtype)
+        inputs = s.double() * torch.rsqrt(s.double().pow(2).mean(dim=1, keepdim=True) + eps) * g.double()
+        got, new_residual = fp8_gemv.rms_norm_fp8_gemv(to(x), to(residual), to(g), eps, to(wq), to(w_scale),
+                                                       to(bias), config)
+        assert torch.equal(new_residual.cpu(), s)
+    want = inputs @ w.t() + (0 if bias is None else bias.double())
+    assert got.dtype == dtype and got.shape == (m, n)
+    return float((got.double().cpu() - want).abs().max() / want.abs().max())
 
 
 def _interpreter_main() -> None:
     for case in INTERPRETER_CASES:
         err = check_case(case, "cpu")
+        assert err < TOLERANCE[case[3]], (case, err)
+        print("ok", case, err)
+    for case in PROLOGUE_CASES:
+        err = check_prologue_case(case, "cpu")
         assert err < TOLERANCE[case[3]], (case, err)
         print("ok", case, err)
 
@@ -69,7 +114,7 @@ def test_gemv_matches_the_reference_in_the_triton_interpreter():
     code = f"import runpy; runpy.run_path({__file__!r})['_interpreter_main']()"
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("ok") == len(INTERPRETER_CASES)
+    assert proc.stdout.count("ok") == len(INTERPRETER_CASES) + len(PROLOGUE_CASES)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
@@ -119,6 +164,36 @@ def test_apply_takes_the_gemv_where_it_fits_with_the_bias_inside(monkeypatch, ac
     torch.testing.assert_close(y.reshape(6, 24), want, rtol=0.1, atol=0.1 * float(want.abs().max()))
 
 
+@pytest.mark.parametrize("fused_ops", [True, False])
+def test_quantized_layers_run_the_fp8_prologue_gemvs_where_the_plan_allows_fused_kernels(monkeypatch, fused_ops):
+    """A CUDA plan with the fused kernels on makes qkv / gate_up ask the FP8 method for the norm in
+    the GEMV's prologue and down_proj for the activation (the method checks the shapes: forced here);
+    with them off the layers decline and the compound modules run the ops."""
+    from pagedllm.config import KernelConfig
+    from pagedllm.layers import prepare_model_kernels, triton_ops
+    from pagedllm.models import build_model, init_dummy_weights
+    from tests.helpers import tiny_config
+
+    monkeypatch.setattr(triton_ops, "HAS_TRITON", True)
+    model = init_dummy_weights(build_model(tiny_config("llama"), torch.float32, "cpu", fp8.Fp8Config.online()), seed=3)
+    prepare_model_kernels(model, torch.device("cuda"), KernelConfig(fused_ops=fused_ops))
+    layer = model.model.layers[0]
+    qkv, down, norm = layer.self_attn.qkv_proj, layer.mlp.down_proj, layer.input_layernorm
+    calls = []
+    monkeypatch.setattr(fp8_ops, "prologue_fits", lambda x, wq, s, prologue: True)
+    monkeypatch.setattr(fp8_ops, "rms_norm_fp8_gemv", lambda *a: calls.append("norm") or ("y", "residual"))
+    monkeypatch.setattr(fp8_ops, "silu_and_mul_fp8_gemv", lambda *a: calls.append("act") or "y")
+    hidden = torch.randn(1, qkv.in_features)
+    norm_fused = qkv.forward_norm_prologue(hidden, hidden.clone(), norm)
+    act_fused = down.forward_act_prologue(torch.randn(1, 2 * down.in_features))
+    if fused_ops:
+        assert norm_fused == ("y", "residual") and act_fused == "y" and calls == ["norm", "act"]
+        monkeypatch.setattr(fp8_ops, "prologue_fits", lambda x, wq, s, prologue: False)
+        assert qkv.forward_norm_prologue(hidden, None, norm) is None  # the method declines: unfused
+    else:
+        assert norm_fused is None and act_fused is None and calls == []
+
+
 GPU_SHAPES = [(6144, 4096), (4096, 14336), (28672, 4096)]
 
 
@@ -130,6 +205,22 @@ def test_gemv_matches_the_reference_on_cuda(shape):
     for m in (1, 2, 3, 4, 8, 16, 33, 64):
         err = check_case((m, n, k, torch.bfloat16, m == 3), "cuda")
         assert err < 1e-2, (m, err)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("prologue", ["norm", "norm-no-residual", "act"])
+def test_prologue_gemvs_match_the_reference_on_cuda(prologue):
+    from pagedllm.quantization.kernels import fp8_gemv
+
+    n, k = (6144, 4096) if prologue != "act" else (4096, 14336)
+    for m in (1, 2, 4):
+        wq, w_scale = torch.empty(n, k, dtype=torch.float8_e4m3fn, device="cuda"), torch.ones(n, device="cuda")
+        x = torch.empty(m, 2 * k if prologue == "act" else k, device="cuda", dtype=torch.bfloat16)
+        code = fp8_gemv.ACT_PROLOGUE if prologue == "act" else fp8_gemv.NORM_PROLOGUE
+        assert fp8_gemv.prologue_fits(x, wq, w_scale, code), (prologue, m)
+        err = check_prologue_case((m, n, k, torch.bfloat16, prologue, m == 2), "cuda")
+        assert err < 1e-2, (prologue, m, err)
 
 
 @pytest.mark.gpu

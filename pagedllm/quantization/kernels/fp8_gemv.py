@@ -12,6 +12,11 @@ one kernel reads each weight byte once and leaves x in its dtype:
   cores (``DOT`` off: at one row a float32 sum per element, reduced once at the end; more rows,
   one reduction a chunk) or on the tensor cores (``DOT`` on: the codes converted to x's dtype,
   exactly for bf16 and fp16, then ``tl.dot`` on at least 16 rows). The row scale multiplies the sums once.
+- Prologues (``rms_norm_fp8_gemv``, ``silu_and_mul_fp8_gemv``; at the CUDA-core rows): the op
+  before the projection computes the input chunk on the fly, as ``layers/kernels/fused_gemv.py``
+  does for float weights: residual add + RMSNorm in one pass (each program accumulates the
+  squares of its chunks and scales its sums by ``rstd`` at the end; program 0 writes the new
+  residual; K not split), or SiLU-and-mul of ``[gate | up]``. One launch instead of two.
 - Split K (``SPLIT_K``, where the row blocks alone leave SMs idle: narrow layers such as o_proj
   and down_proj): each split writes its float32 partial sums to ``[SPLIT, M, N]`` and
   ``_splitk_sum_kernel`` adds them with the bias, in x's dtype.
@@ -33,6 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.layers.kernels.fused_gemv import _silu_mul_chunk
+from pagedllm.layers.kernels.rms_norm import _load_sum
 from pagedllm.pdl import launch_kwargs
 from pagedllm.triton_pdl import allow_dependents, wait_for_inputs
 
@@ -42,12 +49,37 @@ GEMV_MAX_ROWS = 16
 PROGRAMS_PER_SM = 2
 
 
+# What runs in the GEMV's prologue (``PROLOGUE``): nothing, residual add + RMSNorm, SiLU-and-mul.
+NO_PROLOGUE, NORM_PROLOGUE, ACT_PROLOGUE = 0, 1, 2
+
+
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_wn,
-                     stride_om, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr, USE_PDL: tl.constexpr):
+def _input_chunk(x_rows, res_rows, res_out_rows, g_ptr, rk, mask, store_mask, K, ss,
+                 PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """The GEMV's ``[BLOCK_M, BLOCK_K]`` input chunk at columns ``rk`` and the running sum of squares
+    ``ss``: ``x`` as it is; or ``(x + residual) * g`` in float32 (never rounded; the sum rounded to
+    x's dtype and stored to ``res_out`` under ``store_mask``), its squares added to ``ss``; or
+    ``silu(gate) * up`` rounded as the torch path rounds it (gate = columns ``[0, K)``, up ``[K, 2K)``)."""
+    if PROLOGUE == 1:
+        s = _load_sum(x_rows, res_rows, res_out_rows, rk[None, :], mask, store_mask, HAS_RESIDUAL, True)
+        ss += s * s
+        x = s * tl.load(g_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)[None, :]
+    elif PROLOGUE == 2:
+        x = _silu_mul_chunk(x_rows, rk[None, :], mask, K)
+    else:
+        x = tl.load(x_rows + rk[None, :], mask=mask, other=0.0)
+    return x, ss
+
+
+@triton.jit
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, res_ptr, res_out_ptr, g_ptr, M, N, K, K_PER_SPLIT,
+                     eps, stride_xm, stride_wn, stride_om, stride_rm, stride_rom, HAS_BIAS: tl.constexpr,
+                     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     DOT: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                     USE_PDL: tl.constexpr):
     """Rows ``rn`` of the output over one split of K (module doc). ``BLOCK_M`` >= M (a power of two;
-    at least 16 with ``DOT``)."""
+    at least 16 with ``DOT``). With the norm prologue (no split, no ``DOT``) program 0 writes the new
+    residual and the sums are scaled by each row's ``rstd`` at the end."""
     pid_k = tl.program_id(1)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rn < N
@@ -55,8 +87,13 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, K_PER_SPLIT, 
     m_mask = rm < M
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + rm[:, None] * stride_xm
+    res_rows = res_ptr + rm[:, None] * stride_rm
+    res_out_rows = res_out_ptr + rm[:, None] * stride_rom
+    # Program 0's rows write the new residual (a full-shaped mask: the interpreter takes no scalar one).
+    store_rows = m_mask & (rm * 0 + tl.program_id(0) == 0)
     k_begin = pid_k * K_PER_SPLIT
     wait_for_inputs(USE_PDL)
+    ss = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
     if DOT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     elif BLOCK_M == 1:
@@ -68,7 +105,8 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, K_PER_SPLIT, 
         k_mask = rk < K
         w = tl.load(w_rows + rk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0,
                     eviction_policy="evict_first")
-        x = tl.load(x_rows + rk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        x, ss = _input_chunk(x_rows, res_rows, res_out_rows, g_ptr, rk, m_mask[:, None] & k_mask[None, :],
+                             store_rows[:, None] & k_mask[None, :], K, ss, PROLOGUE, HAS_RESIDUAL)
         if DOT:
             acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
         elif BLOCK_M == 1:
@@ -81,6 +119,8 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, K_PER_SPLIT, 
     else:
         y = acc
     y = y * tl.load(s_ptr + rn, mask=n_mask, other=0.0)[None, :]
+    if PROLOGUE == 1:
+        y = y * tl.math.rsqrt(tl.sum(ss, axis=1) / K + eps)[:, None]
     if SPLIT_K:  # float32 partial sums into this split's [M, N] slice
         out = out_ptr + pid_k * M * N
         stride = N
@@ -148,11 +188,53 @@ def split_k(n: int, k: int, block_n: int, block_k: int, sm_count: int) -> int:
     return min(split, chunks)
 
 
-def fits(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor) -> bool:
-    """Whether the kernel takes ``x @ Wq^T`` (module doc)."""
+def fits(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, prologue: int = NO_PROLOGUE) -> bool:
+    """Whether the kernel takes ``x`` (``[M, K]``; ``[M, 2K]`` with the activation prologue) times
+    ``Wq^T`` (module doc)."""
+    k = wq.shape[1] * (2 if prologue == ACT_PROLOGUE else 1) if wq.dim() == 2 else -1
     return (x.dim() == 2 and x.stride(-1) == 1 and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
             and wq.dim() == 2 and wq.is_contiguous() and wq.dtype == torch.float8_e4m3fn
-            and x.shape[1] == wq.shape[1] and w_scale.numel() == wq.shape[0] and w_scale.is_contiguous())
+            and x.shape[1] == k and w_scale.numel() == wq.shape[0] and w_scale.is_contiguous())
+
+
+def prologue_fits(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, prologue: int) -> bool:
+    """Whether a prologue runs in the GEMV at ``x``'s rows: the CUDA-core form (up to 4 rows by
+    ``gemv_config``) and, for the norm (which needs the whole row in one program), no split of K."""
+    if not fits(x, wq, w_scale, prologue):
+        return False
+    n, k = wq.shape
+    _, _, _, dot, split = gemv_config(x.shape[0], n, k, _device_sms(x))
+    return not dot and (prologue != NORM_PROLOGUE or split == 1)
+
+
+def _launch(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+            config: tuple[int, int, int, bool, int] | None, prologue: int = NO_PROLOGUE,
+            norm: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
+    """The GEMV (+ split-K sum) into a new ``[M, N]`` tensor; ``norm``: ``(residual, residual_out,
+    norm weight, eps)`` of the norm prologue."""
+    m = x.shape[0]
+    n, k = wq.shape
+    block_n, block_k, num_warps, dot, split = config or gemv_config(m, n, k, _device_sms(x))
+    if prologue != NO_PROLOGUE and (dot or (prologue == NORM_PROLOGUE and split > 1)):
+        raise ValueError(f"fp8 GEMV config {config}: a prologue needs the CUDA-core form (and no split for the norm)")
+    block_m = max(16 if dot else 1, triton.next_power_of_2(m))
+    k_per_split = triton.cdiv(triton.cdiv(k, block_k), split) * block_k
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    b = bias if bias is not None else w_scale
+    residual, residual_out, g, eps = norm if norm is not None else (None, x, w_scale, 0.0)
+    res = residual if residual is not None else x
+    _fp8_gemv_kernel[(triton.cdiv(n, block_n), split)](
+        x, wq, w_scale, b, target, res, residual_out, g, m, n, k, k_per_split, eps, x.stride(0), wq.stride(0),
+        out.stride(0), res.stride(0), residual_out.stride(0), HAS_BIAS=bias is not None, SPLIT_K=split > 1,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, PROLOGUE=prologue,
+        HAS_RESIDUAL=residual is not None, num_warps=num_warps, **launch_kwargs(x.device))
+    if split > 1:
+        block = 1024
+        _splitk_sum_kernel[(triton.cdiv(m * n, block),)](target, b, out, m, n, out.stride(0), SPLIT=split,
+                                                         HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
+                                                         **launch_kwargs(x.device))
+    return out
 
 
 def fp8_gemv(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
@@ -161,21 +243,23 @@ def fp8_gemv(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: tor
     ``gemv_config`` returns (its default for the shape). Precondition: ``fits``; any M works (the
     engine takes it up to ``GEMV_MAX_ROWS``). With ``dot``, a float32 ``x`` runs the tensor cores in
     tf32 (float32 tests use ``dot`` off)."""
-    m, k = x.shape
-    n = wq.shape[0]
-    block_n, block_k, num_warps, dot, split = config or gemv_config(m, n, k, _device_sms(x))
-    block_m = max(16 if dot else 1, triton.next_power_of_2(m))
-    k_per_split = triton.cdiv(triton.cdiv(k, block_k), split) * block_k
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-    b = bias if bias is not None else w_scale
-    _fp8_gemv_kernel[(triton.cdiv(n, block_n), split)](
-        x, wq, w_scale, b, target, m, n, k, k_per_split, x.stride(0), wq.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, SPLIT_K=split > 1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot,
-        num_warps=num_warps, **launch_kwargs(x.device))
-    if split > 1:
-        block = 1024
-        _splitk_sum_kernel[(triton.cdiv(m * n, block),)](target, b, out, m, n, out.stride(0), SPLIT=split,
-                                                         HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
-                                                         **launch_kwargs(x.device))
-    return out
+    return _launch(x, wq, w_scale, bias, config)
+
+
+def rms_norm_fp8_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                      wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
+                      config: tuple[int, int, int, bool, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(fp8_gemv(rmsnorm(x + residual) * g), x + residual)`` in one launch, as
+    ``layers/kernels/fused_gemv.rms_norm_linear`` computes it for a float weight (the normed row never
+    rounded); without a residual ``(fp8_gemv(rmsnorm(x) * g), x)``. Precondition: ``prologue_fits``
+    (``NORM_PROLOGUE``), ``residual`` like ``x``, ``norm_weight`` ``[K]`` contiguous."""
+    residual_out = torch.empty_like(x) if residual is not None else x
+    y = _launch(x, wq, w_scale, bias, config, NORM_PROLOGUE, (residual, residual_out, norm_weight, eps))
+    return y, residual_out
+
+
+def silu_and_mul_fp8_gemv(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
+                          config: tuple[int, int, int, bool, int] | None = None) -> torch.Tensor:
+    """``fp8_gemv(silu(gate) * up)`` for ``x = [gate | up]`` ``[M, 2K]`` in one launch (the activation
+    rounded as ``SiluAndMul`` rounds it). Precondition: ``prologue_fits`` (``ACT_PROLOGUE``)."""
+    return _launch(x, wq, w_scale, bias, config, ACT_PROLOGUE)
