@@ -7,11 +7,15 @@ tiles for large M and needs the activations quantized first (a few small launche
 one kernel reads each weight byte once and leaves x in its dtype:
 
 - ``_fp8_gemv_kernel``: a program owns ``BLOCK_N`` output rows and one split of K; it streams
-  their ``[BLOCK_N, BLOCK_K]`` chunks of W (contiguous along K: 16-byte loads), converts them to
-  float32 and multiplies them with the chunk's ``[BLOCK_M, BLOCK_K]`` inputs, either on the CUDA
-  cores (``DOT`` off: at one row a float32 sum per element, reduced once at the end; more rows,
-  one reduction a chunk) or on the tensor cores (``DOT`` on: the codes converted to x's dtype,
-  exactly for bf16 and fp16, then ``tl.dot`` on at least 16 rows). The row scale multiplies the sums once.
+  their ``[BLOCK_N, BLOCK_K]`` chunks of W (contiguous along K: 16-byte loads) and multiplies them
+  with the chunk's ``[BLOCK_M, BLOCK_K]`` inputs in one of three modes (``MODE``): ``BYTES_MODE``,
+  the codes converted to float32 on the CUDA cores (at one row a float32 sum per element, reduced
+  once at the end; more rows, one reduction a chunk); ``DOT_MODE``, the codes converted to x's
+  dtype (exact for bf16 and fp16) and ``tl.dot`` on the tensor cores (at least 16 rows);
+  ``WORDS_MODE`` (one row), the codes loaded as int32 words and decoded by three integer ops each
+  into float32 values 2^-120 times the codes (``_e4m3_words_to_float``: no conversion
+  instruction, whose throughput would bound the GEMV below the memory bandwidth), the 2^120 folded
+  into the row scale. The row scale multiplies the sums once.
 - Prologues (``rms_norm_fp8_gemv``, ``silu_and_mul_fp8_gemv``; at the CUDA-core rows): the op
   before the projection computes the input chunk on the fly, as ``layers/kernels/fused_gemv.py``
   does for float weights: residual add + RMSNorm in one pass (each program accumulates the
@@ -49,76 +53,115 @@ GEMV_MAX_ROWS = 16
 PROGRAMS_PER_SM = 2
 
 
+# How a chunk is multiplied (``MODE``; module doc): codes converted to float32 and multiplied on the
+# CUDA cores; converted to x's dtype for tl.dot; one row, codes read as int32 words and decoded by
+# integer ops.
+BYTES_MODE, DOT_MODE, WORDS_MODE = 0, 1, 2
 # What runs in the GEMV's prologue (``PROLOGUE``): nothing, residual add + RMSNorm, SiLU-and-mul.
 NO_PROLOGUE, NORM_PROLOGUE, ACT_PROLOGUE = 0, 1, 2
 
 
 @triton.jit
-def _input_chunk(x_rows, res_rows, res_out_rows, g_ptr, rk, mask, store_mask, K, ss,
+def _input_chunk(x_rows, res_rows, res_out_rows, g_ptr, cols, mask, store_mask, K, ss,
                  PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    """The GEMV's ``[BLOCK_M, BLOCK_K]`` input chunk at columns ``rk`` and the running sum of squares
-    ``ss``: ``x`` as it is; or ``(x + residual) * g`` in float32 (never rounded; the sum rounded to
-    x's dtype and stored to ``res_out`` under ``store_mask``), its squares added to ``ss``; or
-    ``silu(gate) * up`` rounded as the torch path rounds it (gate = columns ``[0, K)``, up ``[K, 2K)``)."""
+    """The GEMV's input chunk at columns ``cols`` (``x_rows`` and the masks carry the row axis in
+    front of ``cols``' shape) and the running sum of squares ``ss``: ``x`` as it is; or ``(x +
+    residual) * g`` in float32 (never rounded; the sum rounded to x's dtype and stored to
+    ``res_out`` under ``store_mask``), its squares added to ``ss``; or ``silu(gate) * up`` rounded as
+    the torch path rounds it (gate = columns ``[0, K)``, up ``[K, 2K)``)."""
     if PROLOGUE == 1:
-        s = _load_sum(x_rows, res_rows, res_out_rows, rk[None, :], mask, store_mask, HAS_RESIDUAL, True)
+        s = _load_sum(x_rows, res_rows, res_out_rows, cols, mask, store_mask, HAS_RESIDUAL, True)
         ss += s * s
-        x = s * tl.load(g_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)[None, :]
+        x = s * tl.load(g_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
     elif PROLOGUE == 2:
-        x = _silu_mul_chunk(x_rows, rk[None, :], mask, K)
+        x = _silu_mul_chunk(x_rows, cols, mask, K)
     else:
-        x = tl.load(x_rows + rk[None, :], mask=mask, other=0.0)
+        x = tl.load(x_rows + cols, mask=mask, other=0.0)
     return x, ss
+
+
+@triton.jit
+def _e4m3_words_to_float(words):
+    """The four e4m3 codes of each int32 of ``words`` ``[R, C]`` (code ``j`` in byte ``j``) as float32 ``[R, C, 4]``,
+    each equal to its code times 2^-120, exactly, in three integer ops a code and no conversion
+    instruction: the code shifted to the top byte, shifted back 4 bits arithmetically (the sign
+    stays in bit 31) and masked to sign + the 7 bits of exponent and mantissa, which then sit where
+    float32 keeps its low exponent bits and high mantissa bits (subnormal codes become float32
+    subnormals of the same ratio)."""
+    shifts = 24 - 8 * tl.arange(0, 4)
+    bits = ((words[:, :, None] << shifts[None, None, :]) >> 4) & -2014314496  # 0x87F00000
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, res_ptr, res_out_ptr, g_ptr, M, N, K, K_PER_SPLIT,
                      eps, stride_xm, stride_wn, stride_om, stride_rm, stride_rom, HAS_BIAS: tl.constexpr,
                      SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     DOT: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                     MODE: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                      USE_PDL: tl.constexpr):
     """Rows ``rn`` of the output over one split of K (module doc). ``BLOCK_M`` >= M (a power of two;
-    at least 16 with ``DOT``). With the norm prologue (no split, no ``DOT``) program 0 writes the new
-    residual and the sums are scaled by each row's ``rstd`` at the end."""
+    at least 16 in ``DOT_MODE``, 1 in ``WORDS_MODE``, where ``w_ptr`` is the weight as int32 words).
+    With the norm prologue (no split) program 0 writes the new residual and the sums are scaled by
+    each row's ``rstd`` at the end."""
     pid_k = tl.program_id(1)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rn < N
     rm = tl.arange(0, BLOCK_M)
     m_mask = rm < M
-    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
-    x_rows = x_ptr + rm[:, None] * stride_xm
-    res_rows = res_ptr + rm[:, None] * stride_rm
-    res_out_rows = res_out_ptr + rm[:, None] * stride_rom
     # Program 0's rows write the new residual (a full-shaped mask: the interpreter takes no scalar one).
     store_rows = m_mask & (rm * 0 + tl.program_id(0) == 0)
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
     k_begin = pid_k * K_PER_SPLIT
     wait_for_inputs(USE_PDL)
-    ss = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
-    if DOT:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    elif BLOCK_M == 1:
-        acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    W: tl.constexpr = BLOCK_K // 4
+    if MODE == 2:  # words: [BLOCK_N, BLOCK_K / 4, 4] products, one row
+        x_rows = (x_ptr + rm[:, None] * stride_xm)[:, :, None]
+        res_rows = (res_ptr + rm[:, None] * stride_rm)[:, :, None]
+        res_out_rows = (res_out_ptr + rm[:, None] * stride_rom)[:, :, None]
+        ss = tl.zeros((BLOCK_M, W, 4), tl.float32)
+        acc = tl.zeros((BLOCK_N, W, 4), tl.float32)
     else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(k_begin, k_begin + K_PER_SPLIT, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        k_mask = rk < K
-        w = tl.load(w_rows + rk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0,
-                    eviction_policy="evict_first")
-        x, ss = _input_chunk(x_rows, res_rows, res_out_rows, g_ptr, rk, m_mask[:, None] & k_mask[None, :],
-                             store_rows[:, None] & k_mask[None, :], K, ss, PROLOGUE, HAS_RESIDUAL)
-        if DOT:
-            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
-        elif BLOCK_M == 1:
-            acc += w.to(tl.float32) * x.to(tl.float32)
+        x_rows = x_ptr + rm[:, None] * stride_xm
+        res_rows = res_ptr + rm[:, None] * stride_rm
+        res_out_rows = res_out_ptr + rm[:, None] * stride_rom
+        ss = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
+        if MODE == 0 and BLOCK_M == 1:
+            acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
         else:
-            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(k_begin, k_begin + K_PER_SPLIT, BLOCK_K):
+        if MODE == 2:
+            wi = k0 // 4 + tl.arange(0, W)
+            words = tl.load(w_rows + wi[None, :], mask=n_mask[:, None] & (wi < K // 4)[None, :], other=0,
+                            eviction_policy="evict_first")
+            cols = (wi[:, None] * 4 + tl.arange(0, 4)[None, :])[None, :, :]
+            x, ss = _input_chunk(x_rows, res_rows, res_out_rows, g_ptr, cols, m_mask[:, None, None] & (cols < K),
+                                 store_rows[:, None, None] & (cols < K), K, ss, PROLOGUE, HAS_RESIDUAL)
+            acc += _e4m3_words_to_float(words) * x.to(tl.float32)
+        else:
+            rk = k0 + tl.arange(0, BLOCK_K)
+            k_mask = rk < K
+            w = tl.load(w_rows + rk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0,
+                        eviction_policy="evict_first")
+            x, ss = _input_chunk(x_rows, res_rows, res_out_rows, g_ptr, rk[None, :], m_mask[:, None] & k_mask[None, :],
+                                 store_rows[:, None] & k_mask[None, :], K, ss, PROLOGUE, HAS_RESIDUAL)
+            if MODE == 1:
+                acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+            elif BLOCK_M == 1:
+                acc += w.to(tl.float32) * x.to(tl.float32)
+            else:
+                acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     allow_dependents(USE_PDL)
-    if not DOT and BLOCK_M == 1:
+    scale = tl.load(s_ptr + rn, mask=n_mask, other=0.0)
+    if MODE == 2:
+        y = tl.sum(tl.sum(acc, axis=2), axis=1)[None, :]
+        scale = scale * 1.329227995784916e36  # 2^120: the words' codes came scaled by 2^-120
+        ss = tl.sum(ss, axis=2)
+    elif MODE == 0 and BLOCK_M == 1:
         y = tl.sum(acc, axis=1)[None, :]
     else:
         y = acc
-    y = y * tl.load(s_ptr + rn, mask=n_mask, other=0.0)[None, :]
+    y = y * scale[None, :]
     if PROLOGUE == 1:
         y = y * tl.math.rsqrt(tl.sum(ss, axis=1) / K + eps)[:, None]
     if SPLIT_K:  # float32 partial sums into this split's [M, N] slice
@@ -162,19 +205,20 @@ def _device_sms(x: torch.Tensor) -> int:
     return num_sms(x.device.index if x.device.index is not None else torch.cuda.current_device())
 
 
-def gemv_config(m: int, n: int, k: int, sm_count: int) -> tuple[int, int, int, bool, int]:
-    """``(block_n, block_k, num_warps, dot, split)`` for ``m`` rows and an ``[n, k]`` weight: at one
-    row, 8 weight rows x 1024 columns a chunk (8 KiB of codes: enough in flight per program) on the
-    CUDA cores; at 2-4 rows 16 x 512 on the CUDA cores; above, the tensor cores on 64 x 256 chunks.
-    K is split (in whole chunks) until there are ``PROGRAMS_PER_SM`` programs per SM."""
+def gemv_config(m: int, n: int, k: int, sm_count: int) -> tuple[int, int, int, int, int]:
+    """``(block_n, block_k, num_warps, mode, split)`` for ``m`` rows and an ``[n, k]`` weight: at one
+    row, 8 weight rows x 1024 columns a chunk (8 KiB of codes: enough in flight per program) in
+    ``WORDS_MODE`` (``BYTES_MODE`` where K is not a multiple of 4); at 2-4 rows 16 x 512 in
+    ``BYTES_MODE``; above, the tensor cores on 64 x 256 chunks. K is split (in whole chunks) until
+    there are ``PROGRAMS_PER_SM`` programs per SM."""
     if m == 1:
-        block_n, block_k, num_warps, dot = 8, 1024, 4, False
+        block_n, block_k, num_warps, mode = 8, 1024, 4, WORDS_MODE if k % 4 == 0 else BYTES_MODE
     elif m <= 4:
-        block_n, block_k, num_warps, dot = 16, 512, 4, False
+        block_n, block_k, num_warps, mode = 16, 512, 4, BYTES_MODE
     else:
-        block_n, block_k, num_warps, dot = 64, 256, 4, True
+        block_n, block_k, num_warps, mode = 64, 256, 4, DOT_MODE
     block_k = min(block_k, triton.next_power_of_2(k))
-    return block_n, block_k, num_warps, dot, split_k(n, k, block_n, block_k, sm_count)
+    return block_n, block_k, num_warps, mode, split_k(n, k, block_n, block_k, sm_count)
 
 
 def split_k(n: int, k: int, block_n: int, block_k: int, sm_count: int) -> int:
@@ -203,21 +247,24 @@ def prologue_fits(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, prol
     if not fits(x, wq, w_scale, prologue):
         return False
     n, k = wq.shape
-    _, _, _, dot, split = gemv_config(x.shape[0], n, k, _device_sms(x))
-    return not dot and (prologue != NORM_PROLOGUE or split == 1)
+    _, _, _, mode, split = gemv_config(x.shape[0], n, k, _device_sms(x))
+    return mode != DOT_MODE and (prologue != NORM_PROLOGUE or split == 1)
 
 
 def _launch(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-            config: tuple[int, int, int, bool, int] | None, prologue: int = NO_PROLOGUE,
+            config: tuple[int, int, int, int, int] | None, prologue: int = NO_PROLOGUE,
             norm: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
     """The GEMV (+ split-K sum) into a new ``[M, N]`` tensor; ``norm``: ``(residual, residual_out,
     norm weight, eps)`` of the norm prologue."""
     m = x.shape[0]
     n, k = wq.shape
-    block_n, block_k, num_warps, dot, split = config or gemv_config(m, n, k, _device_sms(x))
-    if prologue != NO_PROLOGUE and (dot or (prologue == NORM_PROLOGUE and split > 1)):
+    block_n, block_k, num_warps, mode, split = config or gemv_config(m, n, k, _device_sms(x))
+    if prologue != NO_PROLOGUE and (mode == DOT_MODE or (prologue == NORM_PROLOGUE and split > 1)):
         raise ValueError(f"fp8 GEMV config {config}: a prologue needs the CUDA-core form (and no split for the norm)")
-    block_m = max(16 if dot else 1, triton.next_power_of_2(m))
+    if mode == WORDS_MODE and (m != 1 or k % 4 or block_k % 4):
+        raise ValueError(f"fp8 GEMV config {config}: the word form takes one row and K, block_k multiples of 4")
+    block_m = max(16 if mode == DOT_MODE else 1, triton.next_power_of_2(m))
+    w = wq.view(torch.int32) if mode == WORDS_MODE else wq
     k_per_split = triton.cdiv(triton.cdiv(k, block_k), split) * block_k
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
@@ -225,9 +272,9 @@ def _launch(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torc
     residual, residual_out, g, eps = norm if norm is not None else (None, x, w_scale, 0.0)
     res = residual if residual is not None else x
     _fp8_gemv_kernel[(triton.cdiv(n, block_n), split)](
-        x, wq, w_scale, b, target, res, residual_out, g, m, n, k, k_per_split, eps, x.stride(0), wq.stride(0),
+        x, w, w_scale, b, target, res, residual_out, g, m, n, k, k_per_split, eps, x.stride(0), w.stride(0),
         out.stride(0), res.stride(0), residual_out.stride(0), HAS_BIAS=bias is not None, SPLIT_K=split > 1,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, PROLOGUE=prologue,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, MODE=mode, PROLOGUE=prologue,
         HAS_RESIDUAL=residual is not None, num_warps=num_warps, **launch_kwargs(x.device))
     if split > 1:
         block = 1024
@@ -238,17 +285,17 @@ def _launch(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torc
 
 
 def fp8_gemv(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
-             config: tuple[int, int, int, bool, int] | None = None) -> torch.Tensor:
+             config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """``[M, N]`` in x's dtype: ``x @ (Wq * w_scale[:, None])^T (+ bias)``; ``config`` as
     ``gemv_config`` returns (its default for the shape). Precondition: ``fits``; any M works (the
-    engine takes it up to ``GEMV_MAX_ROWS``). With ``dot``, a float32 ``x`` runs the tensor cores in
-    tf32 (float32 tests use ``dot`` off)."""
+    engine takes it up to ``GEMV_MAX_ROWS``). In ``DOT_MODE`` a float32 ``x`` runs the tensor cores in
+    tf32 (float32 tests use the other modes)."""
     return _launch(x, wq, w_scale, bias, config)
 
 
 def rms_norm_fp8_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                       wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
-                      config: tuple[int, int, int, bool, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      config: tuple[int, int, int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(fp8_gemv(rmsnorm(x + residual) * g), x + residual)`` in one launch, as
     ``layers/kernels/fused_gemv.rms_norm_linear`` computes it for a float weight (the normed row never
     rounded); without a residual ``(fp8_gemv(rmsnorm(x) * g), x)``. Precondition: ``prologue_fits``
@@ -259,7 +306,7 @@ def rms_norm_fp8_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weigh
 
 
 def silu_and_mul_fp8_gemv(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
-                          config: tuple[int, int, int, bool, int] | None = None) -> torch.Tensor:
+                          config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """``fp8_gemv(silu(gate) * up)`` for ``x = [gate | up]`` ``[M, 2K]`` in one launch (the activation
     rounded as ``SiluAndMul`` rounds it). Precondition: ``prologue_fits`` (``ACT_PROLOGUE``)."""
     return _launch(x, wq, w_scale, bias, config, ACT_PROLOGUE)
