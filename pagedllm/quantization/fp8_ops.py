@@ -51,8 +51,14 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_activations(x: torch.Tensor, static_scale: torch.Tensor | None,
                          per_token: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``(xq [M, K] float8, scale [M, 1] float32)`` for ``x [M, K]``: the checkpoint's static scale
-    where given, else dynamic: per token (row) or one for the whole tensor. A handful of small
-    launches (the max-norm reads ``x`` in its own dtype)."""
+    where given, else dynamic: per token (row) or one for the whole tensor. On CUDA per token: one
+    launch (``kernels/fp8_act_quant.py``); else a handful of small ones (the max-norm reads ``x`` in
+    its own dtype)."""
+    if per_token and static_scale is None and HAS_TRITON and x.is_cuda:
+        from pagedllm.quantization.kernels import fp8_act_quant
+
+        if fp8_act_quant.fits(x):
+            return fp8_act_quant.per_token_quant(x, FP8_MAX, MIN_SCALE)
     rows = x.shape[0]
     if static_scale is not None:
         scale = static_scale.float().reshape(1, 1).expand(rows, 1)

@@ -263,3 +263,40 @@ def test_layer_uses_the_gemv_up_to_its_row_limit_then_cublaslt():
         y = method.apply(layer, x, None)
         want = x.float() @ fp8_ops.dequantize_rows(layer.weight, layer.weight_scale).t()
         torch.testing.assert_close(y.float(), want, rtol=5e-2, atol=5e-2 * float(want.abs().max()))
+
+
+def _act_quant_interpreter_main() -> None:
+    from pagedllm.quantization.kernels import fp8_act_quant
+
+    gen = torch.Generator().manual_seed(5)
+    for rows, k, dtype in ((1, 64, torch.float32), (3, 1500, torch.float16), (4, 2048, torch.float32)):
+        x = torch.randn(rows, k, generator=gen).to(dtype) * torch.tensor([1e-3, 1.0, 10.0, 0.1])[:rows, None].to(dtype)
+        if rows > 2:
+            x[2] = 0  # an all-zero row: the smallest scale, no 0/0
+        xq, scale = fp8_act_quant.per_token_quant(x, fp8_ops.FP8_MAX, fp8_ops.MIN_SCALE)
+        want_q, want_scale = fp8_ops.quantize_activations(x, None)  # the torch form on the CPU
+        # Exact scales; the codes mostly equal (the interpreter's float8 rounding is not the GPU's
+        # round-to-nearest-even at binade edges; the GPU test checks them bit for bit).
+        assert torch.equal(scale, want_scale), (rows, k, dtype)
+        assert (xq.float() == want_q.float()).float().mean() > 0.9, (rows, k, dtype)
+        print("ok", rows, k, dtype)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
+def test_one_launch_activation_quantization_equals_the_torch_form_in_the_triton_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    code = f"import runpy; runpy.run_path({__file__!r})['_act_quant_interpreter_main']()"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("ok") == 3
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("rows", [1, 64, 300])
+def test_one_launch_activation_quantization_on_cuda(rows):
+    """The CUDA path (one Triton launch) against the torch form on the CPU, bit for bit."""
+    x = torch.randn(rows, 4096, generator=torch.Generator().manual_seed(6)).bfloat16()
+    xq, scale = fp8_ops.quantize_activations(x.cuda(), None)
+    want_q, want_scale = fp8_ops.quantize_activations(x, None)
+    assert torch.equal(scale.cpu(), want_scale) and torch.equal(xq.cpu().float(), want_q.float())
