@@ -20,20 +20,18 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_cuda = pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs Triton and CUDA")
 
 # (rows M, outputs N, inputs K, dtype, bias[, config (block_n, block_k, num_warps, dot, split)]):
-# config's mode 0 bytes, 1 tensor cores, 2 words: per-element sums at one row (words or bytes),
-# per-chunk sums at 2-4 rows, tensor cores above (fp16: the interpreter's bf16 tl.dot is wrong),
-# split K with uneven and empty splits, ragged N and K tails.
+# config (block_n, block_k, num_warps, dot, split): per-element sums at one row, per-chunk sums at
+# 2-4 rows (by config), the tensor cores (fp16: the interpreter's bf16 tl.dot is wrong), split K
+# with uneven and empty splits, ragged N and K tails.
 INTERPRETER_CASES = [
-    (1, 40, 200, torch.float32, True),  # the word form (K a multiple of 4)
-    (1, 40, 198, torch.float32, True),  # the byte form
-    (1, 24, 256, torch.float32, False, (8, 64, 4, 0, 1)),
-    (1, 16, 256, torch.bfloat16, True, (8, 32, 2, 2, 3)),  # words, 8 chunks in 3 splits
-    (1, 16, 256, torch.bfloat16, False, (8, 64, 4, 0, 3)),  # 4 chunks in 3 splits: one empty
-    (2, 24, 96, torch.float32, True, (16, 32, 4, 0, 2)),
+    (1, 40, 198, torch.float32, True),
+    (1, 24, 256, torch.float32, False, (8, 64, 4, False, 1)),
+    (1, 16, 256, torch.bfloat16, False, (8, 64, 4, False, 3)),  # 4 chunks in 3 splits: one empty
+    (2, 24, 96, torch.float32, True, (16, 32, 4, False, 2)),
     (3, 24, 100, torch.float16, False),
     (5, 72, 96, torch.float16, True),
-    (17, 64, 256, torch.float16, True, (32, 64, 4, 1, 2)),
-    (4, 40, 136, torch.bfloat16, True, (8, 32, 2, 0, 5)),
+    (17, 64, 256, torch.float16, True, (32, 64, 4, True, 2)),
+    (4, 40, 136, torch.bfloat16, True, (8, 32, 2, False, 5)),
 ]
 
 
@@ -61,13 +59,13 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 # (rows M, outputs N, inputs K, dtype, prologue "norm" | "norm-no-residual" | "act", bias[, config]);
 # no bfloat16 norm: the interpreter rounds float32 to bfloat16 by truncation (the residual sum differs).
 PROLOGUE_CASES = [
-    (1, 40, 200, torch.float32, "norm", True),  # words
-    (1, 40, 200, torch.float16, "norm", False, (8, 64, 4, 0, 1)),  # bytes
-    (2, 24, 96, torch.float32, "norm-no-residual", False),
-    (3, 16, 128, torch.float16, "norm", False, (8, 32, 2, 0, 1)),
+    (1, 40, 200, torch.float32, "norm", True),
+    (1, 40, 200, torch.float16, "norm", False, (8, 64, 4, False, 1)),
+    (2, 24, 96, torch.float32, "norm-no-residual", False, (16, 32, 4, False, 1)),  # by config: 2+ rows
+    (3, 16, 128, torch.float16, "norm", False, (8, 32, 2, False, 1)),
     (1, 40, 136, torch.float32, "act", True),
-    (1, 40, 136, torch.float32, "act", False, (8, 32, 4, 2, 3)),  # words, split K
-    (4, 24, 96, torch.float16, "act", False, (8, 32, 4, 0, 2)),  # split K: partial sums
+    (1, 40, 136, torch.float32, "act", False, (8, 32, 4, False, 3)),  # split K
+    (4, 24, 96, torch.float16, "act", False, (8, 32, 4, False, 2)),  # split K: partial sums
 ]
 
 
@@ -129,8 +127,9 @@ def test_gemv_config_splits_k_only_where_the_row_blocks_leave_sms_idle():
 
     # gate_up at one row: 28672 / 8 = 3584 programs fill 132 SMs; o_proj: 512 programs, split 1 -> 264+.
     assert fp8_gemv.gemv_config(1, 28672, 4096, 132)[4] == 1
-    assert fp8_gemv.gemv_config(1, 4096, 4096, 132) == (8, 1024, 4, fp8_gemv.WORDS_MODE, 1)
-    assert fp8_gemv.gemv_config(16, 4096, 14336, 132)[3:] == (fp8_gemv.DOT_MODE, 8)  # 64 row blocks x 8 >= 264
+    assert fp8_gemv.gemv_config(1, 4096, 4096, 132) == (8, 1024, 4, False, 1)
+    assert fp8_gemv.gemv_config(4, 4096, 4096, 132) == (32, 256, 4, True, 4)  # 128 row blocks x 4 >= 264
+    assert fp8_gemv.gemv_config(16, 4096, 14336, 132)[3:] == (True, 8)  # 64 row blocks x 8 >= 264
     assert fp8_gemv.split_k(64, 256, 8, 128, 132) == 2  # never more splits than chunks
 
 
@@ -220,12 +219,12 @@ def test_prologue_gemvs_match_the_reference_on_cuda(prologue):
     from pagedllm.quantization.kernels import fp8_gemv
 
     n, k = (6144, 4096) if prologue != "act" else (4096, 14336)
-    for m in (1, 2, 4):
-        wq, w_scale = torch.empty(n, k, dtype=torch.float8_e4m3fn, device="cuda"), torch.ones(n, device="cuda")
+    wq, w_scale = torch.empty(n, k, dtype=torch.float8_e4m3fn, device="cuda"), torch.ones(n, device="cuda")
+    code = fp8_gemv.ACT_PROLOGUE if prologue == "act" else fp8_gemv.NORM_PROLOGUE
+    for m, config in ((1, ()), (2, ((16, 512, 4, False, 1),))):  # 2 rows: the tensor cores by default
         x = torch.empty(m, 2 * k if prologue == "act" else k, device="cuda", dtype=torch.bfloat16)
-        code = fp8_gemv.ACT_PROLOGUE if prologue == "act" else fp8_gemv.NORM_PROLOGUE
-        assert fp8_gemv.prologue_fits(x, wq, w_scale, code), (prologue, m)
-        err = check_prologue_case((m, n, k, torch.bfloat16, prologue, m == 2), "cuda")
+        assert fp8_gemv.prologue_fits(x, wq, w_scale, code) == (m == 1), (prologue, m)
+        err = check_prologue_case((m, n, k, torch.bfloat16, prologue, m == 2, *config), "cuda")
         assert err < 1e-2, (prologue, m, err)
 
 

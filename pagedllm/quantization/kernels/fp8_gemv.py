@@ -8,15 +8,17 @@ one kernel reads each weight byte once and leaves x in its dtype:
 
 - ``_fp8_gemv_kernel``: a program owns ``BLOCK_N`` output rows and one split of K; it streams
   their ``[BLOCK_N, BLOCK_K]`` chunks of W (contiguous along K: 16-byte loads) and multiplies them
-  with the chunk's ``[BLOCK_M, BLOCK_K]`` inputs in one of three modes (``MODE``): ``BYTES_MODE``,
-  the codes converted to float32 on the CUDA cores (at one row a float32 sum per element, reduced
-  once at the end; more rows, one reduction a chunk); ``DOT_MODE``, the codes converted to x's
-  dtype (exact for bf16 and fp16) and ``tl.dot`` on the tensor cores (at least 16 rows);
-  ``WORDS_MODE`` (one row), the codes loaded as int32 words and decoded by three integer ops each
-  into float32 values 2^-120 times the codes (``_e4m3_words_to_float``: no conversion
-  instruction, whose throughput would bound the GEMV below the memory bandwidth), the 2^120 folded
-  into the row scale. The row scale multiplies the sums once.
-- Prologues (``rms_norm_fp8_gemv``, ``silu_and_mul_fp8_gemv``; at the CUDA-core rows): the op
+  with the chunk's ``[BLOCK_M, BLOCK_K]`` inputs either on the CUDA cores (``DOT`` off, one row:
+  the codes converted to float32, a float32 sum per element, reduced once at the end) or on the
+  tensor cores (``DOT`` on, 2 to ``GEMV_MAX_ROWS`` rows: the codes converted to x's dtype, exact
+  for bf16 and fp16, and ``tl.dot`` on at least 16 rows). The row scale multiplies the sums once.
+  Measured on an H100 (``benchmarks/gpu/fp8_decode_bench.py``, Llama-3.1-8B shapes): at one row
+  2.5-2.9 TB/s of weights (copy: 3.0), 0.47-0.61x bf16 ``F.linear`` and 0.32-0.87x the
+  act-quant + cuBLASLt path; at 4 rows the CUDA-core form fell to 0.6-0.8 TB/s while the tensor
+  cores kept 1.7-2.0; up to 32 rows the GEMV beats cuBLASLt's FP8 GEMM summed over the four
+  projections, at 64 rows it takes 1.7x as long (``GEMV_MAX_ROWS``). Decoding the codes as int32
+  words by integer ops instead of conversion instructions measured no faster.
+- Prologues (``rms_norm_fp8_gemv``, ``silu_and_mul_fp8_gemv``; in the CUDA-core form): the op
   before the projection computes the input chunk on the fly, as ``layers/kernels/fused_gemv.py``
   does for float weights: residual add + RMSNorm in one pass (each program accumulates the
   squares of its chunks and scales its sums by ``rstd`` at the end; program 0 writes the new
@@ -48,15 +50,11 @@ from pagedllm.pdl import launch_kwargs
 from pagedllm.triton_pdl import allow_dependents, wait_for_inputs
 
 # At most this many rows take the GEMV; more rows the caller's GEMM (cuBLASLt FP8 on Hopper).
-GEMV_MAX_ROWS = 16
+GEMV_MAX_ROWS = 32
 # K is split until there are this many programs per SM (or the splits would be shorter than a chunk).
 PROGRAMS_PER_SM = 2
 
 
-# How a chunk is multiplied (``MODE``; module doc): codes converted to float32 and multiplied on the
-# CUDA cores; converted to x's dtype for tl.dot; one row, codes read as int32 words and decoded by
-# integer ops.
-BYTES_MODE, DOT_MODE, WORDS_MODE = 0, 1, 2
 # What runs in the GEMV's prologue (``PROLOGUE``): nothing, residual add + RMSNorm, SiLU-and-mul.
 NO_PROLOGUE, NORM_PROLOGUE, ACT_PROLOGUE = 0, 1, 2
 
@@ -81,28 +79,14 @@ def _input_chunk(x_rows, res_rows, res_out_rows, g_ptr, cols, mask, store_mask, 
 
 
 @triton.jit
-def _e4m3_words_to_float(words):
-    """The four e4m3 codes of each int32 of ``words`` ``[R, C]`` (code ``j`` in byte ``j``) as float32 ``[R, C, 4]``,
-    each equal to its code times 2^-120, exactly, in three integer ops a code and no conversion
-    instruction: the code shifted to the top byte, shifted back 4 bits arithmetically (the sign
-    stays in bit 31) and masked to sign + the 7 bits of exponent and mantissa, which then sit where
-    float32 keeps its low exponent bits and high mantissa bits (subnormal codes become float32
-    subnormals of the same ratio)."""
-    shifts = 24 - 8 * tl.arange(0, 4)
-    bits = ((words[:, :, None] << shifts[None, None, :]) >> 4) & -2014314496  # 0x87F00000
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, res_ptr, res_out_ptr, g_ptr, M, N, K, K_PER_SPLIT,
                      eps, stride_xm, stride_wn, stride_om, stride_rm, stride_rom, HAS_BIAS: tl.constexpr,
                      SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     MODE: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                     DOT: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                      USE_PDL: tl.constexpr):
     """Rows ``rn`` of the output over one split of K (module doc). ``BLOCK_M`` >= M (a power of two;
-    at least 16 in ``DOT_MODE``, 1 in ``WORDS_MODE``, where ``w_ptr`` is the weight as int32 words).
-    With the norm prologue (no split) program 0 writes the new residual and the sums are scaled by
-    each row's ``rstd`` at the end."""
+    at least 16 with ``DOT``). With the norm prologue (no split) program 0 writes the new residual
+    and the sums are scaled by each row's ``rstd`` at the end."""
     pid_k = tl.program_id(1)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = rn < N
@@ -111,57 +95,35 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, res_ptr, res_out_ptr, 
     # Program 0's rows write the new residual (a full-shaped mask: the interpreter takes no scalar one).
     store_rows = m_mask & (rm * 0 + tl.program_id(0) == 0)
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    x_rows = x_ptr + rm[:, None] * stride_xm
+    res_rows = res_ptr + rm[:, None] * stride_rm
+    res_out_rows = res_out_ptr + rm[:, None] * stride_rom
     k_begin = pid_k * K_PER_SPLIT
     wait_for_inputs(USE_PDL)
-    W: tl.constexpr = BLOCK_K // 4
-    if MODE == 2:  # words: [BLOCK_N, BLOCK_K / 4, 4] products, one row
-        x_rows = (x_ptr + rm[:, None] * stride_xm)[:, :, None]
-        res_rows = (res_ptr + rm[:, None] * stride_rm)[:, :, None]
-        res_out_rows = (res_out_ptr + rm[:, None] * stride_rom)[:, :, None]
-        ss = tl.zeros((BLOCK_M, W, 4), tl.float32)
-        acc = tl.zeros((BLOCK_N, W, 4), tl.float32)
+    ss = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
+    if not DOT and BLOCK_M == 1:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
     else:
-        x_rows = x_ptr + rm[:, None] * stride_xm
-        res_rows = res_ptr + rm[:, None] * stride_rm
-        res_out_rows = res_out_ptr + rm[:, None] * stride_rom
-        ss = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
-        if MODE == 0 and BLOCK_M == 1:
-            acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-        else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(k_begin, k_begin + K_PER_SPLIT, BLOCK_K):
-        if MODE == 2:
-            wi = k0 // 4 + tl.arange(0, W)
-            words = tl.load(w_rows + wi[None, :], mask=n_mask[:, None] & (wi < K // 4)[None, :], other=0,
-                            eviction_policy="evict_first")
-            cols = (wi[:, None] * 4 + tl.arange(0, 4)[None, :])[None, :, :]
-            x, ss = _input_chunk(x_rows, res_rows, res_out_rows, g_ptr, cols, m_mask[:, None, None] & (cols < K),
-                                 store_rows[:, None, None] & (cols < K), K, ss, PROLOGUE, HAS_RESIDUAL)
-            acc += _e4m3_words_to_float(words) * x.to(tl.float32)
+        rk = k0 + tl.arange(0, BLOCK_K)
+        k_mask = rk < K
+        w = tl.load(w_rows + rk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0,
+                    eviction_policy="evict_first")
+        x, ss = _input_chunk(x_rows, res_rows, res_out_rows, g_ptr, rk[None, :], m_mask[:, None] & k_mask[None, :],
+                             store_rows[:, None] & k_mask[None, :], K, ss, PROLOGUE, HAS_RESIDUAL)
+        if DOT:
+            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+        elif BLOCK_M == 1:
+            acc += w.to(tl.float32) * x.to(tl.float32)
         else:
-            rk = k0 + tl.arange(0, BLOCK_K)
-            k_mask = rk < K
-            w = tl.load(w_rows + rk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0,
-                        eviction_policy="evict_first")
-            x, ss = _input_chunk(x_rows, res_rows, res_out_rows, g_ptr, rk[None, :], m_mask[:, None] & k_mask[None, :],
-                                 store_rows[:, None] & k_mask[None, :], K, ss, PROLOGUE, HAS_RESIDUAL)
-            if MODE == 1:
-                acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
-            elif BLOCK_M == 1:
-                acc += w.to(tl.float32) * x.to(tl.float32)
-            else:
-                acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     allow_dependents(USE_PDL)
-    scale = tl.load(s_ptr + rn, mask=n_mask, other=0.0)
-    if MODE == 2:
-        y = tl.sum(tl.sum(acc, axis=2), axis=1)[None, :]
-        scale = scale * 1.329227995784916e36  # 2^120: the words' codes came scaled by 2^-120
-        ss = tl.sum(ss, axis=2)
-    elif MODE == 0 and BLOCK_M == 1:
+    if not DOT and BLOCK_M == 1:
         y = tl.sum(acc, axis=1)[None, :]
     else:
         y = acc
-    y = y * scale[None, :]
+    y = y * tl.load(s_ptr + rn, mask=n_mask, other=0.0)[None, :]
     if PROLOGUE == 1:
         y = y * tl.math.rsqrt(tl.sum(ss, axis=1) / K + eps)[:, None]
     if SPLIT_K:  # float32 partial sums into this split's [M, N] slice
@@ -205,20 +167,19 @@ def _device_sms(x: torch.Tensor) -> int:
     return num_sms(x.device.index if x.device.index is not None else torch.cuda.current_device())
 
 
-def gemv_config(m: int, n: int, k: int, sm_count: int) -> tuple[int, int, int, int, int]:
-    """``(block_n, block_k, num_warps, mode, split)`` for ``m`` rows and an ``[n, k]`` weight: at one
-    row, 8 weight rows x 1024 columns a chunk (8 KiB of codes: enough in flight per program) in
-    ``WORDS_MODE`` (``BYTES_MODE`` where K is not a multiple of 4); at 2-4 rows 16 x 512 in
-    ``BYTES_MODE``; above, the tensor cores on 64 x 256 chunks. K is split (in whole chunks) until
-    there are ``PROGRAMS_PER_SM`` programs per SM."""
+def gemv_config(m: int, n: int, k: int, sm_count: int) -> tuple[int, int, int, bool, int]:
+    """``(block_n, block_k, num_warps, dot, split)`` for ``m`` rows and an ``[n, k]`` weight, the
+    fastest measured (module doc): at one row 8 weight rows x 1024 columns a chunk (8 KiB of codes in
+    flight per program) on the CUDA cores; at 2-4 rows 32 x 256 on the tensor cores; above, 64 x
+    256. K is split (in whole chunks) until there are ``PROGRAMS_PER_SM`` programs per SM."""
     if m == 1:
-        block_n, block_k, num_warps, mode = 8, 1024, 4, WORDS_MODE if k % 4 == 0 else BYTES_MODE
+        block_n, block_k, num_warps, dot = 8, 1024, 4, False
     elif m <= 4:
-        block_n, block_k, num_warps, mode = 16, 512, 4, BYTES_MODE
+        block_n, block_k, num_warps, dot = 32, 256, 4, True
     else:
-        block_n, block_k, num_warps, mode = 64, 256, 4, DOT_MODE
+        block_n, block_k, num_warps, dot = 64, 256, 4, True
     block_k = min(block_k, triton.next_power_of_2(k))
-    return block_n, block_k, num_warps, mode, split_k(n, k, block_n, block_k, sm_count)
+    return block_n, block_k, num_warps, dot, split_k(n, k, block_n, block_k, sm_count)
 
 
 def split_k(n: int, k: int, block_n: int, block_k: int, sm_count: int) -> int:
@@ -242,29 +203,26 @@ def fits(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, prologue: int
 
 
 def prologue_fits(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, prologue: int) -> bool:
-    """Whether a prologue runs in the GEMV at ``x``'s rows: the CUDA-core form (up to 4 rows by
+    """Whether a prologue runs in the GEMV at ``x``'s rows: the CUDA-core form (one row, by
     ``gemv_config``) and, for the norm (which needs the whole row in one program), no split of K."""
     if not fits(x, wq, w_scale, prologue):
         return False
     n, k = wq.shape
-    _, _, _, mode, split = gemv_config(x.shape[0], n, k, _device_sms(x))
-    return mode != DOT_MODE and (prologue != NORM_PROLOGUE or split == 1)
+    _, _, _, dot, split = gemv_config(x.shape[0], n, k, _device_sms(x))
+    return not dot and (prologue != NORM_PROLOGUE or split == 1)
 
 
 def _launch(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-            config: tuple[int, int, int, int, int] | None, prologue: int = NO_PROLOGUE,
+            config: tuple[int, int, int, bool, int] | None, prologue: int = NO_PROLOGUE,
             norm: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
     """The GEMV (+ split-K sum) into a new ``[M, N]`` tensor; ``norm``: ``(residual, residual_out,
     norm weight, eps)`` of the norm prologue."""
     m = x.shape[0]
     n, k = wq.shape
-    block_n, block_k, num_warps, mode, split = config or gemv_config(m, n, k, _device_sms(x))
-    if prologue != NO_PROLOGUE and (mode == DOT_MODE or (prologue == NORM_PROLOGUE and split > 1)):
+    block_n, block_k, num_warps, dot, split = config or gemv_config(m, n, k, _device_sms(x))
+    if prologue != NO_PROLOGUE and (dot or (prologue == NORM_PROLOGUE and split > 1)):
         raise ValueError(f"fp8 GEMV config {config}: a prologue needs the CUDA-core form (and no split for the norm)")
-    if mode == WORDS_MODE and (m != 1 or k % 4 or block_k % 4):
-        raise ValueError(f"fp8 GEMV config {config}: the word form takes one row and K, block_k multiples of 4")
-    block_m = max(16 if mode == DOT_MODE else 1, triton.next_power_of_2(m))
-    w = wq.view(torch.int32) if mode == WORDS_MODE else wq
+    block_m = max(16 if dot else 1, triton.next_power_of_2(m))
     k_per_split = triton.cdiv(triton.cdiv(k, block_k), split) * block_k
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
@@ -272,9 +230,9 @@ def _launch(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torc
     residual, residual_out, g, eps = norm if norm is not None else (None, x, w_scale, 0.0)
     res = residual if residual is not None else x
     _fp8_gemv_kernel[(triton.cdiv(n, block_n), split)](
-        x, w, w_scale, b, target, res, residual_out, g, m, n, k, k_per_split, eps, x.stride(0), w.stride(0),
+        x, wq, w_scale, b, target, res, residual_out, g, m, n, k, k_per_split, eps, x.stride(0), wq.stride(0),
         out.stride(0), res.stride(0), residual_out.stride(0), HAS_BIAS=bias is not None, SPLIT_K=split > 1,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, MODE=mode, PROLOGUE=prologue,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, PROLOGUE=prologue,
         HAS_RESIDUAL=residual is not None, num_warps=num_warps, **launch_kwargs(x.device))
     if split > 1:
         block = 1024
@@ -285,17 +243,17 @@ def _launch(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torc
 
 
 def fp8_gemv(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
-             config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+             config: tuple[int, int, int, bool, int] | None = None) -> torch.Tensor:
     """``[M, N]`` in x's dtype: ``x @ (Wq * w_scale[:, None])^T (+ bias)``; ``config`` as
     ``gemv_config`` returns (its default for the shape). Precondition: ``fits``; any M works (the
-    engine takes it up to ``GEMV_MAX_ROWS``). In ``DOT_MODE`` a float32 ``x`` runs the tensor cores in
-    tf32 (float32 tests use the other modes)."""
+    engine takes it up to ``GEMV_MAX_ROWS``). With ``dot`` a float32 ``x`` runs the tensor cores in
+    tf32 (float32 tests use the CUDA-core form)."""
     return _launch(x, wq, w_scale, bias, config)
 
 
 def rms_norm_fp8_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                       wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
-                      config: tuple[int, int, int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      config: tuple[int, int, int, bool, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(fp8_gemv(rmsnorm(x + residual) * g), x + residual)`` in one launch, as
     ``layers/kernels/fused_gemv.rms_norm_linear`` computes it for a float weight (the normed row never
     rounded); without a residual ``(fp8_gemv(rmsnorm(x) * g), x)``. Precondition: ``prologue_fits``
@@ -306,7 +264,7 @@ def rms_norm_fp8_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weigh
 
 
 def silu_and_mul_fp8_gemv(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
-                          config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+                          config: tuple[int, int, int, bool, int] | None = None) -> torch.Tensor:
     """``fp8_gemv(silu(gate) * up)`` for ``x = [gate | up]`` ``[M, 2K]`` in one launch (the activation
     rounded as ``SiluAndMul`` rounds it). Precondition: ``prologue_fits`` (``ACT_PROLOGUE``)."""
     return _launch(x, wq, w_scale, bias, config, ACT_PROLOGUE)
