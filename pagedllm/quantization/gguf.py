@@ -49,6 +49,7 @@ PACKED_TYPES = {F32: "F32", F16: "F16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4
 PREFILL_MIN_ROWS = 128
 TILE_WEIGHTS = 1 << 19  # weights per dequantized tile (2 MiB of float32)
 LOAD_FORMATS = ("auto", "gguf", "gguf_dequantized")
+CPU_INT8_ACTIVATIONS = True
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,8 @@ def _mm_into(dst: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
 def _cpu_linear(x: torch.Tensor, packed: torch.Tensor, qtype: int, out: torch.Tensor) -> None:
     """``out = x @ W^T`` on the CPU (``out`` a column slice of the layer's output)."""
     if x.shape[0] < PREFILL_MIN_ROWS:
-        native.gguf_matmul(x, packed, qtype, out)
+        int8 = CPU_INT8_ACTIVATIONS and native.gguf_q8_supported(qtype)
+        native.gguf_matmul(x, packed, qtype, out, int8_activations=int8)
         return
     tile = max(1, TILE_WEIGHTS // x.shape[1])
     for start in range(0, packed.shape[0], tile):
