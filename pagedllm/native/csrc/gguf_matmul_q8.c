@@ -51,7 +51,11 @@ static inline __m256i dpbusd_avx2(__m256i acc, __m256i u, __m256i s)
 #define DPBUSD(acc, u, s) dpbusd_avx2((acc), (u), (s))
 #endif
 
-#define MR 8 /* activation rows sharing one decode of a weight group */
+#define MR 8  /* activation rows sharing one decode of a weight group */
+#ifndef RN1
+#define RN1 4
+#endif
+#define MB 64 /* activation rows per work item (a multiple of MR) */
 
 /* Four activation blocks: q[j] holds values 8j..8j+7 of blocks 0, 1, 2, 3 (8 bytes each); d and s
  * hold each block's dx and dx * sum(q) / 2, twice (one per lane of its lane pair). */
@@ -208,18 +212,32 @@ static inline __attribute__((always_inline)) __m256 dot_group(int type, const WG
     return _mm256_fmadd_ps(w->mw, _mm256_loadu_ps(x->s), acc);
 }
 
-/* y[m, n] for weight rows [n0, n1) and MRC (compile-time) activation rows of xq (ng groups a row). */
+/* y[m, n] for weight rows [n0, n1) and MRC (compile-time) activation rows of xq (ng groups a row),
+ * RN weight rows at a time: with few activation rows, several weight rows give the core
+ * independent dependency chains (the four vpdpbusd of a group form one). */
 static inline __attribute__((always_inline)) void tile(int type, const uint8_t *w, int64_t row_bytes, int64_t bb,
                                                        int64_t n0, int64_t n1, int64_t nb, const XGroup *xq,
-                                                       float *y, int64_t ldy, const int MRC)
+                                                       float *y, int64_t ldy, const int MRC, const int RN)
 {
     const int64_t ng = (nb + 3) / 4;
-    for (int64_t n = n0; n < n1; ++n) {
-        const uint8_t *row = w + n * row_bytes;
+    int64_t n = n0;
+    for (; n + RN <= n1; n += RN) {
+        __m256 acc[4][MR];
+        for (int r = 0; r < RN; ++r)
+            for (int m = 0; m < MRC; ++m) acc[r][m] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < ng; ++g)
+            for (int r = 0; r < RN; ++r) {
+                const WGroup wg = load4(type, w + (n + r) * row_bytes, bb, 4 * g, nb);
+                for (int m = 0; m < MRC; ++m) acc[r][m] = dot_group(type, &wg, xq + m * ng + g, acc[r][m]);
+            }
+        for (int r = 0; r < RN; ++r)
+            for (int m = 0; m < MRC; ++m) y[m * ldy + n + r] = hsum8(acc[r][m]);
+    }
+    for (; n < n1; ++n) { /* the rows left over */
         __m256 acc[MR];
         for (int m = 0; m < MRC; ++m) acc[m] = _mm256_setzero_ps();
         for (int64_t g = 0; g < ng; ++g) {
-            const WGroup wg = load4(type, row, bb, 4 * g, nb);
+            const WGroup wg = load4(type, w + n * row_bytes, bb, 4 * g, nb);
             for (int m = 0; m < MRC; ++m) acc[m] = dot_group(type, &wg, xq + m * ng + g, acc[m]);
         }
         for (int m = 0; m < MRC; ++m) y[m * ldy + n] = hsum8(acc[m]);
@@ -231,7 +249,7 @@ static void tile_any(int type, const uint8_t *w, int64_t row_bytes, int64_t n0, 
                      const XGroup *xq, int64_t mr, float *y, int64_t ldy)
 {
     const int64_t bb = type == Q_Q4_0 ? 18 : type == Q_Q4_1 ? 20 : 34;
-#define TILE(R) tile(type, w, row_bytes, bb, n0, n1, nb, xq, y, ldy, R)
+#define TILE(R) tile(type, w, row_bytes, bb, n0, n1, nb, xq, y, ldy, R, (R) == 1 ? RN1 : (R) <= 3 ? 2 : 1)
     switch (mr) {
     case 1: TILE(1); break;
     case 2: TILE(2); break;
@@ -278,16 +296,20 @@ int gguf_matmul_q8(int type, const uint8_t *w, int64_t row_bytes, int64_t n_rows
     const int64_t nb = k / 32, ng = (nb + 3) / 4;
     XGroup *xq = aligned_alloc(64, sizeof(XGroup) * (size_t)(ng * m_rows));
     if (xq == NULL) return -2;
-    const int64_t chunk = 16, n_chunks = (n_rows + chunk - 1) / chunk;
+    /* Work items: (block of MB activation rows, chunk of 16 weight rows), weight chunks varying
+     * fastest: a block's quantized rows (MB x K bytes) stay in L2 while the weights stream past. */
+    const int64_t chunk = 16, n_chunks = (n_rows + chunk - 1) / chunk, n_mblocks = (m_rows + MB - 1) / MB;
 #pragma omp parallel num_threads(num_threads) if (n_rows * k >= 32768)
     {
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < m_rows; ++m) quantize_row(x + m * ldx, k, xq + m * ng);
 #pragma omp for schedule(static)
-        for (int64_t c = 0; c < n_chunks; ++c) {
+        for (int64_t item = 0; item < n_mblocks * n_chunks; ++item) {
+            const int64_t c = item % n_chunks, mb0 = item / n_chunks * MB;
+            const int64_t mb1 = mb0 + MB < m_rows ? mb0 + MB : m_rows;
             const int64_t n0 = c * chunk, n1 = n0 + chunk < n_rows ? n0 + chunk : n_rows;
-            for (int64_t m0 = 0; m0 < m_rows; m0 += MR) {
-                const int64_t mr = m_rows - m0 < MR ? m_rows - m0 : MR;
+            for (int64_t m0 = mb0; m0 < mb1; m0 += MR) {
+                const int64_t mr = mb1 - m0 < MR ? mb1 - m0 : MR;
                 tile_any(type, w, row_bytes, n0, n1, nb, xq + m0 * ng, mr, y + m0 * ldy, ldy);
             }
         }
