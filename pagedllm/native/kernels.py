@@ -7,7 +7,8 @@
   memory and one call each, where the torch reference takes 3-6 ops (``csrc/elementwise.c``).
 - ``gguf_matmul``, ``gguf_dequantize_rows``, ``gguf_dequantize_gather``: GGUF block formats kept
   packed (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, F16, F32 rows), multiplied in place or dequantized
-  exactly (``csrc/gguf_matmul.c``).
+  exactly (``csrc/gguf_matmul.c``); Q4_0 / Q4_1 / Q8_0 also with int8 activations and integer dot
+  products, VNNI where the CPU has it, else AVX2 (``csrc/gguf_matmul_q8.c``).
 
 Each takes float32 CPU tensors; ``applies(*tensors)`` says whether a call can go native at all.
 
@@ -61,9 +62,11 @@ def _cache_dir() -> Path:
     return envs.PAGEDLLM_CACHE_DIR / "cpu_kernels"
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: str, flags: tuple[str, ...] = ()) -> Path:
+    """The library compiled with ``FLAGS`` plus ``flags`` (tests build other instruction sets)."""
+    flags = [*FLAGS, *flags]
     source = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
-    key = hashlib.sha256(source + " ".join([compiler, *FLAGS, _cpu_signature()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + " ".join([compiler, *flags, _cpu_signature()]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"pagedllm_cpu-{key}.so"
     if target.exists():
         return target
@@ -72,7 +75,7 @@ def _build(compiler: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, f"-I{CSRC}", *map(str, SOURCES), "-o", tmp], check=True,
+        subprocess.run([compiler, *flags, f"-I{CSRC}", *map(str, SOURCES), "-o", tmp], check=True,
                        capture_output=True, text=True)
         os.replace(tmp, target)
     finally:

@@ -121,3 +121,30 @@ def test_int8_activations_are_refused_for_a_format_without_that_kernel():
     with pytest.raises(ValueError, match="int8_activations"):
         native.gguf_matmul(torch.randn(2, 256), raw, int(GGMLQuantizationType.Q6_K), torch.empty(2, 4),
                            int8_activations=True)
+
+
+@needs_kernels
+def test_int8_kernel_without_vnni_uses_avx2_and_agrees():
+    """The same library compiled without VNNI (a CPU with AVX2 only): vpmaddubsw, and the sign
+    trick for Q8_0's signed weights. Skipped where this CPU has no AVX2 to run it."""
+    import ctypes
+    import shutil
+
+    if not native.gguf_q8_supported(3):
+        pytest.skip("no AVX2 on this CPU")
+    from pagedllm import envs
+
+    lib = ctypes.CDLL(str(native._build(shutil.which(envs.CC) or envs.CC, ("-mno-avx512vnni", "-mno-avxvnni"))))
+    assert lib.gguf_q8_isa() == 1
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.gguf_matmul_q8.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, ctypes.c_int]
+    m, n, k = 5, 21, 160
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1))
+    for name in ("Q4_0", "Q4_1", "Q8_0"):
+        qtype = GGMLQuantizationType[name]
+        raw = torch.from_numpy(random_blocks(name, n, k, seed=2))
+        out = torch.empty(m, n)
+        assert lib.gguf_matmul_q8(int(qtype), raw.data_ptr(), raw.shape[1], n, k, x.data_ptr(), k, m,
+                                  out.data_ptr(), n, 1) == 0
+        ref = native.gguf_matmul(x, raw, int(qtype), torch.empty(m, n), int8_activations=True)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))

@@ -21,9 +21,10 @@
  * order (XGroup); the weights are shuffled into it in registers (load4), once per weight row and
  * group, and shared by all the activation rows of the tile.
  *
- * Threads: the activation rows are quantized in parallel, then the weight rows are split in chunks
- * of 16 over the threads (each weight block is read once per call); within a chunk, activation rows
- * go MR at a time, each weight group decoded once per MR rows.
+ * Threads: the activation rows are quantized in parallel, then the work items (a block of MB
+ * activation rows, a chunk of 16 weight rows) are split over the threads. Within an item,
+ * activation rows go MR at a time, each weight group decoded once per MR rows; with 1-3 rows,
+ * 4 or 2 weight rows go side by side (independent dependency chains for the out-of-order core).
  */
 #include <stdint.h>
 #include <stdlib.h>
