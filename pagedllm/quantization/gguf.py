@@ -19,17 +19,22 @@ A tied LM head shares the embedding's Parameter, so the packed table is held onc
 Products: ``apply`` picks the kernel of the input's device from ``PACKED_KERNELS`` (the CPU: the C
 library's ``gguf_matmul``, which decodes blocks in registers, and from ``PREFILL_MIN_ROWS`` rows a
 tile of weight rows dequantized exactly for the float GEMM; CUDA: the Triton GEMV / tiled GEMM of
-``kernels/gguf_gemm.py`` on bf16 / fp16 activations, captured in the CUDA graphs). Where the device
-has no kernel (or, on CUDA, a layer has a part in a format the Triton kernels lack), or the CPU
-kernels cannot be built, ``process_weights_after_loading`` dequantizes the layer once into one matrix of
-the model's dtype and hands it back as a plain float layer (``as_float_layer``: no quantization
-method), which ``prepare_model_kernels`` then dispatches as a float checkpoint's layer, fused
-kernels and GEMM choice included: the same kernels at 1 row as at the few rows of a speculative
-verification, and no float32 copies of the activations.
+``kernels/gguf_gemm.py`` on bf16 / fp16 activations, captured in the CUDA graphs). On the CPU,
+Q4_0 / Q4_1 / Q8_0 layers round the activations to int8 blocks and take integer dot products
+(llama.cpp's scheme, ``PAGEDLLM_GGUF_INT8_ACTIVATIONS``, read at load: the logits move by a few
+percent of their largest value, like llama.cpp's); with it off the packed products equal the
+dequantized model's to float rounding. Where the device has no kernel (or, on CUDA, a layer has
+a part in a format the Triton kernels lack), or the CPU kernels cannot be built,
+``process_weights_after_loading`` dequantizes the layer once into one matrix of the model's dtype
+and hands it back as a plain float layer (``as_float_layer``: no quantization method), which
+``prepare_model_kernels`` then dispatches as a float checkpoint's layer, fused kernels and GEMM
+choice included: the same kernels at 1 row as at the few rows of a speculative verification, and
+no float32 copies of the activations.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 from collections.abc import Callable
@@ -40,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm import envs
 from pagedllm.layers.embedding import LMHead, VocabEmbedding
 from pagedllm.layers.linear import Linear, MergedLinear
 from pagedllm.loader.gguf_file import GGUFTensor
@@ -82,8 +88,14 @@ def _mm_into(dst: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
         dst.copy_(torch.mm(x, w.t()))
 
 
-def _cpu_linear(x: torch.Tensor, packed: torch.Tensor, qtype: int, out: torch.Tensor) -> None:
-    """``out = x @ W^T`` on the CPU (``out`` a column slice of the layer's output)."""
+def _cpu_linear(x: torch.Tensor, packed: torch.Tensor, qtype: int, out: torch.Tensor,
+                int8_activations: bool = False) -> None:
+    """``out = x @ W^T`` on the CPU (``out`` a column slice of the layer's output). With
+    ``int8_activations`` (and a kernel for ``qtype``) every batch takes the integer kernel, which
+    beats dequantizing tiles for the float GEMM at every row count."""
+    if int8_activations and native.gguf_q8_supported(qtype):
+        native.gguf_matmul(x, packed, qtype, out, int8_activations=True)
+        return
     if x.shape[0] < PREFILL_MIN_ROWS:
         native.gguf_matmul(x, packed, qtype, out)
         return
@@ -92,6 +104,8 @@ def _cpu_linear(x: torch.Tensor, packed: torch.Tensor, qtype: int, out: torch.Te
         rows = packed[start:start + tile]
         _mm_into(out[:, start:start + rows.shape[0]], x, native.gguf_dequantize_rows(rows, qtype, x.shape[1]))
 
+
+_cpu_linear_int8 = functools.partial(_cpu_linear, int8_activations=True)
 
 def _cuda_linear(x: torch.Tensor, packed: torch.Tensor, qtype: int, out: torch.Tensor) -> None:
     """``out = x @ W^T`` on CUDA: the Triton GEMV / tiled GEMM, reading x and writing ``out`` in
@@ -177,6 +191,7 @@ def pack_segments(param: nn.Parameter, parts: list[GGUFTensor], keep_packed: boo
     param.data = torch.cat(blobs).to(param.device)
     param.gguf_segments = tuple(segments)
     param.gguf_rows = tuple(seg.rows(param.data) for seg in segments)  # views, made once
+    param.gguf_int8_activations = envs.PAGEDLLM_GGUF_INT8_ACTIVATIONS  # read once, at load (CPU only)
     param.gguf_dense = None
 
 
@@ -214,6 +229,8 @@ def gguf_linear(weight: nn.Parameter, x: torch.Tensor, out_features: int, bias: 
         xf = x2 if x2.dtype == torch.float32 and x2.stride(-1) == 1 else x2.float().contiguous()
     out = torch.empty((xf.shape[0], out_features), dtype=xf.dtype, device=x.device)
     kernel = PACKED_KERNELS.get(x.device.type)
+    if x.device.type == "cpu" and weight.gguf_int8_activations:
+        kernel = _cpu_linear_int8
     whole = len(weight.gguf_segments) == 1
     for seg, rows in zip(weight.gguf_segments, weight.gguf_rows):
         cols = out if whole else out[:, seg.row_start:seg.row_start + seg.num_rows]
