@@ -19,11 +19,12 @@ A tied LM head shares the embedding's Parameter, so the packed table is held onc
 Products: ``apply`` picks the kernel of the input's device from ``PACKED_KERNELS`` (the CPU: the C
 library's ``gguf_matmul``, which decodes blocks in registers, and from ``PREFILL_MIN_ROWS`` rows a
 tile of weight rows dequantized exactly for the float GEMM; CUDA: the Triton GEMV / tiled GEMM of
-``kernels/gguf_gemm.py`` on bf16 / fp16 activations, captured in the CUDA graphs). On the CPU,
-Q4_0 / Q4_1 / Q8_0 layers round the activations to int8 blocks and take integer dot products
-(llama.cpp's scheme, ``PAGEDLLM_GGUF_INT8_ACTIVATIONS``, read at load: the logits move by a few
-percent of their largest value, like llama.cpp's); with it off the packed products equal the
-dequantized model's to float rounding. Where the device has no kernel (or, on CUDA, a layer has
+``kernels/gguf_gemm.py`` on bf16 / fp16 activations, captured in the CUDA graphs). On the CPU the
+packed products equal the dequantized model's to float rounding; opt-in
+(``PAGEDLLM_GGUF_INT8_ACTIVATIONS=1``, read at load), Q4_0 / Q4_1 / Q8_0 layers round the
+activations to int8 blocks and take integer dot products (llama.cpp's scheme: the logits move by a
+few percent of their largest value; faster from about 8 rows, not at batch 1 on the embedded model,
+whose step is mostly outside the matmuls). Where the device has no kernel (or, on CUDA, a layer has
 a part in a format the Triton kernels lack), or the CPU kernels cannot be built,
 ``process_weights_after_loading`` dequantizes the layer once into one matrix of the model's dtype
 and hands it back as a plain float layer (``as_float_layer``: no quantization method), which

@@ -1,4 +1,4 @@
-"""GGUF on the CPU with int8 activations (``PAGEDLLM_GGUF_INT8_ACTIVATIONS``, on by default): the
+"""GGUF on the CPU with int8 activations (``PAGEDLLM_GGUF_INT8_ACTIVATIONS=1``, off by default): the
 layers take the integer kernel when the variable says so at load, and the embedded SmolLM2 keeps its
 perplexity.
 
