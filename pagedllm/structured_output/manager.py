@@ -33,7 +33,7 @@ from pagedllm.request import Request, RequestStatus
 from pagedllm.sample.bitmask import GrammarOutput
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.structured_output.jump_forward import JumpForward
-from pagedllm.structured_output.request import StructuredOutputRequest
+from pagedllm.structured_output.request import StructuredOutputRequest, apply_deferred
 
 _RUNNING = RequestStatus.RUNNING
 
@@ -228,7 +228,7 @@ class StructuredOutputManager:
             self._bitmask = np.zeros((max(max_rows, 2 * self._bitmask.shape[0]), self._bitmask.shape[1]), np.int32)
         bitmask = self._bitmask
         req_ids: list[str] = []
-        matchers, rows = [], []  # the rows the fill thread fills
+        states, matchers, token_lists, rows = [], [], [], []  # the fill job's rows
         num_rows = 0
         live = self._requests
         for req_id in scheduled:
@@ -244,11 +244,14 @@ class StructuredOutputManager:
                 state.fill_bitmask(bitmask, num_rows, drafts)
                 num_rows += len(drafts) + 1
                 continue
-            if state.is_terminated():
-                bitmask[num_rows] = -1
-            else:
-                matchers.append(state.matcher)
+            if state.needs_fill():
+                matcher, token_ids = state.take_for_fill()
+                states.append(state)
+                matchers.append(matcher)
+                token_lists.append(token_ids)
                 rows.append(num_rows)
+            else:
+                bitmask[num_rows] = -1
             num_rows += 1
         if not req_ids:
             return None
@@ -260,7 +263,7 @@ class StructuredOutputManager:
         if self._fill_thread is None:
             self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-bitmask")
         started = threading.Event()
-        future = self._fill_thread.submit(self._fill_rows, matchers, rows, started)
+        future = self._fill_thread.submit(self._accept_and_fill, states, matchers, token_lists, rows, started)
         # Hand the GIL to the fill thread until it is inside xgrammar (which releases it): left to
         # the interpreter, a thread waiting for the GIL gets it only after the switch interval.
         started.wait()
@@ -275,16 +278,27 @@ class StructuredOutputManager:
         # The runner copies the rows before sample_tokens returns, so the buffer is reused next step.
         return GrammarOutput(job.req_ids, self._bitmask[:job.num_rows])
 
-    def _fill_rows(self, matchers: list, rows: list[int], started: threading.Event) -> float:
-        """Fill ``bitmask[rows[i]]`` from ``matchers[i]`` (on the fill thread); returns the seconds
-        it took. One batched xgrammar call on its own threads, outside the GIL: the fill is the
-        step's largest CPU cost (tens of microseconds per request for a JSON schema), so the
-        engine thread does other work meanwhile."""
+    def _accept_and_fill(self, states: list[StructuredOutputRequest], matchers: list, token_lists: list[list[int]],
+                         rows: list[int], started: threading.Event) -> float:
+        """On the fill thread: advance ``matchers`` by the tokens the last update deferred
+        (request.py), then fill ``bitmask[rows[i]]`` from ``matchers[i]``; returns the seconds it
+        took. Both are batched xgrammar calls outside the GIL (the fill on xgrammar's own
+        threads): together the step's largest CPU cost (microseconds per request each for a JSON
+        schema), so the engine thread does other work meanwhile. Between the two calls this
+        thread needs the GIL for a moment: it gets it when the engine thread waits for the job
+        (``finish_bitmask``), or after the interpreter's switch interval, whichever comes first."""
         t0 = time.perf_counter()
         started.set()
+        refused = apply_deferred(matchers, token_lists, self.backend.batch_accept)
+        if refused:  # never expected (every token was sampled under its row): allow all, abort next update
+            for i, token_id in refused.items():
+                states[i].refuse(token_id)
+                self._bitmask[rows[i]] = -1
+            keep = [i for i in range(len(rows)) if i not in refused]
+            matchers, rows = [matchers[i] for i in keep], [rows[i] for i in keep]
         if len(matchers) == 1:
             matchers[0].fill_next_token_bitmask(self._bitmask, rows[0])
-        else:
+        elif matchers:
             self.backend.batch_fill_bitmask(matchers, self._bitmask, rows)
         return time.perf_counter() - t0
 

@@ -123,7 +123,7 @@ def test_start_bitmask_returns_while_the_fill_thread_fills(manager, tokenizer):
         request.structured_output_request.compiled.result()
     so = SchedulerOutput(num_scheduled_tokens=dict.fromkeys(requests, 1))
     expected = manager.grammar_bitmask(so, requests).bitmask.copy()  # filled, then waited for
-    release, fill, threads = threading.Event(), manager._fill_rows, []
+    release, fill, threads = threading.Event(), manager._accept_and_fill, []
 
     def gated(*args):
         seconds = fill(*args)
@@ -131,7 +131,7 @@ def test_start_bitmask_returns_while_the_fill_thread_fills(manager, tokenizer):
         assert release.wait(30)
         return seconds
 
-    manager._fill_rows = gated
+    manager._accept_and_fill = gated
     manager._bitmask[:] = 0
     job = manager.start_bitmask(so, requests)
     assert job.req_ids == ["a", "b", "c"] and not job.future.done()  # the caller goes on meanwhile
