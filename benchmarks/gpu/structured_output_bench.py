@@ -9,16 +9,27 @@ the CPU time spent filling bitmasks per step (and the part of it the engine thre
 the rest overlapped its other work), and the time to first token of a single request with
 a cached schema against a free one. Writes JSON to ``--output-json``.
 
+Per run it also reports the engine thread's time per step (wall, CPU, and the EngineCore phases).
+``--profile-tokens K`` then runs each mode once more, with ``max_tokens`` K, under the torch
+profiler with the engine's calls labelled, and prints where the GPU idles: its busy share of the
+decode steps, and which engine call the engine thread was in while the GPU had nothing to run
+(the gzipped Chrome traces go next to ``--output-json``).
+
     python benchmarks/gpu/structured_output_bench.py --tokenizer .tok/smollm2 --rounds 3
+    python benchmarks/gpu/structured_output_bench.py --tokenizer .tok/smollm2 --rounds 1 \
+        --profile-tokens 48 --output-json $OUT/so.json
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
+import os
 import random
 import statistics
 import time
+from contextlib import contextmanager
 
 # The issue's shape: nested objects, arrays and enums.
 NESTED_SCHEMA = {
@@ -57,11 +68,123 @@ def workload(n: int, prompt_len: int, vocab_limit: int, seed: int = 0) -> list[l
     return [[rng.randrange(vocab_limit) for _ in range(prompt_len)] for _ in range(n)]
 
 
-def run(llm, prompts, params) -> tuple[float, int]:
-    t0 = time.perf_counter()
+def run(llm, prompts, params, step_stats: list | None = None) -> tuple[float, int]:
+    """Generate; appends {wall, engine_cpu, schedule, execute, update} ms per step to ``step_stats``."""
+    core = llm.llm_engine.engine_core
+    before = dict(core.step_timings)
+    t0, cpu0 = time.perf_counter(), time.thread_time()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu = time.perf_counter() - t0, time.thread_time() - cpu0
+    if step_stats is not None:
+        steps = max(core.step_timings["steps"] - before["steps"], 1)
+        phases = {k: 1e3 * (core.step_timings[k] - before[k]) / steps for k in ("schedule", "execute", "update")}
+        step_stats.append({"steps": steps, "wall": 1e3 * elapsed / steps, "engine_cpu": 1e3 * cpu / steps, **phases})
     return elapsed, sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+@contextmanager
+def labelled_engine_calls(llm):
+    """Label the engine's calls for the profiler (record_function ranges on the engine thread)."""
+    import torch
+
+    from pagedllm.worker.step_handle import StepHandle
+
+    core = llm.llm_engine.engine_core
+    targets = [(core.scheduler, "schedule", "schedule"), (core.scheduler, "update_from_output", "update"),
+               (core.executor, "execute_model", "execute"), (core.executor, "sample_tokens", "sample_launch"),
+               (llm.llm_engine.output_processor, "process_outputs", "output")]
+    if core.structured_output is not None:
+        targets += [(core.structured_output, "start_bitmask", "start_bitmask"),
+                    (core.structured_output, "finish_bitmask", "finish_bitmask")]
+
+    def label(fn, name):
+        def call(*args, **kwargs):
+            with torch.profiler.record_function(name):
+                return fn(*args, **kwargs)
+        return call
+
+    for obj, attr, name in targets:
+        setattr(obj, attr, label(getattr(obj, attr), name))
+    result = StepHandle.result
+    StepHandle.result = label(result, "wait_result")
+    try:
+        yield
+    finally:
+        StepHandle.result = result
+        for obj, attr, _ in targets:
+            vars(obj).pop(attr, None)
+
+
+def gpu_idle_summary(trace: dict) -> dict:
+    """From a Chrome trace: the GPU's busy share over the middle 80% of its activity, the engine
+    calls' mean durations, and for the GPU's idle time, which labelled call the engine thread was in."""
+    events = trace["traceEvents"]
+    kernels = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                     if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e)
+    labels = [e for e in events if e.get("cat") == "user_annotation" and "dur" in e]
+    if not kernels:
+        return {}
+    first, last = kernels[0][0], max(end for _, end in kernels)
+    lo, hi = first + 0.1 * (last - first), last - 0.1 * (last - first)
+    busy, gaps, cur_start, cur_end = 0.0, [], None, None
+    for start, end in kernels:
+        if end < lo or start > hi:
+            continue
+        start, end = max(start, lo), min(end, hi)
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                busy += cur_end - cur_start
+                gaps.append((cur_end, start))
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    busy += cur_end - cur_start
+    idle_in: dict[str, float] = {}
+    for gap_start, gap_end in gaps:
+        covered = 0.0
+        for e in labels:
+            overlap = min(gap_end, e["ts"] + e["dur"]) - max(gap_start, e["ts"])
+            if overlap > 0 and e["name"] in LEAF_LABELS:
+                idle_in[e["name"]] = idle_in.get(e["name"], 0.0) + overlap
+                covered += overlap
+        idle_in["(none)"] = idle_in.get("(none)", 0.0) + max(0.0, gap_end - gap_start - covered)
+    calls: dict[str, list[float]] = {}
+    for e in labels:
+        if lo <= e["ts"] <= hi:
+            calls.setdefault(e["name"], []).append(e["dur"])
+    window = hi - lo
+    return {"gpu_busy_share": busy / window, "window_ms": window / 1e3,
+            "gpu_idle_ms_in_call": {k: round(v / 1e3, 3) for k, v in sorted(idle_in.items(), key=lambda kv: -kv[1])},
+            "call_mean_us": {k: round(statistics.mean(v), 1) for k, v in calls.items()},
+            "call_count": {k: len(v) for k, v in calls.items()}}
+
+
+# Labels that do not nest inside one another (a step's calls; wait_result runs inside no other label).
+LEAF_LABELS = ("schedule", "update", "execute", "sample_launch", "output", "start_bitmask", "finish_bitmask",
+               "wait_result")
+
+
+def profile_modes(llm, prompts, modes: dict, max_tokens: int, out_dir: str | None) -> dict:
+    """One run per mode under the torch profiler; the idle summary of each."""
+    import torch
+
+    summaries = {}
+    for name, params in modes.items():
+        short = params.clone()
+        short.max_tokens = max_tokens
+        with labelled_engine_calls(llm), torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+            run(llm, prompts, short)
+        path = os.path.join(out_dir or ".", f"trace_{name}.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+        with gzip.open(path + ".gz", "wt") as f:
+            json.dump(trace, f)
+        os.remove(path)
+        summaries[name] = gpu_idle_summary(trace)
+        print(name, json.dumps(summaries[name]), flush=True)
+    return summaries
 
 
 def main() -> int:
@@ -77,6 +200,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--output-json", default=None)
     ap.add_argument("--schema", choices=sorted(SCHEMAS), default="nested")
+    ap.add_argument("--profile-tokens", type=int, default=0,
+                    help="then profile one run per mode with this max_tokens (0: no profile)")
     ns = ap.parse_args()
 
     llm = LLM(ns.model, tokenizer=ns.tokenizer, load_format="dummy", max_model_len=1024)
@@ -88,20 +213,23 @@ def main() -> int:
     run(llm, prompts[:16], constrained)
     core = llm.llm_engine.engine_core
     results: dict[str, list[float]] = {"free": [], "json": []}
+    step_stats: dict[str, list[dict]] = {"free": [], "json": []}
     bitmask_ms_per_step: list[float] = []
     bitmask_wait_ms_per_step: list[float] = []  # the part the engine thread waited for
     for _ in range(ns.rounds):
         for name, params in (("free", free), ("json", constrained)):
             manager = core.structured_output
             bitmask_before = (manager.bitmask_time_s, manager.num_bitmask_steps, manager.bitmask_wait_s)
-            elapsed, produced = run(llm, prompts, params)
+            elapsed, produced = run(llm, prompts, params, step_stats[name])
             results[name].append(produced / elapsed)
             if name == "json":
                 spent = manager.bitmask_time_s - bitmask_before[0]
                 steps = manager.num_bitmask_steps - bitmask_before[1]
                 bitmask_ms_per_step.append(1e3 * spent / max(steps, 1))
                 bitmask_wait_ms_per_step.append(1e3 * (manager.bitmask_wait_s - bitmask_before[2]) / max(steps, 1))
-            print(f"{name:5s} {produced:7d} tokens {elapsed:6.2f} s {produced / elapsed:9.0f} tok/s", flush=True)
+            per_step = ", ".join(f"{k} {v:.2f}" for k, v in step_stats[name][-1].items() if k != "steps")
+            print(f"{name:5s} {produced:7d} tokens {elapsed:6.2f} s {produced / elapsed:9.0f} tok/s "
+                  f"(ms per step: {per_step})", flush=True)
 
     ttft = {}
     for name, params in (("free", free), ("json", constrained)):
@@ -123,7 +251,12 @@ def main() -> int:
         "bitmask_cpu_ms_per_step": bitmask_ms_per_step,
         "bitmask_wait_ms_per_step": bitmask_wait_ms_per_step,
         "ttft_ms_single_request": ttft,
+        "ms_per_step": step_stats,
     }
+    if ns.profile_tokens:
+        out_dir = os.path.dirname(ns.output_json) if ns.output_json else None
+        summary["profile"] = profile_modes(llm, prompts, {"free": free, "json": constrained}, ns.profile_tokens,
+                                           out_dir)
     print(json.dumps(summary, indent=1))
     print("| free tok/s | json tok/s | ratio | bitmask ms/step | waited ms/step | TTFT free / json ms |")
     print(f"| {free_med:.0f} | {json_med:.0f} | {json_med / free_med:.3f} | "
