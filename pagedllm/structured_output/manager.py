@@ -6,12 +6,13 @@ Flow of one constrained request:
    for the request yet, so a refused request leaves no state anywhere.
 2. ``EngineCore.add_request`` -> ``attach(request)``: the request gets its
    ``StructuredOutputRequest``; the scheduler keeps it waiting (others run) until ``is_ready()``.
-3. Each step that samples for it: ``start_bitmask`` starts filling its bitmask row(s) on the fill
-   thread and ``finish_bitmask`` waits for them (``grammar_bitmask`` does both; the engine core
-   does its own work in between: engine_core.py), the runner applies them to the logits; the
-   scheduler's update
-   advances its matcher by the accepted tokens and stops it when the grammar terminates; with
-   jump-forward on, it then appends the tokens the grammar forces (jump_forward.py).
+3. Each step that samples for it: ``start_bitmask`` starts a job on the fill thread that first
+   applies the tokens the last update deferred to its matcher, then fills its bitmask row(s), and
+   ``finish_bitmask`` waits for it (``grammar_bitmask`` does both; the engine core does its own
+   work in between: engine_core.py); the runner applies the rows to the logits. The scheduler's
+   update hands the sampled tokens to ``accept_tokens``, which only records them (request.py)
+   and tells it when the grammar terminates; with jump-forward on, the request accepts at once
+   and the update appends the tokens the grammar forces (jump_forward.py).
 4. The step after it finishes or is aborted (``SchedulerOutput.finished_req_ids``): ``release``.
 
 Compiled grammars are cached by ``StructuredOutputsParams.cache_key()`` (kind, spec, options), so
@@ -69,15 +70,16 @@ class StructuredOutputManager:
     matcher); ``_cache`` maps a constraint key to the future of its compiled grammar, and a key
     enters it only after its constraint parsed; at most ``max_cached_grammars`` keys are kept
     (least recently used dropped). Cost: ``prepare`` is a dict lookup on a hit, a parse (about a
-    millisecond) on a miss; ``grammar_bitmask`` is O(structured requests of the step) matcher
-    calls into one reused int32 buffer, the fills batched into one multi-threaded call on the fill
-    thread (one fill in flight at a time: the engine core finishes a job before it starts another).
+    millisecond) on a miss; ``start_bitmask`` is O(structured requests of the step) Python on the
+    engine thread; its job (on the fill thread, one in flight at a time: the engine core finishes
+    a job before it starts another) is one batched accept of the deferred tokens and one
+    multi-threaded fill into one reused int32 buffer.
 
     Counters (the engine's metrics read them): ``num_compiled``, ``compile_time_s`` (summed;
     ``take_compile_times`` gives each), ``num_cache_hits`` (requests whose constraint was already
-    compiled or compiling), ``bitmask_time_s`` and ``num_bitmask_steps`` (time spent filling
-    bitmasks, over the steps that had structured requests: their ratio is the time per step),
-    ``bitmask_wait_s`` (the part of it the engine thread waited for: the rest overlapped its work),
+    compiled or compiling), ``bitmask_time_s`` and ``num_bitmask_steps`` (time spent in the fill
+    jobs, deferred accepts included, over the steps that had structured requests: their ratio is
+    the time per step), ``bitmask_wait_s`` (the part of it the engine thread waited for: the rest overlapped its work),
     ``num_jumped_tokens`` (tokens appended by jump-forward).
 
     ``jump_forward``: requests that ask for no logprobs get the shared ``JumpForward``
