@@ -123,6 +123,23 @@ def short_switch_interval_during_jobs(manager, interval_s: float):
 
 
 @contextmanager
+def yield_before_schedule(core, sleep_s: float):
+    """Sleep ``sleep_s`` (releasing the GIL) before each schedule while a fill job is in flight."""
+    schedule = core.scheduler.schedule
+
+    def yielding():
+        if core._unsampled is not None:
+            time.sleep(sleep_s)
+        return schedule()
+
+    core.scheduler.schedule = yielding
+    try:
+        yield
+    finally:
+        vars(core.scheduler).pop("schedule", None)
+
+
+@contextmanager
 def immediate_accepts():
     """Accept each token into its matcher in the scheduler's update, one xgrammar call per token on
     the engine thread (the order before the fill job applied the deferred tokens)."""
@@ -261,6 +278,9 @@ def main() -> int:
                     help="also run the constrained workload with the interpreter's switch interval lowered to "
                          "this while each fill job runs (its thread then gets the GIL between its two xgrammar "
                          "calls without waiting for the engine thread to block)")
+    ap.add_argument("--ab-yield-us", type=float, default=0,
+                    help="also run the constrained workload with the engine thread sleeping this long before "
+                         "each schedule while a fill job runs (handing the job the GIL between its two calls)")
     ap.add_argument("--profile-tokens", type=int, default=0,
                     help="then profile one run per mode with this max_tokens (0: no profile)")
     ns = ap.parse_args()
@@ -299,6 +319,10 @@ def main() -> int:
     if ns.ab_switch_interval_us:
         with short_switch_interval_during_jobs(core.structured_output, ns.ab_switch_interval_us / 1e6):
             ab_run(llm, prompts, constrained, "json_short_switch_interval", results, step_stats)
+
+    if ns.ab_yield_us:
+        with yield_before_schedule(core, ns.ab_yield_us / 1e6):
+            ab_run(llm, prompts, constrained, "json_yield_before_schedule", results, step_stats)
 
     ttft = {}
     for name, params in (("free", free), ("json", constrained)):
