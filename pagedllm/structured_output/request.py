@@ -81,10 +81,10 @@ class StructuredOutputRequest:
         the matcher is unchanged from the first refused one on) or has already terminated."""
         if self._refused or self._terminated:
             return False
+        if self._matcher is None:
+            self._create_matcher()
         if self._jump is not None:
             return self._accept_now(token_ids)
-        if self._matcher is None:
-            self.matcher  # noqa: B018 (creates it: its stop tokens are needed below)
         self._deferred += token_ids  # applied by the next fill job (manager.py), or by ``matcher``
         if not self._stop_set.isdisjoint(token_ids):
             self._terminated = True
@@ -105,10 +105,13 @@ class StructuredOutputRequest:
         applies them (``apply_deferred``) before it fills the next row; the caller then owns
         the matcher until the job is done."""
         if self._matcher is None:
-            self._matcher = self._new_matcher(self._compiled.result(), self._stop_token_ids)
-            self._stop_set = frozenset(self._matcher.stop_token_ids)
+            self._create_matcher()
         token_ids, self._deferred = self._deferred, []
         return self._matcher, token_ids
+
+    def _create_matcher(self) -> None:
+        self._matcher = self._new_matcher(self._compiled.result(), self._stop_token_ids)
+        self._stop_set = frozenset(self._matcher.stop_token_ids)
 
     def refuse(self, token_id: int) -> None:
         """The grammar refused ``token_id``: the next ``accept_tokens`` returns False."""
