@@ -6,9 +6,9 @@ Flow of one constrained request:
    for the request yet, so a refused request leaves no state anywhere.
 2. ``EngineCore.add_request`` -> ``attach(request)``: the request gets its
    ``StructuredOutputRequest``; the scheduler keeps it waiting (others run) until ``is_ready()``.
-3. Each step that samples for it: ``start_bitmask`` starts a job on the fill thread that first
-   applies the tokens the last update deferred to its matcher, then fills its bitmask row(s), and
-   ``finish_bitmask`` waits for it (``grammar_bitmask`` does both; the engine core does its own
+3. Each step that samples for it: ``start_bitmask`` applies the tokens the last update deferred
+   to its matcher (batched, in parallel chunks) and starts filling its bitmask row(s) on the fill
+   thread, and ``finish_bitmask`` waits for the fill (``grammar_bitmask`` does both; the engine core does its own
    work in between: engine_core.py); the runner applies the rows to the logits. The scheduler's
    update hands the sampled tokens to ``accept_tokens``, which only records them (request.py)
    and tells it when the grammar terminates; with jump-forward on, the request accepts at once
@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pagedllm.core.sched_output import SchedulerOutput
+from pagedllm.cpu_threads import usable_cpus
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sample.bitmask import GrammarOutput
 from pagedllm.sampling_params import StructuredOutputsParams
@@ -37,6 +38,7 @@ from pagedllm.structured_output.jump_forward import JumpForward
 from pagedllm.structured_output.request import StructuredOutputRequest, apply_deferred
 
 _RUNNING = RequestStatus.RUNNING
+_MIN_ACCEPT_CHUNK = 32  # matchers per parallel accept call: below, a thread hand-off costs more than it saves
 
 
 @dataclass
@@ -70,15 +72,15 @@ class StructuredOutputManager:
     matcher); ``_cache`` maps a constraint key to the future of its compiled grammar, and a key
     enters it only after its constraint parsed; at most ``max_cached_grammars`` keys are kept
     (least recently used dropped). Cost: ``prepare`` is a dict lookup on a hit, a parse (about a
-    millisecond) on a miss; ``start_bitmask`` is O(structured requests of the step) Python on the
-    engine thread; its job (on the fill thread, one in flight at a time: the engine core finishes
-    a job before it starts another) is one batched accept of the deferred tokens and one
-    multi-threaded fill into one reused int32 buffer.
+    millisecond) on a miss; ``start_bitmask`` is O(structured requests of the step) Python and
+    the batched accepts of the deferred tokens (in parallel chunks, the engine thread waiting);
+    its job (on the fill thread, one in flight at a time: the engine core finishes a job before
+    it starts another) is one multi-threaded fill into one reused int32 buffer.
 
     Counters (the engine's metrics read them): ``num_compiled``, ``compile_time_s`` (summed;
     ``take_compile_times`` gives each), ``num_cache_hits`` (requests whose constraint was already
-    compiled or compiling), ``bitmask_time_s`` and ``num_bitmask_steps`` (time spent in the fill
-    jobs, deferred accepts included, over the steps that had structured requests: their ratio is
+    compiled or compiling), ``bitmask_time_s`` and ``num_bitmask_steps`` (time spent in the
+    deferred accepts and the fill jobs, over the steps that had structured requests: their ratio is
     the time per step), ``bitmask_wait_s`` (the part of it the engine thread waited for: the rest overlapped its work),
     ``num_jumped_tokens`` (tokens appended by jump-forward).
 
@@ -95,6 +97,8 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self._pool: ThreadPoolExecutor | None = None  # started on the first constraint
         self._fill_thread: ThreadPoolExecutor | None = None  # one worker: the bitmask fills, in order
+        self._accept_pool: ThreadPoolExecutor | None = None  # chunks of the deferred accepts
+        self._max_accept_threads = max(0, min(7, usable_cpus() - 2))
         self._max_compile_threads = max_compile_threads
         # Least recently used first; requests hold their own future, so evicting one is safe.
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
@@ -262,10 +266,13 @@ class StructuredOutputManager:
             future: Future = Future()
             future.set_result(0.0)
             return BitmaskJob(req_ids, num_rows, future)
+        t1 = time.perf_counter()
+        matchers, rows = self._accept_deferred(states, matchers, token_lists, rows)
+        self.bitmask_time_s += time.perf_counter() - t1
         if self._fill_thread is None:
             self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-bitmask")
         started = threading.Event()
-        future = self._fill_thread.submit(self._accept_and_fill, states, matchers, token_lists, rows, started)
+        future = self._fill_thread.submit(self._fill_rows, matchers, rows, started)
         # Hand the GIL to the fill thread until it is inside xgrammar (which releases it): left to
         # the interpreter, a thread waiting for the GIL gets it only after the switch interval.
         started.wait()
@@ -280,24 +287,42 @@ class StructuredOutputManager:
         # The runner copies the rows before sample_tokens returns, so the buffer is reused next step.
         return GrammarOutput(job.req_ids, self._bitmask[:job.num_rows])
 
-    def _accept_and_fill(self, states: list[StructuredOutputRequest], matchers: list, token_lists: list[list[int]],
-                         rows: list[int], started: threading.Event) -> float:
-        """On the fill thread: advance ``matchers`` by the tokens the last update deferred
-        (request.py), then fill ``bitmask[rows[i]]`` from ``matchers[i]``; returns the seconds it
-        took. Both are batched xgrammar calls outside the GIL (the fill on xgrammar's own
-        threads): together the step's largest CPU cost (microseconds per request each for a JSON
-        schema), so the engine thread does other work meanwhile. Between the two calls this
-        thread needs the GIL for a moment: it gets it when the engine thread waits for the job
-        (``finish_bitmask``), or after the interpreter's switch interval, whichever comes first."""
+    def _accept_deferred(self, states: list[StructuredOutputRequest], matchers: list, token_lists: list[list[int]],
+                         rows: list[int]) -> tuple[list, list[int]]:
+        """Advance ``matchers`` by the tokens the last update deferred (request.py): batched
+        xgrammar calls outside the GIL, in chunks of at least ``_MIN_ACCEPT_CHUNK`` matchers run
+        in parallel on this thread and the accept pool (this thread waits for the others, so each
+        gets the GIL at once to start its call). A refused token's row allows everything (never
+        expected: the request is aborted in its next update). Returns the matchers and rows to
+        fill."""
+        accept = self.backend.batch_accept
+        num_chunks = min(self._max_accept_threads + 1, len(matchers) // _MIN_ACCEPT_CHUNK)
+        if num_chunks <= 1:
+            refused = apply_deferred(matchers, token_lists, accept)
+        else:
+            if self._accept_pool is None:
+                self._accept_pool = ThreadPoolExecutor(self._max_accept_threads, thread_name_prefix="pagedllm-accept")
+            bounds = [len(matchers) * k // num_chunks for k in range(num_chunks + 1)]
+            futures = [(a, self._accept_pool.submit(apply_deferred, matchers[a:b], token_lists[a:b], accept))
+                       for a, b in zip(bounds[1:-1], bounds[2:])]
+            refused = apply_deferred(matchers[:bounds[1]], token_lists[:bounds[1]], accept)
+            for first, future in futures:
+                refused.update({first + i: token_id for i, token_id in future.result().items()})
+        if not refused:
+            return matchers, rows
+        for i, token_id in refused.items():
+            states[i].refuse(token_id)
+            self._bitmask[rows[i]] = -1
+        keep = [i for i in range(len(rows)) if i not in refused]
+        return [matchers[i] for i in keep], [rows[i] for i in keep]
+
+    def _fill_rows(self, matchers: list, rows: list[int], started: threading.Event) -> float:
+        """Fill ``bitmask[rows[i]]`` from ``matchers[i]`` (on the fill thread); returns the seconds
+        it took. One batched xgrammar call on its own threads, outside the GIL: the fill is the
+        step's largest CPU cost (tens of microseconds per request for a JSON schema), so the
+        engine thread does other work meanwhile."""
         t0 = time.perf_counter()
         started.set()
-        refused = apply_deferred(matchers, token_lists, self.backend.batch_accept)
-        if refused:  # never expected (every token was sampled under its row): allow all, abort next update
-            for i, token_id in refused.items():
-                states[i].refuse(token_id)
-                self._bitmask[rows[i]] = -1
-            keep = [i for i in range(len(rows)) if i not in refused]
-            matchers, rows = [matchers[i] for i in keep], [rows[i] for i in keep]
         if len(matchers) == 1:
             matchers[0].fill_next_token_bitmask(self._bitmask, rows[0])
         elif matchers:
@@ -305,6 +330,6 @@ class StructuredOutputManager:
         return time.perf_counter() - t0
 
     def shutdown(self) -> None:
-        for pool in (self._pool, self._fill_thread):
+        for pool in (self._pool, self._fill_thread, self._accept_pool):
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)

@@ -31,8 +31,8 @@ class StructuredOutputRequest:
     Deferred accepts (requests that never jump): every token that reaches ``accept_tokens`` was
     sampled under this request's bitmask row, so the matcher will accept it, and a stop token it
     accepts terminates it (the grammar admits one only where it may end). The scheduler's update
-    therefore only records the tokens (no xgrammar call on the engine thread); the manager's fill
-    job applies the whole batch's in one call on the fill thread, before it fills the next rows
+    therefore only records the tokens (no xgrammar call per request); the manager applies the
+    whole batch's in batched calls, in parallel chunks, before it starts the next fill
     (``take_for_fill``, ``apply_deferred``). A token the grammar refuses anyway (a bug: a row not
     applied) is found there: ``_refused`` is set and the next ``accept_tokens`` returns False, so
     the request is aborted one step later than with an immediate accept (one more token, sampled
@@ -85,7 +85,7 @@ class StructuredOutputRequest:
             self._create_matcher()
         if self._jump is not None:
             return self._accept_now(token_ids)
-        self._deferred += token_ids  # applied by the next fill job (manager.py), or by ``matcher``
+        self._deferred += token_ids  # applied by the next start_bitmask (manager.py), or by ``matcher``
         if not self._stop_set.isdisjoint(token_ids):
             self._terminated = True
         return True
@@ -101,9 +101,8 @@ class StructuredOutputRequest:
         return True
 
     def take_for_fill(self) -> tuple[object, list[int]]:
-        """The matcher (created if need be) and the deferred tokens, handed to the fill job that
-        applies them (``apply_deferred``) before it fills the next row; the caller then owns
-        the matcher until the job is done."""
+        """The matcher (created if need be) and the deferred tokens, handed to the manager, which
+        applies them (``apply_deferred``) before it fills the next row."""
         if self._matcher is None:
             self._create_matcher()
         token_ids, self._deferred = self._deferred, []

@@ -123,7 +123,7 @@ def test_start_bitmask_returns_while_the_fill_thread_fills(manager, tokenizer):
         request.structured_output_request.compiled.result()
     so = SchedulerOutput(num_scheduled_tokens=dict.fromkeys(requests, 1))
     expected = manager.grammar_bitmask(so, requests).bitmask.copy()  # filled, then waited for
-    release, fill, threads = threading.Event(), manager._accept_and_fill, []
+    release, fill, threads = threading.Event(), manager._fill_rows, []
 
     def gated(*args):
         seconds = fill(*args)
@@ -131,7 +131,7 @@ def test_start_bitmask_returns_while_the_fill_thread_fills(manager, tokenizer):
         assert release.wait(30)
         return seconds
 
-    manager._accept_and_fill = gated
+    manager._fill_rows = gated
     manager._bitmask[:] = 0
     job = manager.start_bitmask(so, requests)
     assert job.req_ids == ["a", "b", "c"] and not job.future.done()  # the caller goes on meanwhile
@@ -166,9 +166,11 @@ class _RecordingMatcher:
         return getattr(self._matcher, name)
 
 
-def test_accepts_wait_for_the_fill_job_and_run_on_the_fill_thread(manager, tokenizer, monkeypatch):
-    """The update's accept_tokens only records the tokens; the next fill job applies the batch's
-    in one call on the fill thread, and the rows equal those of a matcher walked at once."""
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_accepts_wait_for_the_next_bitmask_and_run_batched(manager, tokenizer, monkeypatch, chunks):
+    """The update's accept_tokens only records the tokens; the next start_bitmask applies the
+    batch's in batched calls (one per chunk, in parallel on the accept pool when there are
+    several), and the rows equal those of a matcher walked at once."""
     engine_thread_accepts: list[str] = []
     new_matcher, batch_accept = manager.backend.new_matcher, manager.backend.batch_accept
     monkeypatch.setattr(manager.backend, "new_matcher",
@@ -180,8 +182,10 @@ def test_accepts_wait_for_the_fill_job_and_run_on_the_fill_thread(manager, token
         return batch_accept(matchers, token_ids)
 
     monkeypatch.setattr(manager.backend, "batch_accept", recorded_batch)
+    monkeypatch.setattr("pagedllm.structured_output.manager._MIN_ACCEPT_CHUNK", 1)
+    manager._max_accept_threads = chunks - 1
     params = StructuredOutputsParams(json=SCHEMA)
-    requests = {r: running_request(manager, r, params) for r in ("a", "b")}
+    requests = {r: running_request(manager, r, params) for r in ("a", "b", "c")}
     so = SchedulerOutput(num_scheduled_tokens=dict.fromkeys(requests, 1))
     requests["a"].structured_output_request.compiled.result()
     manager.grammar_bitmask(so, requests)
@@ -191,13 +195,12 @@ def test_accepts_wait_for_the_fill_job_and_run_on_the_fill_thread(manager, token
     for token in tokens:
         for request in requests.values():
             assert request.structured_output_request.accept_tokens([token])
-        assert batch_threads == [] or batch_threads[-1].startswith("pagedllm-bitmask")
         out = manager.grammar_bitmask(so, requests)
         assert reference.accept_token(token)
         reference.fill_next_token_bitmask(expected, 0)
-        np.testing.assert_array_equal(out.bitmask, np.repeat(expected, 2, axis=0))
-    assert engine_thread_accepts == [] and len(batch_threads) == len(tokens) > 2
-    assert all(name.startswith("pagedllm-bitmask") for name in batch_threads)
+        np.testing.assert_array_equal(out.bitmask, np.repeat(expected, 3, axis=0))
+    assert engine_thread_accepts == [] and len(batch_threads) == chunks * len(tokens) and len(tokens) > 2
+    assert sum(name.startswith("pagedllm-accept") for name in batch_threads) == (chunks - 1) * len(tokens)
 
 
 def test_a_refused_deferred_token_allows_all_then_aborts_at_the_next_accept(manager, tokenizer):

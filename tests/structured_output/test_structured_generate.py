@@ -218,7 +218,7 @@ def test_async_steps_fill_the_bitmask_beside_the_next_schedule(engines, monkeypa
     engine, m = llm.llm_engine, grammars(llm)
     core = engine.engine_core
     events: list[str] = []
-    release, fill, schedule = threading.Event(), m._accept_and_fill, core.scheduler.schedule
+    release, fill, schedule = threading.Event(), m._fill_rows, core.scheduler.schedule
 
     def gated_fill(*args):
         seconds = fill(*args)
@@ -236,7 +236,7 @@ def test_async_steps_fill_the_bitmask_beside_the_next_schedule(engines, monkeypa
     for name in ("start_bitmask", "finish_bitmask"):
         monkeypatch.setattr(m, name, recorded(name, getattr(m, name)))
     monkeypatch.setattr(core.scheduler, "schedule", lambda: (events.append("schedule"), schedule())[1])
-    monkeypatch.setattr(m, "_accept_and_fill", gated_fill)
+    monkeypatch.setattr(m, "_fill_rows", gated_fill)
     engine.add_request("r", PROMPT, constrained(json=SCHEMA, max_tokens=80))
     state = core.scheduler.get_request("r").structured_output_request
     state.compiled.result(timeout=60)
