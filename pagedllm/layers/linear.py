@@ -55,13 +55,16 @@ class Linear(CustomOp):
     ``QuantizeMethodBase``, which creates, loads and processes its parameters and computes the
     product (``apply``); the layer then runs the ``quantized`` implementation on every device, says
     ``fuses_kernels = False`` and ``gemm_tunable = False`` (instance attributes: its weight is no
-    float matrix for the fused kernels or the cuBLAS table) and is neither prepacked nor folded.
+    float matrix for the fused kernels or the cuBLAS table) and is neither prepacked nor folded; its
+    ``forward_norm_prologue`` / ``forward_act_prologue`` run the method's own fused kernels where it
+    has them (``apply_norm_prologue`` / ``apply_act_prologue``) and the plan allows fused kernels.
     ``quant_method`` None: the plain layer above, unchanged.
 
     LoRA (``pagedllm.lora``): ``lora`` is None (no LoRA: nothing allocated) or the layer's stacked
     adapter matrices (``lora.layers.LoRALinearWeights``). ``set_lora_active(True)`` makes every
     call run ``forward_lora``, the implementation chosen at load plus each token's adapter delta,
-    with ``fuses_kernels = False`` so that no fused kernel bypasses it; ``set_lora_active(False)``
+    with ``fuses_kernels = False`` so that no fused kernel bypasses it (except ``forward_add_``'s
+    GEMM with the residual add, after which the delta goes into the sum); ``set_lora_active(False)``
     restores the implementation and the fused kernels of the plain layer.
     """
 
@@ -79,6 +82,7 @@ class Linear(CustomOp):
         # oneDNN-blocked copy of ``weight`` for the CPU (``pack_cpu_weight``); None: not packed.
         self.cpu_packed_weight: torch.Tensor | None = None
         self.gemms: GemmLibrary | None = None  # the plan's cuBLAS / cuBLASLt table (CUDA)
+        self.quantized_fusions = False  # a quantized layer's fused methods may run (CUDA, fused kernels on)
         # A ``pagedllm.quantization`` ``QuantizeMethodBase`` (not imported: quantization sits above
         # layers and imports them), or None: the plain layer.
         self.quant_method = None
@@ -93,6 +97,7 @@ class Linear(CustomOp):
         oneDNN GEMM is no C kernel of ours: ``KernelConfig.cpu_kernels`` does not turn it off);
         ``quantized`` on every device for a quantized layer."""
         if self.quant_method is not None:
+            self.quantized_fusions = plan.device.type == "cuda" and plan.fused_kernels
             return "quantized"
         if plan.device.type == "cuda":
             self.gemms = plan.gemms
@@ -148,13 +153,26 @@ class Linear(CustomOp):
     def _fused(self) -> bool:
         return self.impl == "cuda" and self.fuses_kernels
 
+    def _quantized_fusion(self, name: str):
+        """The quantization method's fused method ``name`` (``apply_norm_prologue(layer, x, residual,
+        norm)`` / ``apply_act_prologue(layer, x)``, each returning None where its kernel does not
+        apply), where the layer runs quantized and the plan allows fused kernels; else None."""
+        if self.impl != "quantized" or not self.quantized_fusions:
+            return None
+        return getattr(self.quant_method, name, None)
+
     def forward_add_(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``residual += self(x)``, in place; returns ``residual``. On CUDA, without a bias and where
         cuBLAS runs the layer, one GEMM with the add in its epilogue (``GemmLibrary.linear_add_``);
         elsewhere the two ops."""
-        if (self.impl in ("cuda", "cublas") and self.fuses_kernels and self.bias is None and x.is_cuda
-                and x.dim() == 2 and not (self.impl == "cuda" and triton_ops.skinny_gemm_fits(x, self.weight, self.tuning))):
-            return self.gemms.linear_add_(x, self.weight, residual)
+        impl, fuses = self.impl, self.fuses_kernels
+        if impl == "lora":  # the plain layer's add (fused where it applies), then the delta into the sum
+            impl = self._impl_without_lora
+            fuses = type(self).fuses_kernels if self._fuses_without_lora is None else self._fuses_without_lora
+        if (impl in ("cuda", "cublas") and fuses and self.bias is None and x.is_cuda
+                and x.dim() == 2 and not (impl == "cuda" and triton_ops.skinny_gemm_fits(x, self.weight, self.tuning))):
+            self.gemms.linear_add_(x, self.weight, residual)
+            return self.lora.apply(x, residual) if self.impl == "lora" else residual
         return residual.add_(self(x))
 
     def forward_norm_prologue(self, x: torch.Tensor, residual: torch.Tensor | None,
@@ -162,6 +180,9 @@ class Linear(CustomOp):
         """``(self(norm(x + residual)), x + residual)`` in one launch (the GEMV with the residual add
         and the norm in its prologue; without a residual ``(self(norm(x)), x)``), or None where that
         kernel does not apply (it applies exactly where ``forward`` takes the Triton GEMV)."""
+        quantized = self._quantized_fusion("apply_norm_prologue")
+        if quantized is not None:
+            return quantized(self, x, residual, norm) if norm.fuses_kernels else None
         if not (self._fused() and norm.fuses_kernels
                 and triton_ops.norm_prologue_fits(x, residual, norm.weight, self.weight, self.tuning)):
             return None
@@ -170,6 +191,9 @@ class Linear(CustomOp):
     def forward_act_prologue(self, x: torch.Tensor) -> torch.Tensor | None:
         """``self(silu(gate) * up)`` for ``x = [gate | up]`` in one launch (the GEMV with the activation
         in its prologue), or None where that kernel does not apply."""
+        quantized = self._quantized_fusion("apply_act_prologue")
+        if quantized is not None:
+            return quantized(self, x)
         if not (self._fused() and triton_ops.act_prologue_fits(x, self.weight, self.tuning)):
             return None
         return triton_ops.silu_and_mul_linear(x, self.weight, self.bias)

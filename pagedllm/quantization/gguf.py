@@ -16,14 +16,19 @@ A tied LM head shares the embedding's Parameter, so the packed table is held onc
 
 Products: ``apply`` picks the kernel of the input's device from ``PACKED_KERNELS`` (the CPU: the C
 library's ``gguf_matmul``, which decodes blocks in registers; a CUDA entry is the hook for the
-Triton kernels). Where the device has none, or the CPU kernels cannot be built,
-``process_weights_after_loading`` dequantizes the layer once (F32 segments, ``F.linear``). Many
-rows at once (prefill) dequantize a tile of weight rows exactly and run the float GEMM
-(``PREFILL_MIN_ROWS``).
+Triton kernels). On the CPU the packed products equal the dequantized model's to float rounding;
+opt-in (``PAGEDLLM_GGUF_INT8_ACTIVATIONS=1``, read at load), Q4_0 / Q4_1 / Q8_0 layers round the
+activations to int8 blocks and take integer dot products (llama.cpp's scheme: the logits move by a
+few percent of their largest value; faster from about 8 rows, not at batch 1 on the embedded model,
+whose step is mostly outside the matmuls). Without it many rows at once (prefill)
+dequantize a tile of weight rows exactly and run the float GEMM (``PREFILL_MIN_ROWS``). Where the
+device has no kernel, or the CPU kernels cannot be built, ``process_weights_after_loading``
+dequantizes the layer once (F32 segments, ``F.linear``).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm import envs
 from pagedllm.layers.embedding import LMHead, VocabEmbedding
 from pagedllm.layers.linear import Linear, MergedLinear
 from pagedllm.loader.gguf_file import GGUFTensor
@@ -75,8 +81,14 @@ def _mm_into(dst: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
         dst.copy_(torch.mm(x, w.t()))
 
 
-def _cpu_linear(x: torch.Tensor, packed: torch.Tensor, qtype: int, out: torch.Tensor) -> None:
-    """``out = x @ W^T`` on the CPU (``out`` a column slice of the layer's output)."""
+def _cpu_linear(x: torch.Tensor, packed: torch.Tensor, qtype: int, out: torch.Tensor,
+                int8_activations: bool = False) -> None:
+    """``out = x @ W^T`` on the CPU (``out`` a column slice of the layer's output). With
+    ``int8_activations`` (and a kernel for ``qtype``) every batch takes the integer kernel, which
+    beats dequantizing tiles for the float GEMM at every row count."""
+    if int8_activations and native.gguf_q8_supported(qtype):
+        native.gguf_matmul(x, packed, qtype, out, int8_activations=True)
+        return
     if x.shape[0] < PREFILL_MIN_ROWS:
         native.gguf_matmul(x, packed, qtype, out)
         return
@@ -85,6 +97,8 @@ def _cpu_linear(x: torch.Tensor, packed: torch.Tensor, qtype: int, out: torch.Te
         rows = packed[start:start + tile]
         _mm_into(out[:, start:start + rows.shape[0]], x, native.gguf_dequantize_rows(rows, qtype, x.shape[1]))
 
+
+_cpu_linear_int8 = functools.partial(_cpu_linear, int8_activations=True)
 
 # The kernels per device type (the hook for other devices: add an entry to both tables).
 # ``PACKED_KERNELS[d](x float32 [M, K], packed [N, row_bytes], qtype, out float32 [M, N] view)``;
@@ -135,6 +149,7 @@ def pack_segments(param: nn.Parameter, parts: list[GGUFTensor], keep_packed: boo
     param.data = torch.cat(blobs).to(param.device)
     param.gguf_segments = tuple(segments)
     param.gguf_rows = tuple(seg.rows(param.data) for seg in segments)  # views, made once
+    param.gguf_int8_activations = envs.PAGEDLLM_GGUF_INT8_ACTIVATIONS  # read once, at load (CPU only)
 
 
 def gguf_linear(weight: nn.Parameter, x: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
@@ -145,6 +160,8 @@ def gguf_linear(weight: nn.Parameter, x: torch.Tensor, out_features: int, bias: 
     xf = x2 if x2.dtype == torch.float32 and x2.stride(-1) == 1 else x2.float().contiguous()
     out = torch.empty((xf.shape[0], out_features), dtype=torch.float32, device=x.device)
     kernel = PACKED_KERNELS.get(x.device.type)
+    if x.device.type == "cpu" and weight.gguf_int8_activations:
+        kernel = _cpu_linear_int8
     whole = len(weight.gguf_segments) == 1
     for seg, rows in zip(weight.gguf_segments, weight.gguf_rows):
         cols = out if whole else out[:, seg.row_start:seg.row_start + seg.num_rows]

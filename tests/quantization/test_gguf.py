@@ -52,7 +52,9 @@ def smollm2_pair():
 
     source = resolve_model(None)
     config = load_hf_config(source)
-    packed = load_model(source, config, torch.float32, "cpu", GGUFConfig())
+    with pytest.MonkeyPatch.context() as mp:  # float activations: the exact packed products
+        mp.setenv("PAGEDLLM_GGUF_INT8_ACTIVATIONS", "0")
+        packed = load_model(source, config, torch.float32, "cpu", GGUFConfig())
     plain = load_model(source, config, torch.float32, "cpu", None)
     return packed, plain
 
