@@ -150,3 +150,68 @@ def test_is_terminated_follows_stop_tokens_and_rollback(manager, tokenizer):
     assert state.accept_tokens([2]) and state.is_terminated()
     state.rollback(1)  # the stop token was a rejected draft
     assert not state.is_terminated() and state.accept_tokens([one, 2]) and state.is_terminated()
+
+
+class _RecordingMatcher:
+    """An xgrammar matcher that records the threads its own accept_token is called on."""
+
+    def __init__(self, matcher, calls: list[str]) -> None:
+        self._matcher, self._calls = matcher, calls
+
+    def accept_token(self, token_id: int) -> bool:
+        self._calls.append(threading.current_thread().name)
+        return self._matcher.accept_token(token_id)
+
+    def __getattr__(self, name):
+        return getattr(self._matcher, name)
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_accepts_wait_for_the_next_bitmask_and_run_batched(manager, tokenizer, monkeypatch, chunks):
+    """The update's accept_tokens only records the tokens; the next start_bitmask applies the
+    batch's in batched calls (one per chunk, in parallel on the accept pool when there are
+    several), and the rows equal those of a matcher walked at once."""
+    engine_thread_accepts: list[str] = []
+    new_matcher, batch_accept = manager.backend.new_matcher, manager.backend.batch_accept
+    monkeypatch.setattr(manager.backend, "new_matcher",
+                        lambda *args: _RecordingMatcher(new_matcher(*args), engine_thread_accepts))
+    batch_threads: list[str] = []
+
+    def recorded_batch(matchers, token_ids):
+        batch_threads.append(threading.current_thread().name)
+        return batch_accept(matchers, token_ids)
+
+    monkeypatch.setattr(manager.backend, "batch_accept", recorded_batch)
+    monkeypatch.setattr("pagedllm.structured_output.manager._MIN_ACCEPT_CHUNK", 1)
+    manager._max_accept_threads = chunks - 1
+    params = StructuredOutputsParams(json=SCHEMA)
+    requests = {r: running_request(manager, r, params) for r in ("a", "b", "c")}
+    so = SchedulerOutput(num_scheduled_tokens=dict.fromkeys(requests, 1))
+    requests["a"].structured_output_request.compiled.result()
+    manager.grammar_bitmask(so, requests)
+    reference = new_matcher(requests["a"].structured_output_request.compiled.result(), [2])
+    expected = np.zeros((1, manager._bitmask.shape[1]), dtype=np.int32)
+    tokens = tokenizer.encode('{"a": 1', add_special_tokens=False)
+    for token in tokens:
+        for request in requests.values():
+            assert request.structured_output_request.accept_tokens([token])
+        out = manager.grammar_bitmask(so, requests)
+        assert reference.accept_token(token)
+        reference.fill_next_token_bitmask(expected, 0)
+        np.testing.assert_array_equal(out.bitmask, np.repeat(expected, 3, axis=0))
+    assert engine_thread_accepts == [] and len(batch_threads) == chunks * len(tokens) and len(tokens) > 2
+    assert sum(name.startswith("pagedllm-accept") for name in batch_threads) == (chunks - 1) * len(tokens)
+
+
+def test_a_refused_deferred_token_allows_all_then_aborts_at_the_next_accept(manager, tokenizer):
+    request = running_request(manager, "r", StructuredOutputsParams(regex="[0-9]+"))
+    state = request.structured_output_request
+    state.compiled.result()
+    so = SchedulerOutput(num_scheduled_tokens={"r": 1})
+    manager.grammar_bitmask(so, {"r": request})
+    [letter] = tokenizer.encode("x", add_special_tokens=False)
+    assert state.accept_tokens([letter])  # recorded: the fill job finds the refusal
+    out = manager.grammar_bitmask(so, {"r": request})
+    assert (out.bitmask[0] == -1).all()
+    [one] = tokenizer.encode("1", add_special_tokens=False)
+    assert not state.accept_tokens([one])
