@@ -85,8 +85,9 @@ class LLM:
                         results[out.request_id] = out
                         if isinstance(out, RequestOutput):
                             out_tokens += sum(len(c.token_ids) for c in out.outputs)
-                        bar.update(1)
-                        bar.set_postfix(output_toks=out_tokens, refresh=False)
+                        if use_tqdm:  # a disabled bar still formats its postfix
+                            bar.update(1)
+                            bar.set_postfix(output_toks=out_tokens, refresh=False)
         finally:
             bar.close()
         return [results[r] for r in ids]
