@@ -65,6 +65,19 @@ def tokenize_prompt(prompt: Any, tokenizer, tokenization_kwargs: dict | None = N
     return text, ids
 
 
+def batch_token_ids(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Each text's token ids with the special tokens (what ``tokenizer.encode(text)`` gives), in one
+    batched call. A fast tokenizer whose Rust backend has no truncation, padding or special-token
+    splitting of its own runs ``encode_batch_fast`` directly: no character offsets, no per-text
+    Python conversion into a ``BatchEncoding``. Any other tokenizer runs its batched ``__call__``."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    encode_batch_fast = getattr(backend, "encode_batch_fast", None)
+    if (encode_batch_fast is not None and backend.truncation is None and backend.padding is None
+            and backend.encode_special_tokens == bool(getattr(tokenizer, "split_special_tokens", False))):
+        return [encoding.ids for encoding in encode_batch_fast(texts, add_special_tokens=True)]
+    return tokenizer(texts, add_special_tokens=True)["input_ids"]
+
+
 def validate_prompt(ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> int:
     """Check ids and lengths; return the effective max_tokens (clipped to the context length)."""
     bad = [t for t in ids if t < 0 or t >= vocab_size]

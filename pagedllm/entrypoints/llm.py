@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 
 from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from pagedllm.config import EngineArgs
-from pagedllm.engine.input_processor import tokenize_prompt
+from pagedllm.engine.input_processor import batch_token_ids, tokenize_prompt
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.metrics_reader import Metric
 from pagedllm.entrypoints.chat_utils import apply_chat_template
@@ -109,7 +109,7 @@ class LLM:
         texts = [p for p in prompts if isinstance(p, str) and p]
         if tokenizer is None or len(texts) < 2:
             return prompts
-        ids = iter(tokenizer(texts, add_special_tokens=True)["input_ids"])
+        ids = iter(batch_token_ids(tokenizer, texts))
         return [{"prompt": p, "prompt_token_ids": next(ids)} if isinstance(p, str) and p else p for p in prompts]
 
     def embed(self, prompts: Any, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
