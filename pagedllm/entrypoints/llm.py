@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -17,6 +18,10 @@ from pagedllm.entrypoints.chat_utils import apply_chat_template
 from pagedllm.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+# Texts tokenized per batched call when ``LLM.encode`` tokenizes ahead of the engine: large enough for
+# the tokenizer's threads, small enough that the first chunk (not overlapped) is short.
+_TOKENIZE_CHUNK = 512
 
 
 class LLM:
@@ -51,12 +56,13 @@ class LLM:
         params = _per_prompt(sampling_params, len(prompts), SamplingParams, "sampling_params")
         return self._add_and_run(prompts, params, use_tqdm, priority, lora_request)
 
-    def _add_and_run(self, prompts: list, params: list, use_tqdm: bool, priority: list[int] | None,
+    def _add_and_run(self, prompts: Iterable, params: list, use_tqdm: bool, priority: list[int] | None,
                      lora_request: Any = None) -> list:
-        """Add one request per prompt (aborting those added if one is refused), run them to the end."""
-        loras = _loras_per_prompt(lora_request, len(prompts))
-        if priority is not None and len(priority) != len(prompts):
-            raise ValueError(f"priority must have one entry per prompt ({len(prompts)}), got {len(priority)}")
+        """Add one request per prompt (aborting those added if one is refused), run them to the end.
+        ``params`` has one entry per prompt; ``prompts`` may be produced as they are added."""
+        loras = _loras_per_prompt(lora_request, len(params))
+        if priority is not None and len(priority) != len(params):
+            raise ValueError(f"priority must have one entry per prompt ({len(params)}), got {len(priority)}")
         ids = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
@@ -96,21 +102,31 @@ class LLM:
                use_tqdm: bool = True, priority: list[int] | None = None) -> list[PoolingRequestOutput]:
         """Pool one prompt or a list with a pooling model (``runner="pooling"``); outputs in input order,
         ``.outputs.data`` the vector (a float32 CPU tensor)."""
-        prompts = self._pretokenized(_as_prompt_list(prompts))
+        prompts = _as_prompt_list(prompts)
         params = _per_prompt(pooling_params, len(prompts), PoolingParams, "pooling_params")
-        return self._add_and_run(prompts, params, use_tqdm, priority)
+        return self._add_and_run(self._pretokenized(prompts), params, use_tqdm, priority)
 
-    def _pretokenized(self, prompts: list) -> list:
-        """Text prompts as token-id prompts, tokenized in one batched call (the fast tokenizer
-        splits a batch over threads; an embedding run is mostly short prompts, where tokenizing
-        them one by one would cost as much as computing them). Empty strings stay text so that
+    def _pretokenized(self, prompts: list) -> Iterator:
+        """The prompts, text ones as token-id prompts, tokenized in batched calls on a background
+        thread (a fast tokenizer releases the GIL and splits a batch over its own threads), one
+        ``_TOKENIZE_CHUNK`` of texts ahead of the caller: the engine adds the requests of a chunk
+        while the next one is tokenized. An embedding run is mostly short prompts, where tokenizing
+        them one by one would cost as much as computing them. Empty strings stay text so that
         ``add_request`` refuses them by name."""
         tokenizer = self.llm_engine.tokenizer
         texts = [p for p in prompts if isinstance(p, str) and p]
         if tokenizer is None or len(texts) < 2:
-            return prompts
-        ids = iter(batch_token_ids(tokenizer, texts))
-        return [{"prompt": p, "prompt_token_ids": next(ids)} if isinstance(p, str) and p else p for p in prompts]
+            yield from prompts
+            return
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-tokenize")
+        try:
+            chunks = [pool.submit(batch_token_ids, tokenizer, texts[i : i + _TOKENIZE_CHUNK])
+                      for i in range(0, len(texts), _TOKENIZE_CHUNK)]
+            ids = itertools.chain.from_iterable(chunk.result() for chunk in chunks)
+            for p in prompts:
+                yield {"prompt": p, "prompt_token_ids": next(ids)} if isinstance(p, str) and p else p
+        finally:  # also when the caller stops early (a refused prompt): drop the chunks not started
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def embed(self, prompts: Any, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
               use_tqdm: bool = True, priority: list[int] | None = None) -> list[EmbeddingRequestOutput]:

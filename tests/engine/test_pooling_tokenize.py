@@ -47,3 +47,49 @@ def test_a_backend_that_truncates_takes_the_tokenizer_call(tokenizer):
     finally:
         tokenizer._tokenizer.no_truncation()
     assert ids == expected and max(map(len, ids)) > 4  # as the engine's one-by-one path: no truncation
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    from pagedllm import LLM
+    from tests.embedding_helpers import make_tiny_bert
+
+    llm = LLM(make_tiny_bert(tmp_path_factory.mktemp("pooling-tokenize"), "mean", normalize=True),
+              kv_cache_memory=16 * 2**20, max_num_seqs=4)
+    yield llm
+    llm.llm_engine.shutdown()
+
+
+def test_encode_tokenizes_ahead_in_chunks_and_keeps_the_input_order(llm, monkeypatch):
+    import torch
+
+    from pagedllm.entrypoints import llm as llm_module
+
+    monkeypatch.setattr(llm_module, "_TOKENIZE_CHUNK", 2)  # 4 chunks of texts
+    tokenizer = llm.get_tokenizer()
+    prompts = [*SENTENCES, {"prompt_token_ids": tokenizer.encode("token ids in the middle")}, *TEXTS[4:]]
+    batched = llm.encode(prompts, use_tqdm=False)
+    one_by_one = [llm.encode(p, use_tqdm=False)[0] for p in prompts]
+    assert [o.prompt_token_ids for o in batched] == [o.prompt_token_ids for o in one_by_one]
+    for a, b in zip(batched, one_by_one):
+        torch.testing.assert_close(a.outputs.data, b.outputs.data)
+
+
+def test_a_refused_prompt_in_a_later_chunk_leaves_nothing_behind(llm, monkeypatch):
+    import threading
+
+    from pagedllm.entrypoints import llm as llm_module
+
+    monkeypatch.setattr(llm_module, "_TOKENIZE_CHUNK", 2)
+    scheduler = llm.llm_engine.engine_core.scheduler
+    free_before = scheduler.block_pool.get_num_free_blocks()
+    with pytest.raises(ValueError, match="^prompt"):
+        llm.encode([*SENTENCES, "", *TEXTS[4:]], use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert scheduler.block_pool.get_num_free_blocks() == free_before
+    scheduler.check_integrity()
+    for thread in threading.enumerate():
+        if thread.name.startswith("pagedllm-tokenize"):
+            thread.join(timeout=10)
+            assert not thread.is_alive()
+    assert len(llm.encode(SENTENCES, use_tqdm=False)) == len(SENTENCES)  # the LLM still serves
