@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -57,9 +57,10 @@ class LLM:
         return self._add_and_run(prompts, params, use_tqdm, priority, lora_request)
 
     def _add_and_run(self, prompts: Iterable, params: list, use_tqdm: bool, priority: list[int] | None,
-                     lora_request: Any = None) -> list:
+                     lora_request: Any = None, finished: dict[str, Any] | None = None) -> list:
         """Add one request per prompt (aborting those added if one is refused), run them to the end.
-        ``params`` has one entry per prompt; ``prompts`` may be produced as they are added."""
+        ``params`` has one entry per prompt; ``prompts`` may be produced as they are added, and the
+        producer may step the engine meanwhile, keeping the finished outputs in ``finished``."""
         loras = _loras_per_prompt(lora_request, len(params))
         if priority is not None and len(priority) != len(params):
             raise ValueError(f"priority must have one entry per prompt ({len(params)}), got {len(priority)}")
@@ -78,11 +79,13 @@ class LLM:
             while self.llm_engine.has_unfinished_requests():
                 self.llm_engine.step()
             raise
-        return self._run(ids, use_tqdm)
+        return self._run(ids, use_tqdm, finished)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list:
-        results: dict[str, Any] = {}
-        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+    def _run(self, ids: list[str], use_tqdm: bool, finished: dict[str, Any] | None = None) -> list:
+        """Step until every request is done; ``finished``: outputs of those that finished earlier."""
+        results: dict[str, Any] = dict(finished or {})
+        bar = tqdm(total=len(ids), initial=len(results), desc="Processed prompts", disable=not use_tqdm,
+                   dynamic_ncols=True)
         out_tokens = 0
         try:
             while self.llm_engine.has_unfinished_requests():
@@ -104,15 +107,18 @@ class LLM:
         ``.outputs.data`` the vector (a float32 CPU tensor)."""
         prompts = _as_prompt_list(prompts)
         params = _per_prompt(pooling_params, len(prompts), PoolingParams, "pooling_params")
-        return self._add_and_run(self._pretokenized(prompts), params, use_tqdm, priority)
+        finished: dict[str, Any] = {}
+        return self._add_and_run(self._pretokenized(prompts, finished), params, use_tqdm, priority,
+                                 finished=finished)
 
-    def _pretokenized(self, prompts: list) -> Iterator:
+    def _pretokenized(self, prompts: list, finished: dict[str, Any]) -> Iterator:
         """The prompts, text ones as token-id prompts, tokenized in batched calls on a background
-        thread (a fast tokenizer releases the GIL and splits a batch over its own threads), one
-        ``_TOKENIZE_CHUNK`` of texts ahead of the caller: the engine adds the requests of a chunk
-        while the next one is tokenized. An embedding run is mostly short prompts, where tokenizing
-        them one by one would cost as much as computing them. Empty strings stay text so that
-        ``add_request`` refuses them by name."""
+        thread (a fast tokenizer releases the GIL and splits a batch over its own threads) in
+        chunks of ``_TOKENIZE_CHUNK`` texts, ahead of the caller. While a chunk is not ready yet the
+        engine steps the requests already added (their finished outputs go to ``finished``), so
+        tokenization and the engine's work overlap. An embedding run is mostly short prompts, where
+        tokenizing them one by one would cost as much as computing them. Empty strings stay text so
+        that ``add_request`` refuses them by name."""
         tokenizer = self.llm_engine.tokenizer
         texts = [p for p in prompts if isinstance(p, str) and p]
         if tokenizer is None or len(texts) < 2:
@@ -122,11 +128,18 @@ class LLM:
         try:
             chunks = [pool.submit(batch_token_ids, tokenizer, texts[i : i + _TOKENIZE_CHUNK])
                       for i in range(0, len(texts), _TOKENIZE_CHUNK)]
-            ids = itertools.chain.from_iterable(chunk.result() for chunk in chunks)
+            ids = itertools.chain.from_iterable(self._step_until_done(chunk, finished) for chunk in chunks)
             for p in prompts:
                 yield {"prompt": p, "prompt_token_ids": next(ids)} if isinstance(p, str) and p else p
         finally:  # also when the caller stops early (a refused prompt): drop the chunks not started
             pool.shutdown(wait=False, cancel_futures=True)
+
+    def _step_until_done(self, future: Future, finished: dict[str, Any]) -> Any:
+        """``future``'s result, stepping the engine while it is not ready and there is work."""
+        engine = self.llm_engine
+        while not future.done() and engine.has_unfinished_requests():
+            finished.update((out.request_id, out) for out in engine.step() if out.finished)
+        return future.result()
 
     def embed(self, prompts: Any, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
               use_tqdm: bool = True, priority: list[int] | None = None) -> list[EmbeddingRequestOutput]:

@@ -93,3 +93,32 @@ def test_a_refused_prompt_in_a_later_chunk_leaves_nothing_behind(llm, monkeypatc
             thread.join(timeout=10)
             assert not thread.is_alive()
     assert len(llm.encode(SENTENCES, use_tqdm=False)) == len(SENTENCES)  # the LLM still serves
+
+
+def test_the_engine_steps_while_a_later_chunk_is_tokenized(llm, monkeypatch):
+    import threading
+
+    from pagedllm.entrypoints import llm as llm_module
+
+    monkeypatch.setattr(llm_module, "_TOKENIZE_CHUNK", 2)
+    stepped = threading.Event()
+    waits: list[bool] = []
+
+    def slow_after_the_first_chunk(tokenizer, texts):
+        if waits or not texts:
+            waits.append(stepped.wait(timeout=10))  # released by a step of the first chunk's requests
+        else:
+            waits.append(True)
+        return batch_token_ids(tokenizer, texts)
+
+    step = llm.llm_engine.step
+
+    def recording_step():
+        stepped.set()
+        return step()
+
+    monkeypatch.setattr(llm_module, "batch_token_ids", slow_after_the_first_chunk)
+    monkeypatch.setattr(llm.llm_engine, "step", recording_step)
+    outputs = llm.encode(SENTENCES, use_tqdm=False)
+    assert waits == [True, True]
+    assert [o.prompt_token_ids for o in outputs] == [llm.get_tokenizer().encode(s) for s in SENTENCES]
