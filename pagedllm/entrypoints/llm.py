@@ -117,10 +117,11 @@ class LLM:
         chunks of ``_TOKENIZE_CHUNK`` texts, ahead of the caller. While a chunk is not ready yet the
         engine steps the requests already added (their finished outputs go to ``finished``), so
         tokenization and the engine's work overlap. An embedding run is mostly short prompts, where
-        tokenizing them one by one would cost as much as computing them. Empty strings stay text so
+        tokenizing them one by one would cost as much as computing them. Every text is tokenized
+        there (none by ``add_request`` meanwhile, on the same tokenizer); empty ones stay text, so
         that ``add_request`` refuses them by name."""
         tokenizer = self.llm_engine.tokenizer
-        texts = [p for p in prompts if isinstance(p, str) and p]
+        texts = [t for t in map(_prompt_text, prompts) if t]
         if tokenizer is None or len(texts) < 2:
             yield from prompts
             return
@@ -130,7 +131,8 @@ class LLM:
                       for i in range(0, len(texts), _TOKENIZE_CHUNK)]
             ids = itertools.chain.from_iterable(self._step_until_done(chunk, finished) for chunk in chunks)
             for p in prompts:
-                yield {"prompt": p, "prompt_token_ids": next(ids)} if isinstance(p, str) and p else p
+                text = _prompt_text(p)
+                yield {"prompt": text, "prompt_token_ids": next(ids)} if text else p
         finally:  # also when the caller stops early (a refused prompt): drop the chunks not started
             pool.shutdown(wait=False, cancel_futures=True)
 
@@ -193,6 +195,13 @@ def _as_prompt_list(prompts: Any) -> list:
     if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
         return [prompts]
     return list(prompts)
+
+
+def _prompt_text(prompt: Any) -> str | None:
+    """The text of a prompt given as text only (a str, or a dict with just ``"prompt"``), else None."""
+    if isinstance(prompt, dict) and prompt.keys() == {"prompt"}:
+        prompt = prompt["prompt"]
+    return prompt if isinstance(prompt, str) else None
 
 
 def _per_prompt(params: Any, n: int, kind: type, name: str) -> list:

@@ -67,10 +67,12 @@ def test_encode_tokenizes_ahead_in_chunks_and_keeps_the_input_order(llm, monkeyp
 
     monkeypatch.setattr(llm_module, "_TOKENIZE_CHUNK", 2)  # 4 chunks of texts
     tokenizer = llm.get_tokenizer()
-    prompts = [*SENTENCES, {"prompt_token_ids": tokenizer.encode("token ids in the middle")}, *TEXTS[4:]]
+    prompts = [*SENTENCES, {"prompt_token_ids": tokenizer.encode("token ids in the middle")},
+               {"prompt": "a dict with text only"}, *TEXTS[4:]]
     batched = llm.encode(prompts, use_tqdm=False)
     one_by_one = [llm.encode(p, use_tqdm=False)[0] for p in prompts]
     assert [o.prompt_token_ids for o in batched] == [o.prompt_token_ids for o in one_by_one]
+    assert batched[5].prompt_token_ids == tokenizer.encode("a dict with text only")
     for a, b in zip(batched, one_by_one):
         torch.testing.assert_close(a.outputs.data, b.outputs.data)
 
@@ -122,3 +124,15 @@ def test_the_engine_steps_while_a_later_chunk_is_tokenized(llm, monkeypatch):
     outputs = llm.encode(SENTENCES, use_tqdm=False)
     assert waits == [True, True]
     assert [o.prompt_token_ids for o in outputs] == [llm.get_tokenizer().encode(s) for s in SENTENCES]
+
+
+def test_text_dict_prompts_are_tokenized_in_the_batch_not_one_by_one(llm, monkeypatch):
+    tokenizer = llm.get_tokenizer()
+    expected = [tokenizer.encode(t) for t in SENTENCES[:2]]
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a prompt was tokenized on its own")
+
+    monkeypatch.setattr(type(tokenizer), "encode", refuse)
+    outputs = llm.encode([{"prompt": t} for t in SENTENCES[:2]], use_tqdm=False)
+    assert [o.prompt_token_ids for o in outputs] == expected
