@@ -15,7 +15,9 @@ expert's gate rows then its up rows; ``w2_weight [E, H, I]``) and computes
   index-added back (``grouped_experts``);
 - on CUDA: the Triton grouped GEMM over assignments sorted by expert, each expert's count padded
   to the block size (``kernels/fused_moe.py``): one kernel for gate_up with SiLU-and-mul in its
-  epilogue, one for down with the routing weight in its epilogue, then the sum over the top k.
+  epilogue, one for down with the routing weight in its epilogue, then the sum over the top k; for
+  a few assignments (``DeviceTuning.moe_runs_direct``) the same two products as GEMVs over
+  the unsorted assignments.
 
 Parallel (``distributed.get_tp_group()``): at one rank every expert is whole. With several ranks
 each expert's intermediate dim is split as the dense MLP's (rank ``r`` holds rows ``r*I/tp ..`` of
@@ -164,9 +166,12 @@ class FusedMoE(CustomOp):
     def forward_cuda(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         if not (triton_ops.fusable(x) and x.dim() == 2 and x.dtype == self.w13_weight.dtype):
             return self.forward_native(x, router_logits)
-        from pagedllm.layers.kernels.fused_moe import fused_experts
+        from pagedllm.layers.kernels.fused_moe import fused_experts, fused_experts_direct
 
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
+        if self.tuning.moe_runs_direct(x.shape[0] * self.top_k, self.num_local_experts):
+            return fused_experts_direct(x, self.w13_weight, self.w2_weight, weights, ids, self.first_expert,
+                                        self.tuning.moe_gemv_config)
         return fused_experts(x, self.w13_weight, self.w2_weight, weights, ids, self.first_expert, self.expert_parallel,
                              self.tuning.moe_gemm_config(x.shape[0] * self.top_k, self.num_local_experts))
 

@@ -49,11 +49,23 @@ class DeviceTuning:
     # experts): up to the first bound, narrow column blocks (at decode of a few tokens only the
     # active experts' blocks run: more programs to stream their weights); then 16-row blocks; then
     # 64-row blocks (prefill). The published fused-MoE designs' defaults; not yet measured here.
+    # Up to this many assignments (tokens x top_k) per expert on average the experts run as GEMVs
+    # over the unsorted assignments (``kernels/fused_moe.fused_experts_direct``), with ``(block_n,
+    # block_k, num_warps)``: at decode of a few tokens sorting and padding cost more launches than
+    # the GEMMs save. Measured on an H100 (``benchmarks/kernels/bench_fused_moe.py``, routing +
+    # experts): Qwen3-30B-A3B 1 token 62 vs 120 us, 16 tokens 316 vs 338, 32: 505 vs 467; Mixtral
+    # 2 tokens 522 vs 556, 4: 703 vs 674.
+    moe_gemv_max_per_expert: float = 1.0
+    moe_gemv_config: tuple[int, int, int] = (16, 256, 4)
     moe_gemm_configs: tuple[tuple[float, tuple[int, int, int, int, int, int]], ...] = (
         (1.0, (16, 32, 128, 1, 4, 4)),
         (16.0, (16, 64, 128, 1, 4, 3)),
         (float("inf"), (64, 64, 64, 8, 4, 3)),
     )
+
+    def moe_runs_direct(self, num_assignments: int, num_experts: int) -> bool:
+        """Whether ``num_assignments`` (tokens x top_k) over ``num_experts`` take the direct GEMVs."""
+        return num_assignments <= self.moe_gemv_max_per_expert * num_experts
 
     def moe_gemm_config(self, num_assignments: int, num_experts: int) -> tuple[int, int, int, int, int, int]:
         """The fused-MoE launch parameters for ``num_assignments`` (tokens x top_k) over ``num_experts``."""

@@ -152,6 +152,9 @@ def test_launch_parameters_follow_the_mean_assignments_per_expert():
     assert HOPPER.moe_gemm_config(64 * 8, 128) == small  # batch 64: 4 assignments per expert
     assert HOPPER.moe_gemm_config(4096 * 8, 128) == large  # a prefill chunk
     assert narrow[1] < small[1] and small[0] < large[0]
+    # Up to one assignment per expert on average: the direct GEMVs (no sorting).
+    assert HOPPER.moe_runs_direct(16 * 8, 128) and not HOPPER.moe_runs_direct(17 * 8, 128)
+    assert HOPPER.moe_runs_direct(2 * 2, 8) and not HOPPER.moe_runs_direct(5 * 2, 8)
 
 
 # (tokens, hidden, intermediate, experts, top_k, dtype, launch config, expert-parallel (first, count) or None):
@@ -166,9 +169,20 @@ INTERPRETER_CASES = [
 ]
 
 
-def check_kernel_case(case, device: str, seed: int = 0) -> float:
-    """Relative max error of ``fused_experts`` against the grouped loop (float32) for one case."""
-    from pagedllm.layers.kernels.fused_moe import fused_experts
+# The direct (GEMV) path: (tokens, hidden, intermediate, experts, top_k, dtype, (block_n, block_k,
+# num_warps), expert-parallel or None): ragged column and K tails; a token choosing another rank's experts.
+DIRECT_CASES = [
+    (1, 64, 32, 8, 2, torch.float32, (16, 32, 4), None),
+    (3, 40, 24, 4, 2, torch.float32, (16, 16, 4), None),
+    (2, 32, 48, 4, 2, torch.float16, (32, 32, 4), None),
+    (4, 32, 32, 8, 2, torch.float32, (16, 32, 4), (2, 4)),
+]
+
+
+def check_kernel_case(case, device: str, seed: int = 0, direct: bool = False) -> float:
+    """Relative max error of ``fused_experts`` (``direct``: ``fused_experts_direct``) against the
+    grouped loop (float32) for one case."""
+    from pagedllm.layers.kernels.fused_moe import fused_experts, fused_experts_direct
 
     tokens, hidden, inter, experts, top_k, dtype, config, ep = case
     x, w13, w2, logits = random_experts(tokens, hidden, inter, experts, top_k, seed, dtype)
@@ -177,7 +191,10 @@ def check_kernel_case(case, device: str, seed: int = 0) -> float:
     w13, w2 = w13[first:first + count].contiguous(), w2[first:first + count].contiguous()
     want = grouped_experts(x.float(), w13.float(), w2.float(), weights, ids, first)
     to = lambda t: t.to(device)  # noqa: E731
-    got = fused_experts(to(x), to(w13), to(w2), to(weights), to(ids), first, ep is not None, config)
+    if direct:
+        got = fused_experts_direct(to(x), to(w13), to(w2), to(weights), to(ids), first, config)
+    else:
+        got = fused_experts(to(x), to(w13), to(w2), to(weights), to(ids), first, ep is not None, config)
     assert got.dtype == dtype and got.shape == x.shape
     return float((got.float().cpu() - want).abs().max() / want.abs().max())
 
@@ -188,11 +205,19 @@ def _interpreter_main() -> None:
     ids = torch.tensor([[3, 0], [3, 1], [0, 3]])  # 6 assignments; experts 0: 2, 1: 1, 3: 3
     sorted_ids, block_expert, num_padded = align_assignments(ids, 4, 0, 4)
     assert num_padded.item() == 12 and sorted_ids.numel() == 6 + 4 * 3 + 2  # rounded up to whole blocks
-    assert sorted_ids[:12].tolist() == [1, 4, 6, 6, 3, 6, 6, 6, 0, 2, 5, 6] and block_expert[:3].tolist() == [0, 1, 3]
+    runs = sorted_ids[:12].view(3, 4).tolist()  # within an expert's run the order is free
+    assert [sorted(run) for run in runs] == [[1, 4, 6, 6], [3, 6, 6, 6], [0, 2, 5, 6]]
+    assert block_expert[:3].tolist() == [0, 1, 3]
+    sorted_ids, block_expert, num_padded = align_assignments(ids, 2, 2, 4)  # a rank holding experts 2, 3
+    assert num_padded.item() == 4 and sorted(sorted_ids[:4].tolist()) == [0, 2, 5, 6] and block_expert[0] == 1
     for case in INTERPRETER_CASES:
         err = check_kernel_case(case, "cpu")
         assert err < (1e-5 if case[5] == torch.float32 else 2e-3), (case, err)
         print("ok", case[:5], err)
+    for case in DIRECT_CASES:
+        err = check_kernel_case(case, "cpu", direct=True)
+        assert err < (1e-5 if case[5] == torch.float32 else 2e-3), (case, err)
+        print("ok direct", case[:5], err)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
@@ -202,7 +227,7 @@ def test_grouped_gemm_matches_the_cpu_loop_in_the_triton_interpreter():
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
                           cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert proc.stdout.count("ok") == len(INTERPRETER_CASES)
+    assert proc.stdout.count("ok") == len(INTERPRETER_CASES) + len(DIRECT_CASES)
 
 
 # ---- CUDA (the lead runs these on a GPU) --------------------------------------------------------
@@ -223,6 +248,13 @@ def test_grouped_gemm_matches_the_cpu_loop_on_cuda(shape):
         config = HOPPER.moe_gemm_config(tokens * top_k, experts)
         err = check_kernel_case((tokens, hidden, inter, experts, top_k, torch.bfloat16, config, None), "cuda")
         assert err < 2e-2, (tokens, err)
+    for tokens in (1, 2, 5):
+        err = check_kernel_case((tokens, hidden, inter, experts, top_k, torch.bfloat16, HOPPER.moe_gemv_config, None),
+                                "cuda", direct=True)
+        assert err < 2e-2, (tokens, err)
+    err = check_kernel_case((3, hidden, inter, experts, top_k, torch.bfloat16, HOPPER.moe_gemv_config,
+                             (experts // 2, experts // 2)), "cuda", direct=True)
+    assert err < 2e-2, err
     err = check_kernel_case((64, hidden, inter, experts, top_k, torch.bfloat16, HOPPER.moe_gemm_configs[-1][1],
                              (experts // 2, experts // 2)), "cuda")
     assert err < 2e-2, err
@@ -230,7 +262,8 @@ def test_grouped_gemm_matches_the_cpu_loop_on_cuda(shape):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_the_layer_replays_in_a_cuda_graph():
+@pytest.mark.parametrize("rows", [64, 1])  # the grouped GEMM; the direct GEMVs
+def test_the_layer_replays_in_a_cuda_graph(rows):
     from pagedllm.layers.kernel_plan import KernelPlan
 
     hidden, inter, experts, top_k = GPU_SHAPES["qwen3-30b-a3b"]
@@ -243,8 +276,8 @@ def test_the_layer_replays_in_a_cuda_graph():
     from pagedllm.layers.tuning import HOPPER
 
     assert layer.select(KernelPlan(torch.device("cuda"), KernelConfig(), HOPPER, GemmLibrary(0.03))) == "cuda"
-    x = torch.randn(64, hidden, device="cuda", dtype=torch.bfloat16)
-    logits = torch.randn(64, experts, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(rows, experts, device="cuda", dtype=torch.bfloat16)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
