@@ -2,14 +2,15 @@
 
 Two parts, each variant in its own process (a clean GPU for each engine):
 
-1. kernels: the int4 dequantize-in-the-GEMM kernels (``quantization/kernels/int4_gemm.py``) in both
-   layouts (``rows``: the row-layout GEMV, the fallback; ``n8``: the word-row GEMV the engine loads
-   on CUDA; ``n8-act-order``: with the input gather) against the bf16 GEMM the float layer runs
-   (``F.linear``: cuBLAS), on the 8B projections (qkv, o, gate_up, down) at 1, 2, 4, 16 and 64
-   rows, each timed as 20 calls replayed from a CUDA graph, with the bytes each reads per second
-   (int4: packed codes + fp16 scales and zeros; bf16: the weight); at one row also a sweep of
-   word-row launch sizes (the default first), so the tuning can be read off; and the GGUF block
-   kernels (``kernels/gguf_gemm.py``, Q4_0 .. Q6_K) on the o and gate_up shapes.
+1. kernels: the int4 dequantize-in-the-GEMM kernels (``quantization/kernels/int4_gemm.py``) against
+   the bf16 GEMM the float layer runs (``F.linear``: cuBLAS), on the 8B projections (qkv, o,
+   gate_up, down) at 1 to 256 rows (``--rows``): the word-row layout's dispatch (``n8``: what the
+   engine runs; ``n8-act-order``: with the input gather), each of its kernels forced where it takes
+   the rows (``gemv``, ``tiled``, ``dequant+cublas``), and the row-layout fallback at one row;
+   each timed as 20 calls replayed from a CUDA graph, with the bytes each reads per second (int4:
+   packed codes + fp16 scales and zeros; bf16: the weight). ``--sweep``: also the tiled GEMM's
+   launch sizes at a few row counts (the tuning read off); ``--gguf``: the GGUF block kernels
+   (``kernels/gguf_gemm.py``, Q4_0 .. Q6_K) on the o and gate_up shapes.
 2. engine: the decode step (``bench latency``'s measure: (time for N tokens - time for 1) / (N - 1),
    best of 2) at batch 1 and 64 with 1024-token prompts, for bf16 weights, GPTQ int4 group 128,
    and GPTQ int4 group 128 with act-order; each against its floor (weight bytes as stored, without
@@ -19,7 +20,7 @@ Two parts, each variant in its own process (a clean GPU for each engine):
 Prints two tables and writes ``$OUT/int4-decode-8b.json`` (``--out`` to change). From the repo root:
 
     python benchmarks/gpu/int4_decode_bench.py            # about 5 minutes on an H100
-    python benchmarks/gpu/int4_decode_bench.py --skip-engine   # the kernel tables only
+    python benchmarks/gpu/int4_decode_bench.py --skip-engine   # the kernel table only (about 2 minutes)
 """
 
 from __future__ import annotations
@@ -33,12 +34,12 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+# The kernel table's device and input dtype (a CPU smoke test under TRITON_INTERPRET=1 sets others).
+DEVICE, DTYPE = "cuda", "bfloat16"
 CONFIG = ROOT / "benchmarks/configs/llama-3.1-8b/config.json"
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-# (num_warps, split_k) of the word-row GEMV swept at one row (after its default, gemv_n8_config's;
-# the run is the layout's, int4.n8_run); sizes that do not divide a shape's K are skipped.
-N8_SWEEP = [(4, 1), (4, 2), (4, 4), (4, 7), (2, 1), (2, 2), (2, 7), (1, 1), (1, 7), (8, 1), (8, 2)]
-ROWS = (1, 2, 4, 16, 64)
+ROWS = (1, 2, 3, 4, 8, 16, 32, 64, 128, 256)
+SWEEP_ROWS = (16, 64)  # row counts at which --sweep times the tiled GEMM's launch sizes
 VARIANTS = {
     "bf16": None,
     "gptq-g128": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True},
@@ -73,40 +74,92 @@ def graph_time_us(fn, calls: int = 20) -> float:
     return best
 
 
-def time_shape(name: str, n: int, k: int) -> list[dict]:
-    """The int4 kernels (both layouts) and bf16 ``F.linear`` for one ``[n, k]`` weight (GPTQ g128)."""
+def time_shape(name: str, n: int, k: int, rows: tuple[int, ...], sweep: bool) -> list[dict]:
+    """The int4 kernels (``kernel_runs``) and bf16 ``F.linear`` for one ``[n, k]`` weight (GPTQ g128)
+    at each row count; a kernel that fails is recorded with its error and the table goes on."""
     import torch
     import torch.nn.functional as F
 
-    from pagedllm.quantization.int4 import N8_LAYOUT, ROWS_LAYOUT, n8_run
+    from pagedllm.quantization.int4 import N8_LAYOUT, ROWS_LAYOUT
     from pagedllm.quantization.kernels import int4_gemm
 
-    words = {ROWS_LAYOUT: torch.randint(-(2**31), 2**31 - 1, (n, k // 8), dtype=torch.int32, device="cuda"),
-             N8_LAYOUT: torch.randint(-(2**31), 2**31 - 1, (n // 8, k), dtype=torch.int32, device="cuda")}
-    scales = torch.full((n, k // 128), 0.01, dtype=torch.float16, device="cuda")
-    zeros = torch.full((n, k // 128), 8.0, dtype=torch.float16, device="cuda")
-    perm = torch.randperm(k, device="cuda").to(torch.int32)
-    weight = torch.randn(n, k, dtype=torch.bfloat16, device="cuda")
+    words = {ROWS_LAYOUT: torch.randint(-(2**31), 2**31 - 1, (n, k // 8), dtype=torch.int32, device=DEVICE),
+             N8_LAYOUT: torch.randint(-(2**31), 2**31 - 1, (n // 8, k), dtype=torch.int32, device=DEVICE)}
+    scales = torch.full((n, k // 128), 0.01, dtype=torch.float16, device=DEVICE)
+    zeros = torch.full((n, k // 128), 8.0, dtype=torch.float16, device=DEVICE)
+    perm = torch.randperm(k, device=DEVICE).to(torch.int32)
+    weight = torch.randn(n, k, dtype=getattr(torch, DTYPE), device=DEVICE)
     int4_bytes = n * k / 2 + 4 * n * (k // 128)
-    rows = []
-    for m in ROWS:
-        x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+    sms = int4_gemm.num_sms(torch.cuda.current_device()) if DEVICE == "cuda" else 132
+    out = []
+    for m in rows:
+        x = torch.randn(m, k, dtype=getattr(torch, DTYPE), device=DEVICE)
         bf16_us = graph_time_us(lambda x=x: F.linear(x, weight))
-        runs = [("rows", ROWS_LAYOUT, None, None), ("n8", N8_LAYOUT, None, None)]
-        run = n8_run(k, 128)
-        runs += [("n8 sweep", N8_LAYOUT, None, (w, run, split)) for w, split in (N8_SWEEP if m == 1 else [])
-                 if k % (32 * w * run * split) == 0]
-        runs.append(("n8-act-order", N8_LAYOUT, perm, None))
-        for kernel, layout, p, config in runs:
-            us = graph_time_us(lambda x=x, lay=layout, p=p, c=config: int4_gemm.int4_linear(
-                x, words[lay], scales, zeros, p, 128, None, config=c, layout=lay))
-            if m <= int4_gemm.GEMV_MAX_ROWS and layout == N8_LAYOUT and config is None:
-                config = int4_gemm.gemv_n8_config(m, n, k, 128, int4_gemm.num_sms(torch.cuda.current_device()))
-            rows.append({"layer": name, "n": n, "k": k, "m": m, "kernel": kernel,
-                         "config": list(config) if config else "default", "int4_us": us, "bf16_us": bf16_us,
-                         "ratio": us / bf16_us, "int4_gb_per_s": int4_bytes / us / 1e3,
-                         "bf16_gb_per_s": 2 * n * k / bf16_us / 1e3})
-    return rows
+        # Each kernel's output against dequantize + cuBLAS (an independent path; the act-order
+        # kernel against the same with the permuted input): relative max error, a correctness check.
+        want = {kernel: int4_gemm.int4_dequant_matmul(x, words[layout], scales, zeros, p, 128, None,
+                                                      layout=layout).float()
+                for kernel, layout, p in (("n8", N8_LAYOUT, None), ("n8-act-order", N8_LAYOUT, perm),
+                                          ("rows", ROWS_LAYOUT, None))}
+        for kernel, fn, config in kernel_runs(x, words, scales, zeros, perm, sms, sweep):
+            row = {"layer": name, "n": n, "k": k, "m": m, "kernel": kernel,
+                   "config": list(config) if config != "default" else config, "bf16_us": bf16_us,
+                   "bf16_gb_per_s": 2 * n * k / bf16_us / 1e3}
+            try:
+                ref = want.get(kernel, want["n8"])
+                row["rel_err"] = float((fn().float() - ref).abs().max() / ref.abs().max())
+                us = graph_time_us(fn)
+                row.update(int4_us=us, ratio=us / bf16_us, int4_gb_per_s=int4_bytes / us / 1e3)
+            except Exception as e:  # one launch size that does not compile or fit must not end the table
+                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            out.append(row)
+    return out
+
+
+def kernel_runs(x, words: dict, scales, zeros, perm, sms: int, sweep: bool) -> list[tuple]:
+    """``(kernel, fn, config)`` to time at ``x``'s rows: the word-row dispatch (``n8``: what the
+    engine runs; ``n8-act-order``: with the input gather), each word-row kernel forced where it takes
+    the rows (``gemv``, ``tiled``, ``dequant+cublas``), the row-layout fallback at one row, and
+    (``sweep``) the tiled GEMM's launch sizes at ``SWEEP_ROWS``."""
+    from pagedllm.quantization.int4 import N8_LAYOUT, ROWS_LAYOUT
+    from pagedllm.quantization.kernels import int4_gemm
+
+    m, k = x.shape
+    qw = words[N8_LAYOUT]
+    n = qw.shape[0] * 8
+    runs = [("n8", lambda: int4_gemm.int4_linear(x, qw, scales, zeros, None, 128, None, layout=N8_LAYOUT), "default"),
+            ("n8-act-order", lambda: int4_gemm.int4_linear(x, qw, scales, zeros, perm, 128, None, layout=N8_LAYOUT),
+             "default")]
+    if m <= int4_gemm.GEMV_MAX_ROWS:
+        runs.append(("gemv", lambda: int4_gemm.int4_gemv_n8(x, qw, scales, zeros, None, 128, None),
+                     int4_gemm.gemv_n8_config(m, n, k, 128, sms)))
+    runs.append(("tiled", lambda: int4_gemm.int4_gemm_n8(x, qw, scales, zeros, None, 128, None),
+                 int4_gemm.tiled_n8_config(m, n, k, 128, sms)))
+    if m >= 32:
+        runs.append(("dequant+cublas", lambda: int4_gemm.int4_dequant_matmul(x, qw, scales, zeros, None, 128, None,
+                                                                             layout=N8_LAYOUT), "default"))
+    if m == 1:
+        runs.append(("rows", lambda: int4_gemm.int4_linear(x, words[ROWS_LAYOUT], scales, zeros, None, 128, None),
+                     "default"))
+    if sweep and m in SWEEP_ROWS:
+        runs += [("tiled sweep", lambda c=c: int4_gemm.int4_gemm_n8(x, qw, scales, zeros, None, 128, None, config=c),
+                  c) for c in tiled_sweep(m, n, k, sms)]
+    return runs
+
+
+def tiled_sweep(m: int, n: int, k: int, sms: int) -> list[tuple[int, int, int, int, int]]:
+    """Launch sizes of the tiled GEMM around its default (``tiled_n8_config``): output tiles of 64
+    and 128, 4 and 8 warps, 3 and 4 pipeline stages, other K splits; those that do not divide the
+    shape are left out."""
+    from pagedllm.quantization.kernels import int4_gemm
+
+    block_m, block_n, split, warps, stages = int4_gemm.tiled_n8_config(m, n, k, 128, sms)
+    chunks = k // int4_gemm.tiled_n8_chunk(k, 128)[1]
+    configs = [(block_m, b, max(1, split * block_n // b), w, s) for b in (64, 128) for w in (4, 8) for s in (3, 4)]
+    configs += [(block_m, block_n, d, warps, stages) for d in (1, 2, 4, 8)]
+    unique = dict.fromkeys(c for c in configs if n % c[1] == 0 and chunks % c[2] == 0 and c != (
+        block_m, block_n, split, warps, stages))
+    return list(unique)
 
 
 def time_gguf(name: str, n: int, k: int) -> list[dict]:
@@ -130,12 +183,12 @@ def time_gguf(name: str, n: int, k: int) -> list[dict]:
     return rows
 
 
-def kernels_part() -> dict:
-    return {"kernels": [row for name, (n, k) in SHAPES.items() for row in time_shape(name, n, k)],
-            "gguf": [row for name in ("o", "gate_up") for row in time_gguf(name, *SHAPES[name])]}
+def kernels_part(rows: tuple[int, ...], sweep: bool, gguf: bool, layers: list[str]) -> dict:
+    return {"kernels": [row for name in layers for row in time_shape(name, *SHAPES[name], rows, sweep)],
+            "gguf": [row for name in ("o", "gate_up") for row in time_gguf(name, *SHAPES[name])] if gguf else []}
 
 
-def engine_part(variant: str, batch_sizes: list[int], input_len: int, output_len: int) -> dict:
+def engine_part(variant: str, batch_sizes: list[int], input_len: int, output_len: int, profile: bool) -> dict:
     import random
 
     import torch
@@ -167,8 +220,51 @@ def engine_part(variant: str, batch_sizes: list[int], input_len: int, output_len
         runs.append({"batch_size": bs, "decode_step_ms": step * 1e3, "floor_ms": floor * 1e3,
                      "step_over_floor": step / floor})
         print(f"{variant} batch {bs}: {step * 1e3:.3f} ms (floor {floor * 1e3:.3f} ms)", flush=True)
-    return {"variant": variant, "device": device_name(runner.device), "weight_bytes": weight_bytes,
-            "copy_bytes_per_s": bandwidth, "torch": torch.__version__, "runs": runs}
+    result = {"variant": variant, "device": device_name(runner.device), "weight_bytes": weight_bytes,
+              "copy_bytes_per_s": bandwidth, "torch": torch.__version__, "runs": runs}
+    if profile:
+        result["profile"] = {bs: profile_decode(llm, bs, input_len) for bs in batch_sizes}
+    return result
+
+
+def profile_decode(llm, batch: int, ctx: int, steps: int = 10) -> list[dict]:
+    """The CUDA kernels of ``steps`` steady decode steps at ``batch`` requests of about ``ctx``
+    tokens (torch.profiler): name, calls and microseconds per step, most time first (top 30), with
+    the total; printed too."""
+    import random
+
+    import torch
+
+    from pagedllm import SamplingParams
+
+    engine = llm.llm_engine
+    vocab = min(100000, engine.model_config.vocab_size)
+    rng = random.Random(1)
+    params = SamplingParams(max_tokens=steps + 20, ignore_eos=True, detokenize=False)
+    for i in range(batch):
+        engine.add_request(f"profile-{batch}-{i}", {"prompt_token_ids": [rng.randrange(0, vocab) for _ in range(ctx)]},
+                           params)
+    scheduler = engine.engine_core.scheduler
+    while scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    while engine.has_unfinished_requests():
+        engine.step()
+    rows = sorted(({"kernel": e.key[:90], "calls_per_step": e.count / steps,
+                    "us_per_step": e.device_time_total / steps} for e in prof.key_averages() if e.device_time_total > 0),
+                  key=lambda r: -r["us_per_step"])
+    total = sum(r["us_per_step"] for r in rows)
+    print(f"profile batch {batch}: {total:.0f} us of kernels a step")
+    for r in rows[:30]:
+        print(f"  {r['us_per_step']:8.1f} us {r['calls_per_step']:6.1f} calls  {r['kernel']}")
+    return [{"kernel": "total", "calls_per_step": sum(r["calls_per_step"] for r in rows), "us_per_step": total},
+            *rows[:30]]
 
 
 def run_child(args: list[str]) -> dict:
@@ -184,15 +280,21 @@ def run_child(args: list[str]) -> dict:
 
 def print_tables(result: dict) -> None:
     print("\nkernels (us per call, CUDA graph; int4 GPTQ g128 vs bf16 F.linear; GB/s: bytes read per second)")
-    print(f"{'layer':8} {'m':>3} {'kernel':13} {'config':>13} {'int4 us':>8} {'int4 GB/s':>9} {'bf16 us':>8} "
-          f"{'bf16 GB/s':>9} {'ratio':>6}")
+    print(f"{'layer':8} {'m':>3} {'kernel':14} {'config':>15} {'int4 us':>8} {'int4 GB/s':>9} {'bf16 us':>8} "
+          f"{'bf16 GB/s':>9} {'ratio':>6} {'rel err':>8}")
     for r in result.get("kernels", {}).get("kernels", []):
         config = "default" if r["config"] == "default" else ",".join(map(str, r["config"]))
-        print(f"{r['layer']:8} {r['m']:>3} {r['kernel']:13} {config:>13} {r['int4_us']:>8.1f} "
-              f"{r['int4_gb_per_s']:>9.0f} {r['bf16_us']:>8.1f} {r['bf16_gb_per_s']:>9.0f} {r['ratio']:>6.2f}")
-    print("\nGGUF block kernels (us per call, CUDA graph; random blocks) vs bf16 F.linear")
-    print(f"{'layer':8} {'qtype':6} {'m':>3} {'us':>9} {'bf16 us':>9} {'ratio':>6} {'GB/s':>7}")
-    for r in result.get("kernels", {}).get("gguf", []):
+        if "error" in r:
+            print(f"{r['layer']:8} {r['m']:>3} {r['kernel']:14} {config:>15} error: {r['error']}")
+            continue
+        print(f"{r['layer']:8} {r['m']:>3} {r['kernel']:14} {config:>15} {r['int4_us']:>8.1f} "
+              f"{r['int4_gb_per_s']:>9.0f} {r['bf16_us']:>8.1f} {r['bf16_gb_per_s']:>9.0f} {r['ratio']:>6.2f} "
+              f"{r['rel_err']:>8.1e}")
+    gguf = result.get("kernels", {}).get("gguf", [])
+    if gguf:
+        print("\nGGUF block kernels (us per call, CUDA graph; random blocks) vs bf16 F.linear")
+        print(f"{'layer':8} {'qtype':6} {'m':>3} {'us':>9} {'bf16 us':>9} {'ratio':>6} {'GB/s':>7}")
+    for r in gguf:
         print(f"{r['layer']:8} {r['qtype']:6} {r['m']:>3} {r['us']:>9.1f} {r['bf16_us']:>9.1f} {r['ratio']:>6.2f} "
               f"{r['gb_per_s']:>7.0f}")
     base = {r["batch_size"]: r["decode_step_ms"] for r in result["engine"].get("bf16", {}).get("runs", [])}
@@ -216,17 +318,23 @@ def main() -> int:
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--skip-kernels", action="store_true")
     p.add_argument("--skip-engine", action="store_true", help="only the kernel timings (about a minute)")
+    p.add_argument("--rows", type=int, nargs="+", default=list(ROWS), help="row counts of the kernel table")
+    p.add_argument("--layers", nargs="+", default=list(SHAPES), choices=list(SHAPES), help="projections of the kernel table")
+    p.add_argument("--sweep", action="store_true", help=f"also the tiled GEMM's launch sizes at {SWEEP_ROWS} rows")
+    p.add_argument("--gguf", action="store_true", help="also the GGUF block kernels")
+    p.add_argument("--profile", action="store_true", help="also the CUDA kernels of 10 decode steps per batch size")
     p.add_argument("--child", choices=["kernels", *VARIANTS], help=argparse.SUPPRESS)
     p.add_argument("--child-json", help=argparse.SUPPRESS)
     ns = p.parse_args()
     if ns.child:
-        out = kernels_part() if ns.child == "kernels" else engine_part(ns.child, ns.batch_sizes, ns.input_len,
-                                                                         ns.output_len)
+        out = kernels_part(tuple(ns.rows), ns.sweep, ns.gguf, ns.layers) if ns.child == "kernels" else engine_part(ns.child, ns.batch_sizes, ns.input_len,
+                                                                         ns.output_len, ns.profile)
         Path(ns.child_json).write_text(json.dumps(out))
         return 0
     sizes = ["--batch-sizes", *map(str, ns.batch_sizes), "--input-len", str(ns.input_len),
-             "--output-len", str(ns.output_len)]
-    result = {"kernels": {} if ns.skip_kernels else run_child(["--child", "kernels"]),
+             "--output-len", str(ns.output_len)] + ["--profile"] * ns.profile
+    kernel_args = ["--rows", *map(str, ns.rows), "--layers", *ns.layers] + ["--sweep"] * ns.sweep + ["--gguf"] * ns.gguf
+    result = {"kernels": {} if ns.skip_kernels else run_child(["--child", "kernels", *kernel_args]),
               "engine": {} if ns.skip_engine else {v: run_child(["--child", v, *sizes]) for v in ns.variants}}
     print_tables(result)
     os.makedirs(os.path.dirname(ns.out) or ".", exist_ok=True)

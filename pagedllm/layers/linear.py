@@ -61,7 +61,8 @@ class Linear(CustomOp):
     LoRA (``pagedllm.lora``): ``lora`` is None (no LoRA: nothing allocated) or the layer's stacked
     adapter matrices (``lora.layers.LoRALinearWeights``). ``set_lora_active(True)`` makes every
     call run ``forward_lora``, the implementation chosen at load plus each token's adapter delta,
-    with ``fuses_kernels = False`` so that no fused kernel bypasses it; ``set_lora_active(False)``
+    with ``fuses_kernels = False`` so that no fused kernel bypasses it (except ``forward_add_``'s
+    GEMM with the residual add, after which the delta goes into the sum); ``set_lora_active(False)``
     restores the implementation and the fused kernels of the plain layer.
     """
 
@@ -152,9 +153,14 @@ class Linear(CustomOp):
         """``residual += self(x)``, in place; returns ``residual``. On CUDA, without a bias and where
         cuBLAS runs the layer, one GEMM with the add in its epilogue (``GemmLibrary.linear_add_``);
         elsewhere the two ops."""
-        if (self.impl in ("cuda", "cublas") and self.fuses_kernels and self.bias is None and x.is_cuda
-                and x.dim() == 2 and not (self.impl == "cuda" and triton_ops.skinny_gemm_fits(x, self.weight, self.tuning))):
-            return self.gemms.linear_add_(x, self.weight, residual)
+        impl, fuses = self.impl, self.fuses_kernels
+        if impl == "lora":  # the plain layer's add (fused where it applies), then the delta into the sum
+            impl = self._impl_without_lora
+            fuses = type(self).fuses_kernels if self._fuses_without_lora is None else self._fuses_without_lora
+        if (impl in ("cuda", "cublas") and fuses and self.bias is None and x.is_cuda
+                and x.dim() == 2 and not (impl == "cuda" and triton_ops.skinny_gemm_fits(x, self.weight, self.tuning))):
+            self.gemms.linear_add_(x, self.weight, residual)
+            return self.lora.apply(x, residual) if self.impl == "lora" else residual
         return residual.add_(self(x))
 
     def forward_norm_prologue(self, x: torch.Tensor, residual: torch.Tensor | None,

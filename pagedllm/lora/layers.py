@@ -12,6 +12,12 @@ norms were folded into this layer (``W[:, k] *= g[k]``, ``layers/compound.fold_n
 input is the unscaled row, so A is scaled the same way (``input_scale``) when a slot is written.
 Cost: ``max_loras * n_slices * max_rank * (in + out)`` elements in the model dtype; per call with
 adapters, one shrink and one expand (``punica.add_lora``).
+
+The shrink's float32 output (``[T, n_slices * max_rank]``, summed atomically: it must start at
+zero) is, on CUDA, a column range of the step's workspace (``LoRAStepState.workspace``: every LoRA
+layer of the model side by side, zeroed once at the start of each forward with adapters), so a
+layer launches its two kernels and nothing else; a step with more tokens than the workspace has
+rows (a long prefill) lets the shrink allocate its own zeroed buffer.
 """
 
 from __future__ import annotations
@@ -26,10 +32,15 @@ from pagedllm.lora.punica import add_lora
 
 @dataclass
 class LoRAStepState:
-    """The step's token -> slot mapping, shared by every LoRA layer of a model; set by the manager
-    only around a forward with adapters (``LoRAModelManager.step``), None otherwise."""
+    """What every LoRA layer of a model shares in a forward: the step's token -> slot mapping, set
+    by the manager only around a forward with adapters (``LoRAModelManager.step``), None otherwise;
+    and the shrink workspace (float32 ``[rows, sum of the layers' widths]``, CUDA only, else None)
+    with ``zeroed_rows``, how many of its first rows the current forward zeroed (0: none; layers
+    use it only for that many tokens)."""
 
     mapping: LoRABatchMapping | None = None
+    workspace: torch.Tensor | None = None
+    zeroed_rows: int = 0
 
 
 class LoRALinearWeights:
@@ -44,6 +55,13 @@ class LoRALinearWeights:
         self.lora_a = torch.zeros(max_loras, width, in_features, dtype=dtype, device=device)
         self.lora_b = torch.zeros(max_loras, out_features, width, dtype=dtype, device=device)
         self.input_scale: torch.Tensor | None = None  # a folded norm's weight (see the module doc)
+        self.slice_starts = tuple(first_row for _, first_row, _ in slices)
+        self.workspace_col = 0  # this layer's first column in ``state.workspace`` (the manager sets it)
+
+    @property
+    def width(self) -> int:
+        """The stacked rank: columns of the shrunk rows (``n_slices * max_rank``)."""
+        return self.lora_a.shape[1]
 
     def slice_index(self, name: str) -> int | None:
         return next((i for i, s in enumerate(self.slices) if s[0] == name), None)
@@ -63,9 +81,11 @@ class LoRALinearWeights:
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (the base layer's output for ``x``) plus each token's adapter delta, in place."""
-        mapping = self.state.mapping
-        assert mapping is not None, "a LoRA layer ran outside LoRAModelManager.step"
-        if x.dim() != 2:
-            return add_lora(y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1]), self.lora_a, self.lora_b,
-                            mapping).view(y.shape)
-        return add_lora(y, x, self.lora_a, self.lora_b, mapping)
+        state = self.state
+        assert state.mapping is not None, "a LoRA layer ran outside LoRAModelManager.step"
+        rows, out = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+        shrunk = None
+        if state.workspace is not None and rows.shape[0] <= state.zeroed_rows:
+            shrunk = state.workspace[: rows.shape[0], self.workspace_col : self.workspace_col + self.width]
+        add_lora(out, rows, self.lora_a, self.lora_b, state.mapping, self.slice_starts, self.max_rank, shrunk)
+        return y

@@ -73,14 +73,23 @@ def _even(n: int) -> int:
 class GraphMapping:
     """The fixed device buffer that CUDA graphs with LoRA read (module doc): ``for_size(bs)`` is
     the mapping a graph of ``bs`` tokens is captured with, ``stage(token_slots)`` writes a step's
-    groups into the buffer before a replay (one host->device copy). Invariant: the buffer always
-    holds a valid grouping (empty groups start and end at the number of grouped tokens)."""
+    groups into the buffer before a replay. Invariant: the buffer always holds a valid grouping
+    (empty groups start and end at the number of grouped tokens).
+
+    The staging copy is non-blocking from one of two pinned host sets (on CUDA), so the host
+    never waits for the GPU here: with async scheduling it writes step N+1's set while step N's
+    copy may still be queued, and each set's copy records an event that the set's next use waits
+    on (long done by then: two steps later). The one device buffer is safe: a step's copy is
+    queued behind the previous step's graph on the same stream."""
 
     def __init__(self, max_tokens: int, max_groups: int, device: torch.device) -> None:
         self.max_tokens, self.max_groups = max_tokens, max_groups
         self._starts_at, self._slots_at = _even(max_tokens), _even(max_tokens) + _even(max_groups + 1)
         self.buffer = torch.zeros(self._slots_at + max_groups, dtype=torch.int64, device=device)
-        self._host = np.zeros(self.buffer.shape[0], dtype=np.int64)
+        on_cuda = device.type == "cuda"
+        self._hosts = [torch.zeros(self.buffer.shape[0], dtype=torch.int64, pin_memory=on_cuda) for _ in range(2)]
+        self._copied = [torch.cuda.Event() if on_cuda else None for _ in range(2)]
+        self._set = 0
 
     def for_size(self, num_tokens: int) -> LoRABatchMapping:
         g, starts_at, slots_at = self.max_groups, self._starts_at, self._slots_at
@@ -89,10 +98,13 @@ class GraphMapping:
                                 active_slots_dev=self.buffer[slots_at:], num_groups=g, max_group_size=num_tokens)
 
     def stage(self, token_slots: np.ndarray) -> None:
-        """Write the groups of ``token_slots`` (at most ``max_tokens`` tokens, ``max_groups`` slots).
-        The copy is from pageable memory, so the host array may be reused at once."""
+        """Write the groups of ``token_slots`` (at most ``max_tokens`` tokens, ``max_groups`` slots)."""
+        self._set ^= 1
+        copied = self._copied[self._set]
+        if copied is not None:
+            copied.synchronize()  # this set's previous copy (two steps ago) has read it
         groups = group_tokens(token_slots)
-        host, g, starts_at, slots_at = self._host, self.max_groups, self._starts_at, self._slots_at
+        host, g, starts_at, slots_at = self._hosts[self._set].numpy(), self.max_groups, self._starts_at, self._slots_at
         host[:] = 0
         if groups is not None:
             order, starts, slots = groups
@@ -100,4 +112,6 @@ class GraphMapping:
             host[starts_at : starts_at + len(starts)] = starts
             host[starts_at + len(starts) : starts_at + g + 1] = len(order)
             host[slots_at : slots_at + len(slots)] = slots
-        self.buffer.copy_(torch.from_numpy(host))
+        self.buffer.copy_(self._hosts[self._set], non_blocking=True)
+        if copied is not None:
+            copied.record()

@@ -5,8 +5,9 @@ The punica / S-LoRA "SGMV" design: a step's tokens are grouped by their adapter 
 stacked per-slot matrices, ``shrink`` (``[T, K] -> [T, R]``, R the small rank) and ``expand``
 (``[T, R] -> [T, N]``, added to the base output). Tokens without an adapter (slot -1) are in no
 group and cost nothing. On the CPU each group is one ``index_select`` + two matmuls + one
-``index_add_``; on CUDA two Triton launches per layer (``kernels.py``), whatever the number of
-adapters. The scaling is folded into B when an adapter is loaded.
+``index_add_``; on CUDA two Triton launches per layer (``kernels.py``; a merged qkv or gate_up
+layer included), whatever the number of adapters. The scaling is folded into B when an adapter
+is loaded.
 """
 
 from __future__ import annotations
@@ -17,15 +18,19 @@ from pagedllm.lora.mapping import LoRABatchMapping
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-             mapping: LoRABatchMapping) -> torch.Tensor:
+             mapping: LoRABatchMapping, slice_starts: tuple[int, ...] = (0,), slice_rank: int | None = None,
+             shrunk: torch.Tensor | None = None) -> torch.Tensor:
     """``y[t] += (x[t] @ lora_a[s]^T) @ lora_b[s]^T`` for every token ``t`` of slot ``s``, in place.
 
     ``x [T, K]``, ``y [T, N]``, ``lora_a [slots, R, K]``, ``lora_b [slots, N, R]`` (scaling folded).
+    A merged layer's B is block-diagonal: output rows from ``slice_starts[i]`` on are nonzero only
+    in columns ``i * slice_rank ...`` (a hint the Triton expand uses to skip the zero blocks).
+    ``shrunk``: a zeroed float32 ``[T, R]`` for the Triton shrink (None: it allocates one).
     CUDA: the Triton shrink / expand; elsewhere ``add_lora_torch``. Returns ``y``."""
     if y.is_cuda:
         from pagedllm.lora import kernels
 
-        return kernels.add_lora_triton(y, x, lora_a, lora_b, mapping)
+        return kernels.add_lora_triton(y, x, lora_a, lora_b, mapping, slice_starts, slice_rank, shrunk)
     return add_lora_torch(y, x, lora_a, lora_b, mapping)
 
 

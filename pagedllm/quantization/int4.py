@@ -23,8 +23,9 @@ after the load, ``Int4LinearMethod.process_weights_after_loading`` rewrites both
 Memory: 4 bits a weight plus 4 bytes per group and output row (3% at group 128).
 
 The product (``int4_linear``): on CUDA the Triton kernels of ``kernels/int4_gemm.py`` read the
-packed weights once (a GEMV at a few rows, dequantize + cuBLAS above); elsewhere, and for shapes
-they do not take, ``int4_linear_reference`` dequantizes a tile of rows at a time in float32.
+packed weights once (a GEMV at 1-2 rows, a tiled tensor-core GEMM at decode batch sizes, dequantize +
+cuBLAS at prefill sizes); elsewhere, and for shapes they do not take, ``int4_linear_reference``
+dequantizes a tile of rows at a time in float32.
 """
 
 from __future__ import annotations

@@ -4,6 +4,11 @@ form, each against transformers + PEFT; and the base path after LoRA is exactly 
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -106,3 +111,58 @@ def test_slots_are_lru_evicted_and_reloaded(setup, tmp_path):
     assert_close_to_peft(logits(model, manager, [7, 0]), ref, ["a", None])  # back from the CPU cache
     with pytest.raises(AssertionError, match="more adapters than max_loras"):
         manager.prepare_step(np.array([7, 8]), np.array([1, 1]))
+
+
+def test_shrink_workspace_columns_and_its_zeroing_hook(setup):
+    """Each LoRA layer owns its own columns of the step's shrink workspace; the model's forward
+    pre-hook zeroes the rows of a forward's tokens only when the forward runs adapters."""
+    base, _, _ = setup
+    model, manager = build(base)
+    spans = sorted((w.workspace_col, w.workspace_col + w.width) for w in manager.layers.values())
+    assert spans[0][0] == 0 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    state = manager.state
+    state.workspace = torch.ones(6, spans[-1][1])
+    manager._zero_workspace(model, (torch.zeros(4, dtype=torch.int64), None))  # no adapters: untouched
+    assert state.zeroed_rows == 0 and bool((state.workspace == 1).all())
+    with manager.step(manager.eager_mapping(np.array([0, -1, 0, 0]))):
+        manager._zero_workspace(model, (torch.zeros(4, dtype=torch.int64), None))
+        assert state.zeroed_rows == 4 and not state.workspace[:4].any() and bool((state.workspace[4:] == 1).all())
+        manager._zero_workspace(model, (torch.zeros(7, dtype=torch.int64), None))  # more tokens than rows
+        assert state.zeroed_rows == 0
+
+
+_WORKSPACE_SCRIPT = """
+import sys
+import torch
+from pagedllm.lora import kernels, layers
+from pagedllm.lora.request import LoRARequest
+from tests.lora.adapters import PeftReference
+from tests.lora.test_lora_layers import assert_close_to_peft, build, logits
+
+base, adapter = sys.argv[1:3]
+ref = PeftReference(base, {"a": adapter})
+layers.add_lora = kernels.add_lora_triton  # the CUDA path's kernels, interpreted on the CPU tensors
+model, manager = build(base)
+model.register_forward_pre_hook(manager._zero_workspace)  # as the manager does on CUDA
+manager.add_request(LoRARequest("a", 7, adapter))
+manager.state.workspace = torch.full((16, manager._workspace_width), float("nan"))  # stale rows: the hook zeroes them
+assert_close_to_peft(logits(model, manager, [7, 0]), ref, ["a", None])
+assert_close_to_peft(logits(model, manager, [7, 7]), ref, ["a", "a"])  # the previous forward's sums are zeroed again
+manager.state.workspace = torch.full((4, manager._workspace_width), float("nan"))  # 10 tokens > 4 rows: own buffers
+assert_close_to_peft(logits(model, manager, [0, 7]), ref, [None, "a"])
+print("ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+def test_triton_path_with_the_shared_workspace_equals_peft(setup):
+    """The CUDA path of every LoRA layer (the Triton shrink into its columns of the shared
+    workspace, the slice-aware expand), under Triton's interpreter: the forward pre-hook zeroes the
+    workspace rows of each forward (they start as NaN), and PEFT's logits come out, forward after
+    forward; a forward with more tokens than rows uses buffers of its own."""
+    base, adapter, _ = setup
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", _WORKSPACE_SCRIPT, base, adapter], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr[-3000:]

@@ -31,8 +31,8 @@ INTERPRETER_CASES = [
     (17, 64, 256, 128, False, False, torch.float16),
     (9, 24, 64, 8, True, False, torch.float32),
 ]
-# The word-row layout (K a multiple of 128): its GEMV at 1-4 rows (per-element sums up to 2 rows,
-# per-step sums above), runs of 4 to 32 words, split K (partial sums + the reduce kernel), groups
+# The word-row layout (K a multiple of 128): its GEMV at 1-4 rows (a program per row), runs of 4
+# to 32 words, split K (partial sums + the reduce kernel), groups
 # of 8 to one, act-order; more rows through its dequantize kernel.
 N8_INTERPRETER_CASES = [
     (1, 16, 256, 128, False, True, torch.float32),
@@ -42,6 +42,18 @@ N8_INTERPRETER_CASES = [
     (3, 8, 384, 8, False, True, torch.float32, (1, 4, 3)),
     (4, 16, 256, 64, True, True, torch.float32),
     (7, 24, 256, 32, True, True, torch.float32),
+]
+# The word-row layout's tiled GEMM (3 to TILED_MAX_ROWS half-precision rows): row tiles of 16 to 64
+# and three of them, output tiles of 16 to 64, runs of 8 to 32 words (chunks of one group: 32 to
+# 128 columns, one group over K), split K, act-order, bias, launch configs. float16 only: Triton's
+# interpreter multiplies bfloat16 dots wrongly (the GPU tests take bfloat16).
+TILED_INTERPRETER_CASES = [
+    (3, 16, 256, 32, True, False, torch.float16),
+    (17, 64, 512, 32, True, True, torch.float16),
+    (40, 48, 1024, 128, False, True, torch.float16, (16, 16, 2, 4, 3)),
+    (4, 32, 1024, -1, True, True, torch.float16, (16, 16, 4, 4, 3)),
+    (3, 16, 2048, 128, False, True, torch.float16),
+    (33, 128, 4096, 128, True, False, torch.float16, (32, 64, 1, 4, 3)),
 ]
 
 
@@ -83,7 +95,8 @@ def check_case(case, device: str, seed: int = 0, layout: str = int4.ROWS_LAYOUT)
 
 
 def _interpreter_main() -> None:
-    cases = [(c, int4.ROWS_LAYOUT) for c in INTERPRETER_CASES] + [(c, int4.N8_LAYOUT) for c in N8_INTERPRETER_CASES]
+    cases = [(c, int4.ROWS_LAYOUT) for c in INTERPRETER_CASES]
+    cases += [(c, int4.N8_LAYOUT) for c in N8_INTERPRETER_CASES + TILED_INTERPRETER_CASES]
     for case, layout in cases:
         err = check_case(case, "cpu", layout=layout)
         tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[case[6]]
@@ -98,7 +111,7 @@ def test_kernels_match_the_reference_in_the_triton_interpreter():
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
                           cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert proc.stdout.count("ok") == len(INTERPRETER_CASES) + len(N8_INTERPRETER_CASES)
+    assert proc.stdout.count("ok") == len(INTERPRETER_CASES) + len(N8_INTERPRETER_CASES) + len(TILED_INTERPRETER_CASES)
 
 
 def test_word_rows_pack_eight_outputs_of_one_input_column():
@@ -142,7 +155,7 @@ def test_gemv_config_fills_the_gpu_and_divides_k():
         num_warps, run, split = int4_gemm.gemv_n8_config(m, n, k, gs, 132)
         assert run == int4.n8_run(k, gs) and k % (32 * num_warps * run * split) == 0, (m, n, k, gs)
         steps = k // (32 * num_warps * run)
-        assert split == steps or n // 8 * split >= int4_gemm.N8_PROGRAMS_PER_SM * 132, (m, n, k, gs)
+        assert split == steps or m * n // 8 * split >= int4_gemm.N8_PROGRAMS_PER_SM * 132, (m, n, k, gs)
 
 
 def test_off_cuda_the_reference_path_runs():
@@ -153,11 +166,29 @@ def test_off_cuda_the_reference_path_runs():
     torch.testing.assert_close(int4.int4_linear(x, qweight, scales, zeros, perm, 32, None), want)
 
 
+def _assert_no_spills(kernel) -> None:
+    """A compiled kernel's registers fit: no local memory, no stack (read from its cubin by
+    Triton's bundled cuobjdump, where there is one)."""
+    import shutil
+
+    import triton
+
+    bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    cuobjdump = shutil.which("cuobjdump") or bundled
+    if not os.path.exists(cuobjdump):
+        return
+    cubin = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"int4_kernel_{os.getpid()}.cubin")
+    with open(cubin, "wb") as f:
+        f.write(kernel.asm["cubin"])
+    usage = subprocess.run([cuobjdump, "-res-usage", cubin], capture_output=True, text=True).stdout
+    os.unlink(cubin)
+    assert " LOCAL:0 " in usage and "STACK:0 " in usage, usage
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
 def test_word_row_gemv_compiles_for_hopper_without_spills():
     """The interpreter does not compile: build the one-row GEMV (and the split-K sum) for sm_90 with
     Triton's own ptxas, no GPU needed, and read its registers: none spilled to local memory."""
-    import shutil
 
     import triton
     from triton.backends.compiler import GPUTarget
@@ -172,23 +203,73 @@ def test_word_row_gemv_compiles_for_hopper_without_spills():
     ints = ("M", "N", "K", "GROUP_SIZE", "K_PER_SPLIT", "stride_xm", "stride_sn", "stride_om", "magic")
     signature = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16", "b_ptr": "*bf16",
                  "out_ptr": "*bf16", **dict.fromkeys(ints, "i32"),
-                 **dict.fromkeys(("HAS_BIAS", "SPLIT", "BLOCK_M", "THREADS", "RUN"), "constexpr")}
-    constants = {"HAS_BIAS": True, "SPLIT": 1, "BLOCK_M": 1, "THREADS": 128, "RUN": 32}
+                 **dict.fromkeys(("HAS_BIAS", "SPLIT", "THREADS", "RUN"), "constexpr")}
+    constants = {"HAS_BIAS": True, "SPLIT": 1, "THREADS": 128, "RUN": 32}
     kernel = triton.compile(ASTSource(int4_gemm._int4_gemv_n8_kernel, signature, constants), target=target,
                             options={"num_warps": 4})
     assert "ld.global" in kernel.asm["ptx"] and "ld.local" not in kernel.asm["ptx"]
-    cuobjdump = shutil.which("cuobjdump") or os.path.join(os.path.dirname(ptxas), "cuobjdump")
-    if os.path.exists(cuobjdump):
-        cubin = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"int4_gemv_n8_{os.getpid()}.cubin")
-        with open(cubin, "wb") as f:
-            f.write(kernel.asm["cubin"])
-        usage = subprocess.run([cuobjdump, "-res-usage", cubin], capture_output=True, text=True).stdout
-        os.unlink(cubin)
-        assert " LOCAL:0 " in usage and "STACK:0 " in usage, usage
+    _assert_no_spills(kernel)
     sum_signature = {"ws_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32",
                      "stride_om": "i32", "SPLIT": "constexpr", "HAS_BIAS": "constexpr", "BLOCK": "constexpr"}
     triton.compile(ASTSource(int4_gemm._splitk_sum_kernel, sum_signature, {"SPLIT": 7, "HAS_BIAS": True,
                                                                            "BLOCK": 1024}), target=target)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_tiled_gemm_compiles_to_tensor_core_dots_for_hopper(block_m):
+    """The tiled GEMM built for sm_90 (no GPU needed): its dot is a tensor-core instruction (wgmma:
+    the weight tile is the 64-row operand), the words and inputs load by 16-byte cp.async, and
+    nothing spills."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from pagedllm.quantization.kernels import int4_gemm
+
+    ints = ("M", "N", "K", "GROUP_SIZE", "K_PER_SPLIT", "stride_xm", "stride_sn", "stride_om")
+    signature = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16",
+                 "b_ptr": "*bf16", "out_ptr": "*bf16", **dict.fromkeys(ints, "i32"),
+                 **dict.fromkeys(("HAS_BIAS", "SPLIT", "BLOCK_M", "BLOCK_N", "RUN", "CHUNK", "CODE_BITS",
+                                  "CODE_BASE"), "constexpr")}
+    run, chunk = int4_gemm.tiled_n8_chunk(4096, 128)
+    code_bits, code_base = int4_gemm.CODE_BASES[torch.bfloat16]
+    constants = {"HAS_BIAS": True, "SPLIT": 1, "BLOCK_M": block_m, "BLOCK_N": 64, "RUN": run,
+                 "CHUNK": chunk, "CODE_BITS": code_bits, "CODE_BASE": code_base}
+    # The launcher's specialization: pointers, K and the strides are multiples of 16 (vector loads).
+    aligned = ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "b_ptr", "out_ptr", "N", "K", "K_PER_SPLIT",
+               "stride_xm", "stride_om")
+    attrs = {(list(signature).index(name),): [["tt.divisibility", 16]] for name in aligned}
+    kernel = triton.compile(ASTSource(int4_gemm._int4_gemm_n8_kernel, signature, constants, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+    ptx = kernel.asm["ptx"]
+    copies = [line for line in ptx.splitlines() if "cp.async.cg.shared.global" in line or "cp.async.ca" in line]
+    assert "wgmma.mma_async" in ptx and copies and all("0x10" in line for line in copies)
+    _assert_no_spills(kernel)
+
+
+def test_tiled_gemm_chunks_lie_in_one_group_and_config_divides_the_shape():
+    """A chunk is whole GEMV runs of one group (16 to 128 columns); the config's tiles divide N and
+    its splits the chunks of K; shapes whose tiles and groups do not nest are refused."""
+    from pagedllm.quantization.kernels import int4_gemm
+
+    assert int4_gemm.tiled_n8_chunk(4096, 128) == (32, 128)  # four runs of 32 columns
+    assert int4_gemm.tiled_n8_chunk(14336, 128) == (16, 128)
+    assert int4_gemm.tiled_n8_chunk(14336, 14336) == (16, 128)  # one group
+    assert int4_gemm.tiled_n8_chunk(256, 32) == (8, 32)
+    assert int4_gemm.tiled_n8_chunk(1024, 8) is None  # chunks of 8 columns: shorter than a dot
+    assert int4_gemm.tiled_n8_chunk(3072, 96) is None  # groups of 96 straddle the 1024-column tiles
+    x = torch.empty(2, 4096, dtype=torch.bfloat16)
+    assert int4_gemm.tiled_n8_fits(x, 6144, 128) and not int4_gemm.tiled_n8_fits(x.float(), 6144, 128)
+    assert not int4_gemm.tiled_n8_fits(x, 6152, 128)  # N not a multiple of 16
+    for m in (2, 3, 16, 17, 64, 128):
+        for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (48, 1024)]:
+            block_m, block_n, split, _, _ = int4_gemm.tiled_n8_config(m, n, k, 128, 132)
+            assert block_m >= min(64, m) and n % block_n == 0 and (k // 128) % split == 0, (m, n, k)
+    # The splits an H100 sweep found best on the 8B shapes (o, gate_up, down at 16 and 64 rows).
+    for m, n, k, split in [(16, 4096, 4096, 8), (16, 28672, 4096, 2), (16, 4096, 14336, 8), (64, 4096, 4096, 4),
+                           (64, 28672, 4096, 1), (64, 4096, 14336, 4)]:
+        assert int4_gemm.tiled_n8_config(m, n, k, 128, 132)[2] == split, (m, n, k)
 
 
 # ---- CUDA (the lead runs these on a GPU) -------------------------------------------------------
@@ -204,19 +285,66 @@ GPU_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 @pytest.mark.parametrize("act_order", [False, True])
 def test_kernels_match_the_reference_on_cuda(shape, act_order, layout):
     n, k = shape
-    for m in (1, 2, 3, 4, 16, 64, 300):
+    for m in (1, 2, 3, 4, 8, 16, 33, 64, 128, 300):
         err = check_case((m, n, k, 128, act_order, m == 3, torch.bfloat16), "cuda", layout=layout)
         assert err < 1e-2, (m, err)
 
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_each_word_row_kernel_matches_the_reference_on_cuda(shape):
+    """Every word-row kernel where it takes the rows, whichever the dispatch picks: the GEMV at 1-4
+    rows, the tiled GEMM at 1-128 (float16 and bfloat16, bias, act-order), dequantize + cuBLAS."""
+    from pagedllm.quantization.kernels import int4_gemm
+
+    n, k = shape
+    qweight, scales, zeros, perm = make_weight(n, k, 128, True, "cuda", layout=int4.N8_LAYOUT)
+    kernels = {"gemv": (int4_gemm.int4_gemv_n8, (1, 2, 3, 4)), "tiled": (int4_gemm.int4_gemm_n8, (1, 2, 5, 16, 64, 128)),
+               "dequant": (functools.partial(int4_gemm.int4_dequant_matmul, layout=int4.N8_LAYOUT), (1, 64))}
+    for name, (kernel, rows) in kernels.items():
+        for m in rows:
+            for dtype in (torch.bfloat16, torch.float16):
+                x = torch.randn(m, k, device="cuda", dtype=dtype)
+                bias = torch.randn(n, device="cuda", dtype=dtype)
+                want = int4.int4_linear_reference(x, qweight, scales, zeros, perm, 128, int4.N8_LAYOUT) + bias.float()
+                got = kernel(x, qweight, scales, zeros, perm, 128, bias)
+                err = float((got.float() - want).abs().max() / want.abs().max())
+                assert got.dtype == dtype and err < 1e-2, (name, m, dtype, err)
+
+
+def _max_rel_err(kernel, m: int, weight: tuple, config: tuple) -> float:
+    """``kernel``'s error against the reference on the down projection's shape (bias, act-order)."""
+    qweight, scales, zeros, perm = weight
+    x = torch.randn(m, 14336, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    want = int4.int4_linear_reference(x, qweight, scales, zeros, perm, 128, int4.N8_LAYOUT) + bias.float()
+    got = kernel(x, qweight, scales, zeros, perm, 128, bias, config=config)
+    return float((got.float() - want).abs().max() / want.abs().max())
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("config", [(4, 16, 1), (4, 16, 7), (2, 16, 7), (1, 16, 14)])
 def test_word_row_gemv_launch_sizes_on_cuda(config):
-    """The sizes the benchmark sweeps (split K included) on the down projection's shape."""
+    """GEMV sizes the benchmark sweeps (split K included) on the down projection's shape."""
+    from pagedllm.quantization.kernels import int4_gemm
+
+    weight = make_weight(4096, 14336, 128, True, "cuda", layout=int4.N8_LAYOUT)
     for m in (1, 2, 4):
-        err = check_case((m, 4096, 14336, 128, True, True, torch.bfloat16, config), "cuda", layout=int4.N8_LAYOUT)
-        assert err < 1e-2, (m, config, err)
+        assert _max_rel_err(int4_gemm.int4_gemv_n8, m, weight, config) < 1e-2, (m, config)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("config", [(16, 128, 4, 8, 3), (64, 64, 7, 4, 4), (32, 64, 2, 8, 5), (16, 32, 16, 4, 3)])
+def test_tiled_gemm_launch_sizes_on_cuda(config):
+    """Tiled-GEMM sizes the benchmark sweeps (output tiles, warps, stages, split K)."""
+    from pagedllm.quantization.kernels import int4_gemm
+
+    weight = make_weight(4096, 14336, 128, True, "cuda", layout=int4.N8_LAYOUT)
+    for m in (1, 5, 16, 64):
+        assert _max_rel_err(int4_gemm.int4_gemm_n8, m, weight, config) < 1e-2, (m, config)
 
 
 @pytest.mark.gpu

@@ -4,17 +4,28 @@ dequantized inside the kernel: the packed codes are read from memory once.
 Word-row layout (``N8_LAYOUT``, ``[N / 8, K]``: a word holds eight output rows of one input
 column; chosen at load where ``n8_layout_fits``):
 
-- ``_int4_gemv_n8_kernel`` (``GEMV_MAX_ROWS`` rows or fewer): a program owns one word row (eight
-  outputs) and a split of K; in each step its ``THREADS`` threads each take ``RUN`` columns (up
-  to 32) that lie in one group, so a thread loads its eight scales and zero points once a step
-  and one ``x`` value serves eight codes; the layout stores each 16-byte load of a warp's 32
-  threads next to each other (512 contiguous bytes a load). A code costs one logic op (the
-  nibble stays in place in the mantissa of 2^23: no shift per code, no int-to-float conversion),
-  one add (minus ``2^23 + z``, exact) and one multiply-add; the scale multiplies a step's sums. Grid
-  ``(N / 8, split)``: split K (``gemv_n8_config``) where the word rows alone leave SMs idle, its
-  float32 partial sums added by ``_splitk_sum_kernel`` (with the bias, in x's dtype). Act-order:
-  the input is permuted by one gather first.
-- more rows: ``_int4_dequant_n8_kernel`` writes W in x's dtype, then cuBLAS multiplies.
+- ``_int4_gemv_n8_kernel`` (``N8_GEMV_MAX_ROWS`` rows; up to ``GEMV_MAX_ROWS`` where the tiled GEMM
+  does not take the input): a program owns one word row (eight outputs) and a split of K; in each
+  step its ``THREADS`` threads each take ``RUN`` columns (up to 32) that lie in one group, so a
+  thread loads its eight scales and zero points once a step and one ``x`` value serves eight
+  codes; the layout stores each 16-byte load of a warp's 32 threads next to each other (512
+  contiguous bytes a load). A code costs one logic op (the nibble stays in place in the mantissa
+  of 2^23: no shift per code, no int-to-float conversion), one add (minus ``2^23 + z``, exact) and
+  one multiply-add; the scale multiplies a step's sums. Grid ``(M, N / 8, split)``: a program per
+  input row (a word row's programs run together: the words come from DRAM once), split K
+  (``gemv_n8_config``) where the programs alone leave SMs idle, its float32 partial sums added by
+  ``_splitk_sum_kernel`` (with the bias, in x's dtype). Act-order: the input is permuted by one
+  gather first.
+- ``_int4_gemm_n8_kernel`` (the tiled GEMM, above the GEMV up to ``TILED_MAX_ROWS`` half-precision
+  rows): a program owns a ``[BLOCK_M, BLOCK_N]`` output tile and a split of K; a step takes one
+  chunk of K (whole GEMV runs of one group: ``tiled_n8_chunk``), loads its ``[BLOCK_N / 8,
+  chunk]`` words once, turns them into ``q - z`` in x's dtype in registers (exact), multiplies
+  them with the gathered input columns on the tensor cores (float32 accumulate) and scales the
+  step's dot by the group's scales. Padding rows up to a 16-row tile cost no weight bytes, so
+  2-16 rows cost about what one does. Grid ``(M / BLOCK_M, N / BLOCK_N, split)``; split K
+  (``tiled_n8_config``) as the GEMV does. Act-order: the input is permuted by one gather first.
+- more rows: ``_int4_dequant_n8_kernel`` writes W in x's dtype, then cuBLAS multiplies
+  (``int4_dequant_matmul``; also for float32 inputs, which a dot would round to TF32).
 
 Row layout (``ROWS_LAYOUT``, ``[N, K / 8]``; shapes the word-row GEMV does not take):
 
@@ -26,11 +37,11 @@ Row layout (``ROWS_LAYOUT``, ``[N, K / 8]``; shapes the word-row GEMV does not t
   and the scale are applied once per word: ``sum_k x_k (q_k - z) s = sum_words s (sum_j x q - z
   sum_j x)``. Grid ``cdiv(N, BLOCK_N)``.
 - more rows: ``_int4_dequant_kernel`` writes W in x's dtype, then cuBLAS multiplies (a tiled
-  GEMM dequantizing in registers measured 18-51x slower than bf16 at 16-64 rows on an H100: the
-  row-packed codes do not load coalesced as a ``[BLOCK_K, BLOCK_N]`` tile).
+  GEMM dequantizing in registers over this layout measured 18-51x slower than bf16 at 16-64 rows
+  on an H100: the row-packed codes do not load coalesced as a ``[BLOCK_K, BLOCK_N]`` tile).
 
-The GEMVs accumulate in float32 and round once to the output dtype; W is rounded to x's dtype
-before cuBLAS, as a fused kernel's ``tl.dot`` would. No host sync, no autotuning at call time (the
+The kernels accumulate in float32 and round once to the output dtype; W is rounded to x's dtype
+before cuBLAS (the tiled GEMM's ``q - z`` needs no rounding: it scales the dot instead). No host sync, no autotuning at call time (the
 launch sizes are a function of the shape: CUDA graphs capture them); the only allocations are the
 output, the split-K partial sums, the permuted input and W (from the caching allocator, so a CUDA
 graph can capture them). Requirements (``fits``): a 2-D contiguous float input, K a multiple of 8,
@@ -40,6 +51,7 @@ the group size a multiple of 8.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
@@ -48,11 +60,25 @@ import triton.language as tl
 from pagedllm.quantization.int4_layout import N8_LAYOUT, PACK, ROWS_LAYOUT, n8_run
 
 GEMV_MAX_ROWS = 4
-# Rows the word-row GEMV keeps a float32 sum per element for (registers: 32 a row and thread).
-ELEMENTWISE_MAX_ROWS: tl.constexpr = tl.constexpr(2)
 MAGIC = 0x4B000000  # the bits of the float 2^23, whose mantissa takes a code (``_n8_plane``)
 # The word-row GEMV splits K until there are this many programs per SM.
 N8_PROGRAMS_PER_SM = 2
+# Word-row layout: rows the GEMV takes (one: its per-row sums cost registers and a second row
+# doubles its arithmetic), and rows the tiled GEMM takes (above: dequantize once + cuBLAS, whose
+# tiles reuse each weight across many rows).
+# (H100: at 2 rows the GEMV took 0.65-0.69x of bf16 on the 8B MLP shapes, the tiled GEMM 0.9x; at
+# 4 rows 1.1-1.3x against 0.9x. At 128 rows dequantize + cuBLAS was 1.6x faster than tiled.)
+N8_GEMV_MAX_ROWS = 2
+TILED_MAX_ROWS = 64
+# Input columns a tiled-GEMM step covers at most; the most K splits it makes, and the programs per
+# SM it splits K towards, by row tile (each streams weights: small row tiles need more of them in
+# flight; an H100 sweep of splits 1-8 at 16 and 64 rows on the 8B shapes picked these).
+TILED_MAX_CHUNK = 128
+TILED_MAX_SPLIT = 8
+TILED_PROGRAMS_PER_SM = {16: 6, 32: 4, 64: 2}
+# The tiled GEMM's codes as 16-bit floats ``base + q`` (q in 0..15 in the low mantissa bits of
+# ``base``, whose ulp is 1): (bits of base, base) per input dtype.
+CODE_BASES = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
 
 
 @triton.jit
@@ -141,11 +167,11 @@ def _int4_dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, GROUP_SIZE, stride_q
 
 
 @triton.jit
-def _n8_x_tile(x_ptr, rm, m_mask, stride_xm, cols):
-    """``x[rm, cols]`` as float32 ``[BLOCK_M, THREADS, 4]`` (``cols`` ``[THREADS, 4]``: four
-    consecutive columns a thread, one vector load)."""
-    ptrs = x_ptr + rm[:, None, None] * stride_xm + cols[None, :, :]
-    return tl.load(ptrs, mask=m_mask[:, None, None], other=0.0).to(tl.float32)
+def _n8_x_tile(x_row, cols, K):
+    """``x[row, cols]`` as float32 ``[THREADS, 4]`` (``cols`` ``[THREADS, 4]``: four consecutive
+    columns a thread, one vector load). The mask (``cols < K``, always true) keeps the compiler from
+    hoisting every step's loads together: unmasked the kernel takes 127 registers, not 95 (sm_90)."""
+    return tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -159,49 +185,36 @@ def _n8_constants(s_ptr, z_ptr, row, stride_sn, g, SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _n8_plane(part, words, SHIFT: tl.constexpr, c, xv, magic, BLOCK_M: tl.constexpr):
-    """Adds one plane's products to ``part``. The nibble at bits ``SHIFT .. SHIFT+3`` of ``words``
-    ``[THREADS, 4]`` (``SHIFT`` <= 16: inside the 23 mantissa bits) stays in place in the mantissa
-    of 2^23 (``magic`` = 0x4B000000: the float ``2^23 + q * 2^SHIFT``, one logic op); minus ``c`` it
-    is ``(q - z) * 2^SHIFT``, exactly (one add); then one fused multiply-add by ``x`` (``xv``
-    ``[BLOCK_M, THREADS, 4]``). Up to ``ELEMENTWISE_MAX_ROWS`` rows ``part`` is ``[BLOCK_M,
-    THREADS, 4]`` (a sum per element: one multiply-add a product); more rows, whose per-element
-    sums would not fit in registers: ``[BLOCK_M, THREADS]``."""
+def _n8_plane(part, words, SHIFT: tl.constexpr, c, xv, magic):
+    """Adds one plane's products to ``part`` (``[THREADS, 4]``: a sum per element, one multiply-add
+    a product). The nibble at bits ``SHIFT .. SHIFT+3`` of ``words`` ``[THREADS, 4]`` (``SHIFT`` <=
+    16: inside the 23 mantissa bits) stays in place in the mantissa of 2^23 (``magic`` =
+    0x4B000000: the float ``2^23 + q * 2^SHIFT``, one logic op); minus ``c`` it is ``(q - z) *
+    2^SHIFT``, exactly (one add); then one fused multiply-add by ``x`` (``xv`` ``[THREADS, 4]``)."""
     bits = (words & (15 << SHIFT)) | magic
     v = bits.to(tl.float32, bitcast=True) - c[:, None]
-    if BLOCK_M <= ELEMENTWISE_MAX_ROWS:
-        part = part + v[None, :, :] * xv
-    else:
-        part = part + tl.sum(v[None, :, :] * xv, axis=2)
-    return part
+    return part + v * xv
 
 
 @triton.jit
-def _n8_scaled(part, s, BLOCK_M: tl.constexpr):
-    """A step's ``part`` times the plane's scale per thread, as ``[BLOCK_M, THREADS]``."""
-    if BLOCK_M <= ELEMENTWISE_MAX_ROWS:
-        scaled = tl.sum(part, axis=2) * s[None, :]
-    else:
-        scaled = part * s[None, :]
-    return scaled
-
-
-@triton.jit
-def _n8_store(out_ptr, y, row, rm, m_mask, stride_om, b_ptr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
-    """Stores one output row's ``[BLOCK_M]`` sums: with the bias and in out's dtype, or (split K)
-    as float32 partial sums at ``out_ptr`` (this split's ``[M, N]`` slice)."""
+def _n8_store(out_ptr, y, col, b_ptr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+    """Stores one output's sum at ``out_ptr + col`` (the program's output row): with the bias and in
+    out's dtype, or (split K) as a float32 partial sum (``out_ptr`` in this split's ``[M, N]`` slice)."""
     if SPLIT == 1 and HAS_BIAS:
-        y += tl.load(b_ptr + row).to(tl.float32)
-    tl.store(out_ptr + rm * stride_om + row, y.to(out_ptr.dtype.element_ty), mask=m_mask)
+        y += tl.load(b_ptr + col).to(tl.float32)
+    tl.store(out_ptr + col, y.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
 def _int4_gemv_n8_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, GROUP_SIZE,
                          K_PER_SPLIT, stride_xm, stride_sn, stride_om, magic,
-                         HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                         BLOCK_M: tl.constexpr, THREADS: tl.constexpr, RUN: tl.constexpr):
-    """One word row (outputs ``8b .. 8b+7``, plane ``j`` = output ``8b + j``) over one split of K:
-    ``y[m, 8b+j] = sum_k x[m, k] (q - z) s``. A step covers ``THREADS * RUN`` columns: thread ``t``
+                         HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, THREADS: tl.constexpr,
+                         RUN: tl.constexpr):
+    """One input row ``m`` against one word row (outputs ``8b .. 8b+7``, plane ``j`` = output ``8b +
+    j``) over one split of K: ``y[m, 8b+j] = sum_k x[m, k] (q - z) s``. The rows of ``x`` are
+    separate programs next to each other in the grid, so a word row's programs run together and
+    all but the first read its words from L2 (per-row sums in registers cost occupancy and the
+    row's multiply-adds instead). A step covers ``THREADS * RUN`` columns: thread ``t``
     takes the ``RUN`` columns from ``t * RUN`` on (inside one group), so its scales and zero points
     load once a step, and each word feeds its eight planes from one ``x`` value; the layout stores
     load ``r`` of a warp's 32 threads as 512 contiguous bytes (``int4.n8_memory_order``, whose run
@@ -210,15 +223,15 @@ def _int4_gemv_n8_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, G
     masks are the logic op's immediates.
     ``SPLIT`` > 1: float32 partial sums into ``out_ptr`` (``[SPLIT, M, N]``), the bias and the
     rounding left to ``_splitk_sum_kernel``."""
-    pid_b = tl.program_id(0)
-    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    pid_k = tl.program_id(2)
     t = tl.arange(0, THREADS)
     e = tl.arange(0, 4)
-    rm = tl.arange(0, BLOCK_M)
-    m_mask = rm < M
+    x_row = x_ptr + pid_m * stride_xm
     row = pid_b * 8
     word_row = qw_ptr + pid_b.to(tl.int64) * K
-    acc0 = tl.zeros((BLOCK_M, THREADS), tl.float32)
+    acc0 = tl.zeros((THREADS,), tl.float32)
     acc1 = tl.zeros_like(acc0)
     acc2 = tl.zeros_like(acc0)
     acc3 = tl.zeros_like(acc0)
@@ -238,10 +251,7 @@ def _int4_gemv_n8_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, G
         s5, c5 = _n8_constants(s_ptr, z_ptr, row + 5, stride_sn, g, 8)
         s6, c6 = _n8_constants(s_ptr, z_ptr, row + 6, stride_sn, g, 12)
         s7, c7 = _n8_constants(s_ptr, z_ptr, row + 7, stride_sn, g, 16)
-        if BLOCK_M <= ELEMENTWISE_MAX_ROWS:
-            p0 = tl.zeros((BLOCK_M, THREADS, 4), tl.float32)
-        else:
-            p0 = tl.zeros((BLOCK_M, THREADS), tl.float32)
+        p0 = tl.zeros((THREADS, 4), tl.float32)
         p1 = tl.zeros_like(p0)
         p2 = tl.zeros_like(p0)
         p3 = tl.zeros_like(p0)
@@ -253,34 +263,33 @@ def _int4_gemv_n8_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, G
             cols = run0[:, None] + 4 * r + e[None, :]
             stored = kb + (t // 32 * 32 * RUN + 128 * r + 4 * (t % 32))[:, None] + e[None, :]
             words = tl.load(word_row + stored, eviction_policy="evict_first")
-            xv = _n8_x_tile(x_ptr, rm, m_mask, stride_xm, cols)
-            p0 = _n8_plane(p0, words, 0, c0, xv, magic, BLOCK_M)
-            p1 = _n8_plane(p1, words, 4, c1, xv, magic, BLOCK_M)
-            p2 = _n8_plane(p2, words, 8, c2, xv, magic, BLOCK_M)
-            p3 = _n8_plane(p3, words, 12, c3, xv, magic, BLOCK_M)
-            p4 = _n8_plane(p4, words, 16, c4, xv, magic, BLOCK_M)
+            xv = _n8_x_tile(x_row, cols, K)
+            p0 = _n8_plane(p0, words, 0, c0, xv, magic)
+            p1 = _n8_plane(p1, words, 4, c1, xv, magic)
+            p2 = _n8_plane(p2, words, 8, c2, xv, magic)
+            p3 = _n8_plane(p3, words, 12, c3, xv, magic)
+            p4 = _n8_plane(p4, words, 16, c4, xv, magic)
             high = words >> 12
-            p5 = _n8_plane(p5, high, 8, c5, xv, magic, BLOCK_M)
-            p6 = _n8_plane(p6, high, 12, c6, xv, magic, BLOCK_M)
-            p7 = _n8_plane(p7, high, 16, c7, xv, magic, BLOCK_M)
-        acc0 += _n8_scaled(p0, s0, BLOCK_M)
-        acc1 += _n8_scaled(p1, s1, BLOCK_M)
-        acc2 += _n8_scaled(p2, s2, BLOCK_M)
-        acc3 += _n8_scaled(p3, s3, BLOCK_M)
-        acc4 += _n8_scaled(p4, s4, BLOCK_M)
-        acc5 += _n8_scaled(p5, s5, BLOCK_M)
-        acc6 += _n8_scaled(p6, s6, BLOCK_M)
-        acc7 += _n8_scaled(p7, s7, BLOCK_M)
-    out = out_ptr if SPLIT == 1 else out_ptr + pid_k * M * N
-    stride = stride_om if SPLIT == 1 else N
-    _n8_store(out, tl.sum(acc0, axis=1), row, rm, m_mask, stride, b_ptr, HAS_BIAS, SPLIT)
-    _n8_store(out, tl.sum(acc1, axis=1), row + 1, rm, m_mask, stride, b_ptr, HAS_BIAS, SPLIT)
-    _n8_store(out, tl.sum(acc2, axis=1), row + 2, rm, m_mask, stride, b_ptr, HAS_BIAS, SPLIT)
-    _n8_store(out, tl.sum(acc3, axis=1), row + 3, rm, m_mask, stride, b_ptr, HAS_BIAS, SPLIT)
-    _n8_store(out, tl.sum(acc4, axis=1), row + 4, rm, m_mask, stride, b_ptr, HAS_BIAS, SPLIT)
-    _n8_store(out, tl.sum(acc5, axis=1), row + 5, rm, m_mask, stride, b_ptr, HAS_BIAS, SPLIT)
-    _n8_store(out, tl.sum(acc6, axis=1), row + 6, rm, m_mask, stride, b_ptr, HAS_BIAS, SPLIT)
-    _n8_store(out, tl.sum(acc7, axis=1), row + 7, rm, m_mask, stride, b_ptr, HAS_BIAS, SPLIT)
+            p5 = _n8_plane(p5, high, 8, c5, xv, magic)
+            p6 = _n8_plane(p6, high, 12, c6, xv, magic)
+            p7 = _n8_plane(p7, high, 16, c7, xv, magic)
+        acc0 += tl.sum(p0, axis=1) * s0
+        acc1 += tl.sum(p1, axis=1) * s1
+        acc2 += tl.sum(p2, axis=1) * s2
+        acc3 += tl.sum(p3, axis=1) * s3
+        acc4 += tl.sum(p4, axis=1) * s4
+        acc5 += tl.sum(p5, axis=1) * s5
+        acc6 += tl.sum(p6, axis=1) * s6
+        acc7 += tl.sum(p7, axis=1) * s7
+    out = out_ptr + pid_m * stride_om if SPLIT == 1 else out_ptr + pid_k * M * N + pid_m * N
+    _n8_store(out, tl.sum(acc0), row, b_ptr, HAS_BIAS, SPLIT)
+    _n8_store(out, tl.sum(acc1), row + 1, b_ptr, HAS_BIAS, SPLIT)
+    _n8_store(out, tl.sum(acc2), row + 2, b_ptr, HAS_BIAS, SPLIT)
+    _n8_store(out, tl.sum(acc3), row + 3, b_ptr, HAS_BIAS, SPLIT)
+    _n8_store(out, tl.sum(acc4), row + 4, b_ptr, HAS_BIAS, SPLIT)
+    _n8_store(out, tl.sum(acc5), row + 5, b_ptr, HAS_BIAS, SPLIT)
+    _n8_store(out, tl.sum(acc6), row + 6, b_ptr, HAS_BIAS, SPLIT)
+    _n8_store(out, tl.sum(acc7), row + 7, b_ptr, HAS_BIAS, SPLIT)
 
 
 @triton.jit
@@ -320,6 +329,57 @@ def _int4_dequant_n8_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, GROUP_SIZE, strid
         tl.store(w_ptr + rows[:, None].to(tl.int64) * K + rk[None, :], w.to(w_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _int4_gemm_n8_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, GROUP_SIZE,
+                         K_PER_SPLIT, stride_xm, stride_sn, stride_om, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RUN: tl.constexpr, CHUNK: tl.constexpr,
+                         CODE_BITS: tl.constexpr, CODE_BASE: tl.constexpr):
+    """The tiled GEMM over the word-row layout, computed transposed (``W x^T``: the weight tile is
+    the dot's 64-row operand, so 16 input rows fill a tensor-core tile): a ``[BLOCK_N, BLOCK_M]``
+    tile of ``out^T`` over one split of K, ``CHUNK`` columns a step. A chunk is ``CHUNK / RUN``
+    consecutive GEMV runs inside one group (``tiled_n8_chunk``): the contiguous input columns ``k0
+    .. k0 + CHUNK``, whose words lie in 16-byte pieces (four columns of one run) 512 bytes apart
+    (``n8_memory_order``). A step loads the ``[BLOCK_N / 8, CHUNK]`` words (each read once) and the
+    ``[BLOCK_M, CHUNK]`` inputs; a code becomes the 16-bit float ``CODE_BASE + q`` by two logic ops
+    (OR-ed into the mantissa of ``CODE_BASE``, whose bits are ``CODE_BITS``: exact, no conversion),
+    the dot accumulates in float32, and the group's zero point and scale are applied to its sums:
+    ``s (dot(W', x) - (CODE_BASE + z) sum(x))``."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = rm < M
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rb = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
+    c = tl.arange(0, CHUNK)
+    # Where column k0 + c sits after its chunk's first stored word: load (c % RUN) // 4 of run c // RUN.
+    stored_offs = 128 * (c % RUN // 4) + 4 * (c // RUN) + c % 4
+    stored_offs = tl.max_contiguous(tl.multiple_of(stored_offs, 4), 4)  # 16-byte pieces: vector loads
+    shifts = 4 * tl.arange(0, 8)
+    word_rows = qw_ptr + rb[:, None].to(tl.int64) * K + stored_offs[None, :]
+    x_rows = x_ptr + rm[:, None] * stride_xm
+    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    k_begin = pid_k * K_PER_SPLIT
+    for k0 in range(k_begin, k_begin + K_PER_SPLIT, CHUNK):
+        q = k0 % (32 * RUN) // CHUNK  # the chunk's place in its tile of 32 runs
+        words = tl.load(word_rows + (k0 - q * CHUNK + q * (4 * CHUNK // RUN)))
+        xt = tl.load(x_rows + (k0 + c)[None, :], mask=m_mask[:, None], other=0.0)
+        g = k0 // GROUP_SIZE
+        s = tl.load(s_ptr + rn * stride_sn + g).to(tl.float32)
+        z = tl.load(z_ptr + rn * stride_sn + g).to(tl.float32)
+        bits = ((words[:, None, :] >> shifts[None, :, None]) & 0xF) | CODE_BITS
+        w = tl.reshape(bits.to(tl.int16).to(xt.dtype, bitcast=True), (BLOCK_N, CHUNK))
+        xsum = tl.sum(xt.to(tl.float32), axis=1)
+        acc += (tl.dot(w, tl.trans(xt)) - (z + CODE_BASE)[:, None] * xsum[None, :]) * s[:, None]
+    if SPLIT > 1:
+        out_ptr += pid_k * M * N
+        stride_om = N
+    elif HAS_BIAS:
+        acc += tl.load(b_ptr + rn).to(tl.float32)[:, None]
+    tl.store(out_ptr + rm[None, :] * stride_om + rn[:, None], acc.to(out_ptr.dtype.element_ty),
+             mask=m_mask[None, :])
+
+
 def int4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
                     dtype: torch.dtype, layout: str = ROWS_LAYOUT) -> torch.Tensor:
     """The ``[N, K]`` weight in ``dtype`` (its columns in the serving form's order: apply ``perm``
@@ -339,6 +399,11 @@ def int4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
     _int4_dequant_kernel[grid](qweight, scales, zeros, w, n, k, group_size, qweight.stride(0), scales.stride(0),
                                BLOCK_N=block_n, BLOCK_W=block_w, num_warps=4)
     return w
+
+
+def num_outputs(qweight: torch.Tensor, layout: str) -> int:
+    """N of a packed weight in ``layout``."""
+    return qweight.shape[0] * PACK if layout == N8_LAYOUT else qweight.shape[0]
 
 
 def in_features(qweight: torch.Tensor, layout: str) -> int:
@@ -383,21 +448,108 @@ def gemv_n8_config(m: int, n: int, k: int, group_size: int, sm_count: int) -> tu
     run = n8_run(k, group_size)
     num_warps = next(w for w in (4, 2, 1) if k % (32 * w * run) == 0)
     steps = k // (32 * num_warps * run)
-    programs = n // PACK
+    programs = m * n // PACK  # a program per input row and word row
     split = next((d for d in range(1, steps + 1) if steps % d == 0 and programs * d >= N8_PROGRAMS_PER_SM * sm_count),
                  steps)
     return num_warps, run, split
 
 
-def _gemv_n8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-             perm: torch.Tensor | None, group_size: int, bias: torch.Tensor | None, out: torch.Tensor,
-             config: tuple[int, int, int] | None) -> None:
+def tiled_n8_chunk(k: int, group_size: int) -> tuple[int, int] | None:
+    """``(run, chunk)`` of the tiled GEMM's K step over a word-row weight of ``k`` inputs: ``chunk``
+    columns (at most ``TILED_MAX_CHUNK``) = ``chunk / run`` whole GEMV runs inside one group; None
+    where the layout's tiles of ``32 * run`` columns and the groups do not nest (or a chunk would
+    be shorter than a dot's 16)."""
+    run = n8_run(k, group_size)
+    if run is None:
+        return None
+    tile = 32 * run
+    if group_size % tile and tile % group_size:
+        return None
+    chunk = max(run, min(TILED_MAX_CHUNK, tile, group_size))
+    return (run, chunk) if chunk >= 16 else None
+
+
+def tiled_n8_fits(x: torch.Tensor, n: int, group_size: int) -> bool:
+    """Whether the tiled GEMM takes ``x`` against a word-row weight of ``n`` outputs: a half-precision
+    input (a float32 one would multiply in TF32) and whole ``[16, chunk]`` tiles."""
+    return (x.dtype in (torch.float16, torch.bfloat16) and n % 16 == 0
+            and tiled_n8_chunk(x.shape[1], group_size) is not None)
+
+
+def tiled_n8_config(m: int, n: int, k: int, group_size: int, sm_count: int) -> tuple[int, int, int, int, int]:
+    """``(block_m, block_n, split_k, num_warps, num_stages)`` of the tiled GEMM: row tiles of 16 to
+    64 (a dot takes 16 rows at least; padding rows cost no weight bytes), 64 outputs where N allows,
+    and K split (a divisor of the chunks, at most ``TILED_MAX_SPLIT``) to the number of programs
+    nearest ``TILED_PROGRAMS_PER_SM`` an SM (by ratio): at decode sizes every program streams
+    weights, too few leave bandwidth unused and too many add partial sums; four pipeline stages
+    (loads of three chunks ahead in flight)."""
+    _, chunk = tiled_n8_chunk(k, group_size)
+    block_m = min(64, max(16, triton.next_power_of_2(m)))
+    block_n = next(b for b in (64, 32, 16) if n % b == 0)
+    programs = triton.cdiv(m, block_m) * (n // block_n)
+    chunks = k // chunk
+    target = TILED_PROGRAMS_PER_SM[block_m] * sm_count
+    splits = [d for d in range(1, TILED_MAX_SPLIT + 1) if chunks % d == 0]
+    split = min(splits, key=lambda d: abs(math.log(programs * d / target)))
+    return block_m, block_n, split, 4, 4
+
+
+def int4_gemm_n8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 perm: torch.Tensor | None, group_size: int, bias: torch.Tensor | None,
+                 out: torch.Tensor | None = None, config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """``x[:, perm] @ W^T (+ bias)`` by the tiled GEMM (``_int4_gemm_n8_kernel``) from a word-row
+    weight; ``config``: ``tiled_n8_config``'s tuple (default its choice). Precondition:
+    ``tiled_n8_fits``. Split K writes float32 partial sums, added by ``_splitk_sum_kernel``."""
     m, k = x.shape
     n = qweight.shape[0] * PACK
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    block_m, block_n, split, num_warps, num_stages = config or tiled_n8_config(m, n, k, group_size, _sm_count(x))
+    run, chunk = tiled_n8_chunk(k, group_size)
+    if n % block_n or k % (chunk * split):
+        raise ValueError(f"int4 tiled GEMM config {(block_m, block_n, split)}: block_n must divide N={n} and the "
+                         f"splits the {k // chunk} chunks of K")
+    target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    # Act-order: the permuted input as one small gather (inside the kernel the gathered tile would
+    # load element by element and hold a pointer per element: registers spill at 64 rows).
+    xp = x if perm is None else x.index_select(1, perm)
+    _int4_gemm_n8_kernel[(triton.cdiv(m, block_m), n // block_n, split)](
+        xp, qweight, scales, zeros, bias if bias is not None else out, target,
+        m, n, k, group_size, k // split, xp.stride(0), scales.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n,
+        RUN=run, CHUNK=chunk, CODE_BITS=CODE_BASES[x.dtype][0], CODE_BASE=CODE_BASES[x.dtype][1], num_warps=num_warps, num_stages=num_stages)
+    if split > 1:
+        _splitk_sum(target, bias, out)
+    return out
+
+
+def _sm_count(x: torch.Tensor) -> int:
+    """The SM count of x's device (an H100's under the interpreter)."""
+    if not x.is_cuda:
+        return 132
+    return num_sms(x.device.index if x.device.index is not None else torch.cuda.current_device())
+
+
+def _splitk_sum(partials: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    """``out = partials.sum(0) (+ bias)`` in out's dtype (``partials`` float32 ``[split, M, N]``)."""
+    split, m, n = partials.shape
+    block = 1024
+    _splitk_sum_kernel[(triton.cdiv(m * n, block),)](partials, bias if bias is not None else out, out, m, n,
+                                                     out.stride(0), SPLIT=split, HAS_BIAS=bias is not None,
+                                                     BLOCK=block, num_warps=4)
+
+
+def int4_gemv_n8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 perm: torch.Tensor | None, group_size: int, bias: torch.Tensor | None,
+                 out: torch.Tensor | None = None, config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """``x[:, perm] @ W^T (+ bias)`` by the word-row GEMV (``_int4_gemv_n8_kernel``; up to
+    ``GEMV_MAX_ROWS`` rows); ``config``: ``gemv_n8_config``'s tuple (default its choice)."""
+    m, k = x.shape
+    n = qweight.shape[0] * PACK
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if config is None:
-        sms = num_sms(x.device.index if x.device.index is not None else torch.cuda.current_device()) \
-            if x.is_cuda else 132  # under the interpreter: an H100's
-        config = gemv_n8_config(m, n, k, group_size, sms)
+        config = gemv_n8_config(m, n, k, group_size, _sm_count(x))
     num_warps, run, split = config
     threads = 32 * num_warps
     if run != n8_run(k, group_size) or k % (threads * run * split):
@@ -407,33 +559,33 @@ def _gemv_n8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
     # Act-order: the permuted input as one small gather (inside the kernel it would not load as
     # the vector tiles the weight words load as).
     xp = x if perm is None else x.index_select(1, perm)
-    _int4_gemv_n8_kernel[(n // PACK, split)](
+    _int4_gemv_n8_kernel[(m, n // PACK, split)](
         xp, qweight, scales, zeros, bias if bias is not None else out, target, m, n, k, group_size, k // split,
         xp.stride(0), scales.stride(0), out.stride(0), MAGIC,
-        HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=triton.next_power_of_2(m),
-        THREADS=threads, RUN=run, num_warps=num_warps)
+        HAS_BIAS=bias is not None, SPLIT=split, THREADS=threads, RUN=run, num_warps=num_warps)
     if split > 1:
-        block = 1024
-        _splitk_sum_kernel[(triton.cdiv(m * n, block),)](target, bias if bias is not None else out, out, m, n,
-                                                         out.stride(0), SPLIT=split, HAS_BIAS=bias is not None,
-                                                         BLOCK=block, num_warps=4)
+        _splitk_sum(target, bias, out)
+    return out
 
 
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                 perm: torch.Tensor | None, group_size: int, bias: torch.Tensor | None,
                 out: torch.Tensor | None = None, config: tuple[int, ...] | None = None,
                 layout: str = ROWS_LAYOUT) -> torch.Tensor:
-    """``[M, N]`` in x's dtype (``out`` if given); ``config``: the launch sizes of the GEMV that runs
-    (``gemv_config``'s shape for the row layout, ``gemv_n8_config``'s for the word-row layout; default
+    """``[M, N]`` in x's dtype (``out`` if given), by the kernel the layout and M pick (module doc);
+    ``config``: the launch sizes of that kernel (``gemv_config``'s tuple for the row-layout GEMV,
+    ``gemv_n8_config``'s for the word-row GEMV, ``tiled_n8_config``'s for the tiled GEMM; default
     theirs). Precondition: ``fits`` (and ``n8_layout_fits`` for the word-row layout)."""
     m, k = x.shape
-    n = qweight.shape[0] * (PACK if layout == N8_LAYOUT else 1)
+    n = num_outputs(qweight, layout)
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m <= GEMV_MAX_ROWS and layout == N8_LAYOUT:
-        _gemv_n8(x, qweight, scales, zeros, perm, group_size, bias, out, config)
-        return out
-    if m <= GEMV_MAX_ROWS:
+    tiled = layout == N8_LAYOUT and m <= TILED_MAX_ROWS and tiled_n8_fits(x, n, group_size)
+    if layout == N8_LAYOUT and (m <= N8_GEMV_MAX_ROWS or (m <= GEMV_MAX_ROWS and not tiled)):
+        return int4_gemv_n8(x, qweight, scales, zeros, perm, group_size, bias, out, config)
+    if tiled:
+        return int4_gemm_n8(x, qweight, scales, zeros, perm, group_size, bias, out, config)
+    if layout == ROWS_LAYOUT and m <= GEMV_MAX_ROWS:
         common = (x, qweight, scales, zeros, perm if perm is not None else qweight, bias if bias is not None else out,
                   out, m, n, k, group_size, x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0))
         block_n, block_k, num_warps, word_tiles = config or gemv_config(m, n, k)
@@ -441,9 +593,17 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
             *common, HAS_PERM=perm is not None, HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(m),
             BLOCK_N=block_n, BLOCK_K=block_k, WORD_TILES=word_tiles and m == 1, num_warps=num_warps)
         return out
-    # More rows: dequantize once and let cuBLAS multiply. W is written and read back in x's dtype
-    # (about twice a bf16 GEMM's bytes), far cheaper at 16+ rows than a fused tiled kernel whose
-    # tiles cannot load the row-packed codes coalesced.
+    return int4_dequant_matmul(x, qweight, scales, zeros, perm, group_size, bias, out, layout)
+
+
+def int4_dequant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                        perm: torch.Tensor | None, group_size: int, bias: torch.Tensor | None,
+                        out: torch.Tensor | None = None, layout: str = ROWS_LAYOUT) -> torch.Tensor:
+    """``x[:, perm] @ W^T (+ bias)``: W dequantized in x's dtype (``int4_dequantize``), then cuBLAS.
+    W is written and read back (about twice a bf16 GEMM's bytes): at prefill sizes a small cost
+    next to the GEMM, whose tiles reuse each weight across many rows."""
+    if out is None:
+        out = torch.empty(x.shape[0], num_outputs(qweight, layout), dtype=x.dtype, device=x.device)
     w = int4_dequantize(qweight, scales, zeros, group_size, x.dtype, layout)
     xp = x if perm is None else x.index_select(1, perm)
     torch.matmul(xp, w.t(), out=out)
