@@ -327,7 +327,8 @@ class EngineArgs:
     disable_log_stats: bool = arg(False, "no periodic stats log line (LLM(...) turns it on unless given, "
                                    "as vLLM)")
     num_gpu_blocks_override: int | None = arg(None, "a fixed number of KV-cache blocks (tests, benchmarks)")
-    load_format: str = arg("auto", "auto (the checkpoint's weights; a GGUF file's stay packed), dummy (random "
+    load_format: str = arg("auto", "auto (the checkpoint's weights; a GGUF file's stay packed, on a GPU only with "
+                           "quantization='gguf' given, else dequantized into the model dtype there), dummy (random "
                            "weights, benchmarks), gguf, or gguf_dequantized (a GGUF file's weights as float)")
     skip_tokenizer_init: bool = arg(False, "no tokenizer: prompts must be token ids, outputs have no text")
     # Overlap the CPU side of a step with the GPU's previous step (default: on for CUDA).

@@ -1,5 +1,6 @@
-"""Batch-1 decode and offline throughput on the CPU: pagedllm with the GGUF kept packed, pagedllm on
-the dequantized float weights, and llama.cpp (llama-cpp-python) on the same GGUF file and threads.
+"""Batch-1 decode and offline throughput on the CPU: pagedllm with the GGUF kept packed (int8
+activations, the default, and float activations), pagedllm on the dequantized float weights, and
+llama.cpp (llama-cpp-python) on the same GGUF file and threads.
 
     python benchmarks/cpu/gguf_vs_llamacpp.py [--rounds 2] [--threads N] [--output-json PATH]
 
@@ -33,7 +34,11 @@ DEFAULT_LLAMA_DIR = Path.home() / ".cache" / "pagedllm" / "llama-cpp-python"
 LATENCY = ["bench", "latency", "--batch-size", "1", "--input-len", "128", "--output-len", "128",
            "--extra-batch-sizes", "--repeats", "2"]
 THROUGHPUT = ["bench", "throughput", "--num-requests", "64", "--input-len", "32", "256", "--output-len", "32", "256"]
-ENGINES = {"pagedllm-gguf": [], "pagedllm-float": ["--load-format", "gguf_dequantized"]}
+# name -> (CLI arguments, environment): the packed GGUF with int8 activations (the default), with
+# float activations (exact), and the dequantized float32 weights.
+ENGINES = {"pagedllm-gguf": ([], {}),
+           "pagedllm-gguf-float-act": ([], {"PAGEDLLM_GGUF_INT8_ACTIVATIONS": "0"}),
+           "pagedllm-float": (["--load-format", "gguf_dequantized"], {})}
 
 
 def run_measured(cmd: list[str], env: dict[str, str]) -> tuple[int, float, str]:
@@ -50,8 +55,9 @@ def run_measured(cmd: list[str], env: dict[str, str]) -> tuple[int, float, str]:
 def pagedllm_run(kind: str, engine: str, env: dict[str, str]) -> dict | None:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        args = (LATENCY if kind == "latency" else THROUGHPUT) + ENGINES[engine] + ["--output-json", str(out)]
-        rc, rss, _ = run_measured([sys.executable, "-m", "pagedllm.entrypoints.cli", *args], env)
+        extra_args, extra_env = ENGINES[engine]
+        args = (LATENCY if kind == "latency" else THROUGHPUT) + extra_args + ["--output-json", str(out)]
+        rc, rss, _ = run_measured([sys.executable, "-m", "pagedllm.entrypoints.cli", *args], {**env, **extra_env})
         if rc != 0 or not out.exists():
             return None
         result = json.loads(out.read_text())
@@ -129,6 +135,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=None, help="default: pagedllm's choice (usable CPUs)")
     p.add_argument("--skip-throughput", action="store_true")
+    p.add_argument("--skip-llama", action="store_true", help="measure pagedllm alone (no llama-cpp-python build)")
     p.add_argument("--llama-dir", type=Path, default=DEFAULT_LLAMA_DIR)
     p.add_argument("--install-timeout", type=float, default=900)
     p.add_argument("--output-json", default=None)
@@ -147,12 +154,12 @@ def main() -> int:
     env = dict(os.environ, PAGEDLLM_CPU_THREADS=str(threads), OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", PAGEDLLM_LOG_LEVEL="WARNING", TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=os.pathsep.join([str(ROOT), str(ns.llama_dir), os.environ.get("PYTHONPATH", "")]))
-    llama_missing = ensure_llama_cpp(ns.llama_dir, ns.install_timeout)
+    llama_missing = "--skip-llama" if ns.skip_llama else ensure_llama_cpp(ns.llama_dir, ns.install_timeout)
     if llama_missing:
         print(f"llama.cpp not measured: {llama_missing}")
     runs: dict[str, list] = {}
     for r in range(ns.rounds):
-        order = ["pagedllm-gguf", "pagedllm-float"] + ([] if llama_missing else ["llama.cpp"])
+        order = list(ENGINES) + ([] if llama_missing else ["llama.cpp"])
         for name in order if r % 2 == 0 else order[::-1]:
             result = llama_run(threads, env) if name == "llama.cpp" else pagedllm_run("latency", name, env)
             runs.setdefault(f"decode/{name}", []).append(result)
@@ -169,7 +176,8 @@ def main() -> int:
         if r is not None:
             ms = f"{r['decode_ms']:.2f}" if "decode_ms" in r else "-"
             print(f"{key:32} {r['tok_per_s']:9.1f} {ms:>9} {r['peak_rss_mib']:13.0f}")
-    for kind, peer in (("decode", "llama.cpp"), ("decode", "pagedllm-float"), ("throughput", "pagedllm-float")):
+    for kind, peer in (("decode", "llama.cpp"), ("decode", "pagedllm-float"), ("decode", "pagedllm-gguf-float-act"),
+                       ("throughput", "pagedllm-float"), ("throughput", "pagedllm-gguf-float-act")):
         ours, theirs = summary.get(f"{kind}/pagedllm-gguf"), summary.get(f"{kind}/{peer}")
         if ours and theirs:
             print(f"{kind}: pagedllm-gguf / {peer} = {ours['tok_per_s'] / theirs['tok_per_s']:.2f}x")

@@ -9,8 +9,10 @@ Phases (run in the order given):
   correct:MODEL        a random bf16 checkpoint of MODEL (a benchmarks/configs folder) written once,
                        then TP=1, TP=2 and PP=2 on the same weights: teacher-forced prompt logprobs
                        of a ragged batch against TP=1, and greedy agreement over 32 tokens
-  scale:MODEL:TP:PP    random weights (load_format dummy): the nano-bench workload's output tokens/s
-                       and the batch-1 decode step (1024 in), against the weight-bytes floor per GPU
+  scale:MODEL:TP:PP[:MB]  random weights (load_format dummy): the nano-bench workload's output tokens/s
+                       and the batch-1 decode step (1024 in), against the weight-bytes floor per GPU;
+                       with PP > 1, MB micro-batches in flight (default PP: the engine's batch queue;
+                       1: one batch at a time, the stages taking turns)
   decode:MODEL:TP:PP   decode step at batch 1 and 64 only (for models that do not fit one GPU)
 
 Usage (repo root, GPU machine): python benchmarks/gpu/multi_gpu.py allreduce correct:qwen3-0.6b \
@@ -238,9 +240,11 @@ def _decode_step_ms(llm, batch: int, input_len: int, out_len: int, vocab: int) -
     return step * 1e3
 
 
-def phase_scale(model: str, tp: int, pp: int, throughput: bool = True, batches: tuple[int, ...] = (1,)) -> None:
+def phase_scale(model: str, tp: int, pp: int, throughput: bool = True, batches: tuple[int, ...] = (1,),
+                micro_batches: int | None = None) -> None:
     """With ``PAGEDLLM_SYMM_MEM_ALL_REDUCE=0`` in the environment the ranks all-reduce through NCCL
-    only (the record says which)."""
+    only (the record says which). ``micro_batches``: pipeline micro-batches in flight (None: the
+    engine's default, ``pp``)."""
     from pagedllm import LLM
     from pagedllm.entrypoints.bench_throughput import run_pagedllm
     from pagedllm.entrypoints.bench_workload import make_workload
@@ -250,7 +254,10 @@ def phase_scale(model: str, tp: int, pp: int, throughput: bool = True, batches: 
     t0 = time.perf_counter()
     llm = LLM(model=_config_dir(model), load_format="dummy", skip_tokenizer_init=True, max_model_len=4096,
               tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    if micro_batches is not None and pp > 1:
+        llm.llm_engine.engine_core.set_max_micro_batches(micro_batches)
     entry = {"phase": "scale" if throughput else "decode", "model": model, "tp": tp, "pp": pp,
+             "micro_batches": micro_batches or pp,
              "startup_s": time.perf_counter() - t0, "copy_bytes_per_s": bandwidth,
              "symm_all_reduce": os.environ.get("PAGEDLLM_SYMM_MEM_ALL_REDUCE", "1") not in ("0", "false")}
     if throughput:
@@ -276,7 +283,7 @@ def run_phase(spec: str) -> None:
     elif kind == "correct-run":
         phase_correct_run(rest[0], int(rest[1]), int(rest[2]), rest[3])
     elif kind == "scale":
-        phase_scale(rest[0], int(rest[1]), int(rest[2]))
+        phase_scale(rest[0], int(rest[1]), int(rest[2]), micro_batches=int(rest[3]) if len(rest) > 3 else None)
     elif kind == "decode":
         phase_scale(rest[0], int(rest[1]), int(rest[2]), throughput=False, batches=(1, 64))
     else:

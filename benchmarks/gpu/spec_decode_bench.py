@@ -8,7 +8,11 @@
    draft is accepted, so this measures the mechanism's cost): output tokens/s at batch 1 and 16,
    k = 3 against no speculation, and the overhead of propose + verify per step.
 
-Prints a table and writes JSON to ``--output-json``:
+The n-gram part runs once per ``--ngram-paths`` entry (``default``: on CUDA the GGUF blocks are
+dequantized into the model dtype at load; ``packed``: ``quantization="gguf"``, the Triton GGUF
+kernels; ``gguf_dequantized``: float weights loaded) and reports the time of one replay of the
+batch-1 decode and verify graphs. Prints a table and writes JSON to
+``--output-json``:
 
     python benchmarks/gpu/spec_decode_bench.py --output-json $OUT/spec_decode.json
 """
@@ -74,20 +78,46 @@ def release(llm) -> None:
     torch.cuda.empty_cache()
 
 
-def ngram_part(ns) -> dict:
+def replay_ms(graphs, shape: tuple[int, int], n: int = 50) -> float:
+    """CUDA-event time of one replay of the graph of ``shape`` (after the runs: it rewrites the
+    last step's KV slots)."""
+    import torch
+
+    graphs.replay(*shape)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        graphs.replay(*shape)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / n
+
+
+# The GGUF serving paths the n-gram part can run: the default (on CUDA the blocks are dequantized into
+# the model dtype at load), the Triton GGUF kernels (quantization="gguf" given), float weights loaded.
+NGRAM_PATHS = {"default": {}, "packed": {"quantization": "gguf"}, "gguf_dequantized": {"load_format": "gguf_dequantized"}}
+
+
+def ngram_part(ns, path: str) -> dict:
     from pagedllm import LLM
 
     results = {}
     for name, spec in (("off", None), ("ngram", {"method": "ngram", "num_speculative_tokens": ns.ngram_k,
                                                   "prompt_lookup_min": 2, "prompt_lookup_max": 4})):
         llm = LLM(ns.ngram_model, max_model_len=2048, max_num_seqs=16, gpu_memory_utilization=0.4,
-                  speculative_config=spec)
+                  speculative_config=spec, **NGRAM_PATHS[path])
         prompt = copy_prompt(llm.get_tokenizer())
         timed(llm, [prompt], 16)  # warm-up
-        replays = count_replays(llm.llm_engine.engine_core.runner.graph_runner)
+        graphs = llm.llm_engine.engine_core.runner.graph_runner
+        replays = count_replays(graphs)
         elapsed, outs, stats = timed(llm, [prompt], ns.max_tokens)
         results[name] = {"ms_per_token": 1e3 * elapsed / ns.max_tokens, "tokens": outs[0], "prompt_len": len(prompt),
                          "graph_replays": replays, **stats}
+        if graphs is not None:
+            del graphs.replay  # unwrap
+            results[name]["graph_replay_ms"] = {f"q={q}": replay_ms(graphs, (1, q)) for bs, q in graphs.graphs
+                                                if bs == 1}
         release(llm)
     results["same_output"] = results["off"]["tokens"] == results["ngram"]["tokens"]
     results["speedup"] = results["off"]["ms_per_token"] / results["ngram"]["ms_per_token"]
@@ -130,26 +160,44 @@ def draft_part(ns) -> dict:
     return results
 
 
+def print_ngram(ng: dict, path: str, k: int) -> None:
+    if "error" in ng:
+        print(f"n-gram ({path}): failed: {ng['error']}")
+        return
+    print(f"n-gram batch 1 ({path}): {ng['off']['ms_per_token']:.2f} ms/token off, "
+          f"{ng['ngram']['ms_per_token']:.2f} with k={k} (x{ng['speedup']:.2f}, mean acceptance length "
+          f"{ng['ngram'].get('mean_acceptance_length', 1.0):.2f}, same output: {ng['same_output']})")
+    print(f"  graph replays: off {ng['off']['graph_replays']}, n-gram {ng['ngram']['graph_replays']}; one replay (ms): "
+          f"{ng['ngram'].get('graph_replay_ms')}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ngram-model", default=None, help="default: the embedded SmolLM2 (real weights)")
+    ap.add_argument("--ngram-paths", nargs="+", choices=sorted(NGRAM_PATHS), default=["default"],
+                    help="default (GGUF dequantized into the model dtype on CUDA), packed (the Triton GGUF "
+                         "kernels), gguf_dequantized (float weights)")
     ap.add_argument("--draft-model", default="benchmarks/configs/qwen3-0.6b")
+    ap.add_argument("--parts", nargs="+", choices=["ngram", "draft"], default=["ngram", "draft"])
     ap.add_argument("--ngram-k", type=int, default=5)
     ap.add_argument("--draft-k", type=int, default=3)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--output-json", default=None)
     ns = ap.parse_args()
-    report = {"ngram": ngram_part(ns), "draft_model": draft_part(ns)}
-    ng = report["ngram"]
-    print(f"n-gram batch 1: {ng['off']['ms_per_token']:.2f} ms/token off, {ng['ngram']['ms_per_token']:.2f} with "
-          f"k={ns.ngram_k} (x{ng['speedup']:.2f}, mean acceptance length "
-          f"{ng['ngram'].get('mean_acceptance_length', 1.0):.2f}, same output: {ng['same_output']})")
-    print(f"graph replays: off {ng['off']['graph_replays']}, n-gram {ng['ngram']['graph_replays']}")
-    print(f"{'draft = target':<20} {'tok/s':>10} {'accept len':>11} {'overhead ms/step':>16}  graph replays (draft)")
-    for name, row in report["draft_model"].items():
-        print(f"{name:<20} {row['tokens_per_s']:>10.1f} {row.get('mean_acceptance_length', 1.0):>11.2f} "
-              f"{row.get('overhead_per_step_ms', 0.0):>16.2f}  {row['graph_replays']} ({row['draft_graph_replays']})")
+    report: dict = {"ngram": {}}
+    for path in ns.ngram_paths if "ngram" in ns.parts else ():
+        try:
+            report["ngram"][path] = ngram_part(ns, path)
+        except Exception as e:  # noqa: BLE001 - one failing configuration must not lose the others
+            report["ngram"][path] = {"error": repr(e)}
+        print_ngram(report["ngram"][path], path, ns.ngram_k)
+    if "draft" in ns.parts:
+        report["draft_model"] = draft_part(ns)
+        print(f"{'draft = target':<20} {'tok/s':>10} {'accept len':>11} {'overhead ms/step':>16}  graph replays (draft)")
+        for name, row in report["draft_model"].items():
+            print(f"{name:<20} {row['tokens_per_s']:>10.1f} {row.get('mean_acceptance_length', 1.0):>11.2f} "
+                  f"{row.get('overhead_per_step_ms', 0.0):>16.2f}  {row['graph_replays']} ({row['draft_graph_replays']})")
     if ns.output_json:
         with open(ns.output_json, "w") as f:
             json.dump(report, f, indent=2)

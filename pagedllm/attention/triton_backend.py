@@ -9,7 +9,11 @@ Dispatch (cost per layer): one KV-store launch, then
   a launch grid that depends only on ``num_reqs`` and constants, so a pure decode batch
   (``meta.max_query_len == 1``: nothing else is launched) can be captured in a CUDA graph at a
   padded batch size;
-- when ``meta.max_query_len > 1``, one launch of the unified ragged kernel
+- when every request has at most a few queries (``short_query_attention.fits``: speculative
+  verification, short chunks), the split-KV kernel of ``short_query_attention`` and its reduce
+  kernel for the requests with ``query_len > 1`` (the unified kernel would give each request and
+  KV head one program walking the whole context);
+- else, when ``meta.max_query_len > 1``, one launch of the unified ragged kernel
   (``paged_attention.unified_attention(skip_decodes=True)``) for prefill, chunked prefill with a
   cached prefix, and any other ``query_len > 1`` request. Splitting a mixed batch this way keeps
   decodes off the tall prefill tiles (two launches beat one unified launch on mixed steps;
@@ -113,7 +117,7 @@ class TritonBackend(AttentionBackend):
         sliding window and logit soft cap, compile-time constants of the kernels). ``out`` (optional,
         shaped like ``query``) is written in place and returned: a preallocated buffer for CUDA
         graphs, or a poisoned one in tests."""
-        from pagedllm.attention.triton_kernels import paged_attention
+        from pagedllm.attention.triton_kernels import paged_attention, short_query_attention
 
         if not kv_stored:
             _store_kv(key, value, kv_cache, meta.slot_mapping)
@@ -129,7 +133,10 @@ class TritonBackend(AttentionBackend):
         options = {"sliding_window": sliding_window, "logits_soft_cap": logits_soft_cap}
         paged_attention.paged_decode(*args, scale, order=meta.decode_order, **options)  # query_len == 1
         if meta.max_query_len > 1:
-            paged_attention.unified_attention(*args, meta.max_query_len, scale, skip_decodes=True, **options)
+            if short_query_attention.fits(meta.max_query_len, query.shape[1] // kv_cache.shape[3]):
+                short_query_attention.short_query_attention(*args, meta.max_query_len, scale, **options)
+            else:
+                paged_attention.unified_attention(*args, meta.max_query_len, scale, skip_decodes=True, **options)
         return out
 
 

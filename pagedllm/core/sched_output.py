@@ -62,6 +62,10 @@ class SchedulerOutput:
     # position of the request's tokens, replacing what it holds from there on: a token sampled in
     # flight at that position was superseded by them and is dropped.
     jump_forward_tokens: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
+    # Pipeline parallel only (empty otherwise): req_id -> the last tokens this step computes for a
+    # request the runner already holds, from its first output position on. The stages before the
+    # last never sample, so this is how they learn the sampled tokens (vLLM's ``new_token_ids``).
+    new_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -65,6 +65,14 @@ Semantics fixed here:
   is finished as FINISHED_ABORTED when it reaches the head of the waiting queue, and reported
   (finish_reason "abort") by the next ``update_from_output``. The engine must therefore call
   ``update_from_output`` after every ``schedule()``, even an empty one.
+- Micro-batches (pipeline parallel, ``schedule_micro_batches(depth)``): up to ``depth`` steps are
+  in flight at once, each over requests no other step in flight holds (``_in_flight``, cleared by
+  the step's update), so that every stage works on one micro-batch while the next stage works on
+  another. A step takes at most ``ceil(unfinished running and waiting requests / depth)``
+  requests, which splits a batch evenly over the micro-batches. A request preempted while its step
+  is in flight is re-admitted only after that step's update (its stale result is then dropped).
+  Each step carries ``new_token_ids``: the output tokens it computes, which the stages before the
+  last (they never sample) learn from it.
 """
 
 from __future__ import annotations
@@ -250,6 +258,25 @@ class Scheduler:
         # a finished request is not kept alive by its entry). Cost: O(log n) per request added;
         # O(1) per step while nobody times out.
         self._arrivals: list[tuple[float, int, str]] = []
+        # Micro-batches (module doc): ids of the requests of launched steps not yet updated, and the
+        # most requests one step takes; None / unused without them (no cost then).
+        self._in_flight: set[str] | None = None
+        self._micro_batch_depth = 1
+        self._micro_batch_cap = scheduler_config.max_num_seqs
+
+    def schedule_micro_batches(self, depth: int) -> None:
+        """From now on up to ``depth`` scheduled steps may be in flight at once, over disjoint
+        requests (module doc: micro-batches); ``depth`` 1 runs one step at a time on the same path."""
+        if depth < 1:
+            raise ValueError(f"depth must be at least 1, got {depth}")
+        self._micro_batch_depth = depth
+        if self._in_flight is None:
+            self._in_flight = set()
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests (ids) of micro-batches launched and not yet updated (0 without micro-batches)."""
+        return len(self._in_flight) if self._in_flight is not None else 0
 
     @property
     def block_pool(self) -> BlockPool:
@@ -367,12 +394,39 @@ class Scheduler:
             self._expire_timed_out(time.time())
         out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
         self.finished_req_ids = set()
-        self._schedule_tokens(out, self.running.snapshot(), out.scheduled_cached_reqs)  # running requests
+        running = self.running.snapshot()
+        if self._in_flight is not None:
+            running = self._micro_batch_candidates(running)
+        self._schedule_tokens(out, running, out.scheduled_cached_reqs)  # running requests
         if not out.preempted_req_ids and len(self.waiting):
             self._schedule_waiting(out)
         if self._jump_forward_tokens:
             self._send_jump_forward_tokens(out)
+        if self._in_flight is not None:
+            self._launch_micro_batch(out)
         return out
+
+    def _micro_batch_candidates(self, running: list[Request]) -> list[Request]:
+        """The running requests this micro-batch may schedule: those not in flight, at most its
+        share of the unfinished requests (which also caps the waiting ones it admits)."""
+        in_flight = self._in_flight
+        self._micro_batch_cap = cap = -(-(len(self.running) + len(self.waiting)) // self._micro_batch_depth)
+        return [r for r in running if r.request_id not in in_flight][:cap]
+
+    def _launch_micro_batch(self, out: SchedulerOutput) -> None:
+        """Note the step's requests as in flight and give it the output tokens it computes for the
+        requests the runner already holds (``SchedulerOutput.new_token_ids``): none of them is in
+        flight, so each of those tokens is known here. O(scheduled requests)."""
+        scheduled = out.num_scheduled_tokens
+        self._in_flight.update(scheduled)
+        requests = self.requests
+        for record in out.scheduled_cached_reqs:
+            request = requests[record.req_id]
+            start = record.num_computed_tokens
+            end = start + scheduled[record.req_id]
+            first = max(start, request.num_prompt_tokens)
+            if end > first:
+                out.new_token_ids[record.req_id] = request.all_token_ids[first:end]
 
     def _send_jump_forward_tokens(self, out: SchedulerOutput) -> None:
         """Hand the runner the jumped tokens of the requests scheduled in ``out`` (the others keep
@@ -437,7 +491,8 @@ class Scheduler:
                 new_block_ids = allocated
                 if num_drafts and not request.spec_token_ids:  # the pool had no room for them
                     num_new_tokens, level, num_drafts = num_new_tokens - num_drafts, level - num_drafts, 0
-                del requests[len(self.running):]  # preempted victims (the back): stop before them
+                while requests and requests[-1].status != _RUNNING:  # the preempted victims (the back)
+                    requests.pop()
             records.append(CachedRequestData(req_id, new_block_ids, num_computed))
             num_scheduled[req_id] = num_new_tokens
             budget -= num_new_tokens
@@ -513,6 +568,12 @@ class Scheduler:
         loras = self._running_loras() if config.max_loras is not None else None
         while len(self.waiting) > num_skipped and len(self.running) < config.max_num_seqs and self._budget_left(out) > 0:
             request = self.waiting[num_skipped]
+            if self._in_flight is not None:
+                if len(out.num_scheduled_tokens) >= self._micro_batch_cap:
+                    break  # this micro-batch has its share: the next one admits the rest
+                if request.request_id in self._in_flight:  # preempted while its step is in flight
+                    num_skipped += 1
+                    continue
             if loras is not None and request.lora_request is not None:
                 lora_id = request.lora_request.lora_int_id
                 if lora_id not in loras and len(loras) >= config.max_loras:
@@ -623,6 +684,8 @@ class Scheduler:
         loop body is the per-request cost of every decode step, so it is kept flat.
         """
         outputs, self._pending_outputs = self._pending_outputs, []
+        if self._in_flight is not None:
+            self._in_flight.difference_update(scheduler_output.num_scheduled_tokens)
         if model_runner_output.pooler_output:
             outputs.extend(self._finish_pooled(model_runner_output.pooler_output))
         req_ids = list(scheduler_output.num_scheduled_tokens)

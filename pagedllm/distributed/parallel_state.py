@@ -62,11 +62,10 @@ class PipelineParallelGroup:
     """This rank's pipeline stage: ``stage`` of ``size``, holding decoder layers ``layer_range``.
 
     Stage ``s`` receives the residual stream from the same tensor-parallel rank of stage ``s - 1``
-    and sends its own to stage ``s + 1`` (point-to-point); the last stage samples and broadcasts
-    the sampled ids to every rank (``broadcast_sampled``), so every stage's input batch knows them.
+    and sends its own to stage ``s + 1`` (point-to-point); only the last stage samples (the engine
+    sends the earlier stages the sampled ids with the next step that computes them).
     Invariant: ``0 <= stage < size``; ``world_rank = stage * tp_size + tp_rank``. Cost: none at
-    size 1; one send and one receive of ``[tokens, hidden]`` per stage boundary per step otherwise,
-    plus one broadcast of the sampled ids.
+    size 1; one send and one receive of ``[tokens, hidden]`` per stage boundary per step otherwise.
     """
 
     stage: int = 0
@@ -94,13 +93,6 @@ class PipelineParallelGroup:
         x = torch.empty(shape, dtype=dtype, device=device)
         torch.distributed.recv(x, src=self.world_rank - self.tp_size)
         return x
-
-    def broadcast_sampled(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """The last stage's ``token_ids`` on every rank (their number is known everywhere)."""
-        if self.size == 1:
-            return token_ids
-        torch.distributed.broadcast(token_ids, src=(self.size - 1) * self.tp_size)
-        return token_ids
 
 
 _tp_group = TensorParallelGroup()

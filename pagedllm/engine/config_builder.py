@@ -191,6 +191,9 @@ def _pooling_setup(args: EngineArgs, source: Any, hf_config: Any, is_encoder: bo
     folder = source.path if source.kind == "hf" else None
     if args.speculative_config is not None:
         raise ValueError("speculative_config is not supported with runner='pooling' (nothing is generated)")
+    if args.pipeline_parallel_size > 1:
+        raise ValueError("pipeline_parallel_size must be 1 with runner='pooling' (the pooler reads every layer's "
+                         "output on one rank)")
     changes: dict[str, Any] = {"enable_prefix_caching": False}
     if is_encoder:
         if args.max_num_batched_tokens is not None and args.max_model_len is not None \

@@ -28,6 +28,17 @@ part of the fill that outlasts output processing plus scheduling
 start and its sample; the runner never sees the difference (execute and sample still alternate).
 A step without constrained requests keeps the plain order (no cost).
 ``benchmarks/structured_step_overhead.py`` measures the cost against a simulated GPU.
+
+Pipeline parallel (``pipeline_parallel_size`` = P > 1) replaces that order with a batch queue (vLLM's
+``step_with_batch_queue``): up to P micro-batches of disjoint requests are in flight, so that stage
+s works on one while stage s + 1 works on the one before it. A step schedules and launches one
+micro-batch and returns at once while the queue has room and the scheduler found work; otherwise
+(queue full, or nothing left to schedule) it waits for the oldest micro-batch and applies it. A
+request is scheduled again only once its micro-batch is applied, so its tokens are all known here
+and travel with the next step that computes them (``SchedulerOutput.new_token_ids``): the stages
+before the last never wait for the last one's samples. A constrained micro-batch fills its bitmask
+before it samples (its requests' matchers are up to date: their last step was applied).
+``benchmarks/pp_microbatch.py`` measures the gain on the CPU.
 """
 
 from __future__ import annotations
@@ -37,6 +48,7 @@ import gc
 import logging
 import time
 import weakref
+from collections import deque
 from collections.abc import Sequence
 
 from pagedllm.config import EngineConfig
@@ -57,7 +69,9 @@ class EngineCore:
     Invariant: with async scheduling at most one launched step is not yet applied to the
     scheduler: sampled (``_in_flight``), or waiting for its bitmask (``_unsampled``, structured
     output: its forward is launched, its sample is the first thing the next step launches);
-    without it none. Cost per step: one schedule, one executor launch,
+    without it none. With pipeline parallelism instead (``_batch_queue``) at most
+    ``max_micro_batches`` launched steps are not yet applied, over disjoint requests, and they are
+    applied in launch order. Cost per step: one schedule, one executor launch,
     one wait for a step's tokens and one ``update_from_output``, all O(scheduled requests).
     ``stop_checker`` (the engine's stop-string check) is handed to the scheduler's update.
     ``structured_output`` (built from ``tokenizer``; None without one) owns the grammars.
@@ -67,6 +81,9 @@ class EngineCore:
     # whose bitmask is being filled; the next step samples it first (module doc). A class default
     # so that engines built without __init__ (benchmarks' fake cores) start without one.
     _unsampled: tuple[SchedulerOutput, BitmaskJob] | None = None
+    # Pipeline parallel: the launched micro-batches not yet applied, oldest first (module doc);
+    # None without pipeline parallelism.
+    _batch_queue: deque | None = None
 
     def __init__(self, config: EngineConfig, stop_checker: StopChecker | None = None, tokenizer=None) -> None:
         t0 = time.perf_counter()
@@ -96,6 +113,8 @@ class EngineCore:
         self._in_flight = None  # (SchedulerOutput, StepHandle) of the step still on the GPU
         # Cumulative wall time per phase (seconds), for profiling the CPU share of a step.
         self.step_timings: dict[str, float] = {"schedule": 0.0, "execute": 0.0, "update": 0.0, "steps": 0}
+        if config.parallel_config.pipeline_parallel_size > 1:
+            self.set_max_micro_batches(config.parallel_config.pipeline_parallel_size)
         logger.info(
             "engine ready in %.1f s: %d KV blocks of %d tokens (%d tokens, %.2f GiB) on %s",
             time.perf_counter() - t0, num_blocks, cache_config.block_size, num_blocks * cache_config.block_size,
@@ -132,9 +151,22 @@ class EngineCore:
         if request_ids:
             self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
+    def set_max_micro_batches(self, depth: int) -> None:
+        """Pipeline parallel: keep up to ``depth`` micro-batches in flight (module doc; the
+        engine starts with ``pipeline_parallel_size``; 1 runs one batch at a time, for comparison).
+        ``micro_batch_stats`` counts the micro-batches launched and how many were in flight."""
+        if self._batch_queue:
+            raise RuntimeError("set_max_micro_batches while micro-batches are in flight")
+        self._batch_queue = deque()
+        self.max_micro_batches = depth
+        self.micro_batch_stats = {"launched": 0, "launched_behind_another": 0, "max_in_flight": 0}
+        self.scheduler.schedule_micro_batches(depth)
+
     def step(self) -> list[EngineCoreOutput]:
         """schedule -> execute -> update. The scheduler is always told the outcome, even of an empty
         step, so requests it finished on its own (can never fit) are reported."""
+        if self._batch_queue is not None:
+            return self._step_with_batch_queue()
         t0 = time.perf_counter()
         sched_out = self.scheduler.schedule()
         t1 = time.perf_counter()
@@ -197,6 +229,53 @@ class EngineCore:
         self._unsampled = None
         self._in_flight = (sched_out, self.executor.sample_tokens(self.structured_output.finish_bitmask(job)))
 
+    def _step_with_batch_queue(self) -> list[EngineCoreOutput]:
+        """One step of pipeline parallelism (module doc): launch a micro-batch while the queue has
+        room and there is work, else wait for the oldest one and apply it."""
+        t0 = time.perf_counter()
+        queue, outputs = self._batch_queue, []
+        launched = False
+        if len(queue) < self.max_micro_batches:
+            sched_out = self.scheduler.schedule()
+            if sched_out.is_empty and not (sched_out.finished_req_ids or sched_out.preempted_req_ids):
+                # Nothing for the workers: report what the scheduler finished on its own, if anything.
+                outputs = self.scheduler.update_from_output(sched_out, ModelRunnerOutput([], []))
+                self._wait_for_grammars_if_idle()
+            else:
+                self._launch_micro_batch(sched_out)
+                launched = not sched_out.is_empty
+        t1 = time.perf_counter()
+        if queue and (not launched or len(queue) == self.max_micro_batches):
+            done_out, handle = queue.popleft()
+            runner_out = handle.result()
+            t2 = time.perf_counter()
+            outputs += self.scheduler.update_from_output(done_out, runner_out)
+            self._add_timings(t0, t1, t2, time.perf_counter())
+        return outputs
+
+    def _launch_micro_batch(self, sched_out: SchedulerOutput) -> None:
+        grammars = self.structured_output
+        bitmask = None
+        if grammars is not None and grammars.num_requests:
+            grammars.release(sched_out.finished_req_ids)
+        self.executor.execute_model(sched_out)
+        if grammars is not None and grammars.num_requests and grammars.has_requests_in(sched_out):
+            bitmask = grammars.grammar_bitmask(sched_out, self.scheduler.requests)
+        queue = self._batch_queue
+        queue.append((sched_out, self.executor.sample_tokens(bitmask)))
+        if not sched_out.is_empty:
+            stats = self.micro_batch_stats
+            in_flight = sum(not so.is_empty for so, _ in queue)
+            stats["launched"] += 1
+            stats["launched_behind_another"] += in_flight > 1
+            stats["max_in_flight"] = max(stats["max_in_flight"], in_flight)
+
+    def _wait_for_grammars_if_idle(self) -> None:
+        """Nothing to run but grammars to compile: wait for one rather than spin the loop."""
+        grammars = self.structured_output
+        if not self._batch_queue and grammars is not None and grammars.num_requests:
+            grammars.wait_for_compile(timeout_s=0.01)
+
     def _add_timings(self, t0: float, t1: float, t2: float, t3: float) -> None:
         timings = self.step_timings
         timings["schedule"] += t1 - t0
@@ -208,7 +287,8 @@ class EngineCore:
         if self.scheduler.has_unfinished_requests():  # the usual answer, checked first (every step)
             return True
         in_flight = self._in_flight is not None and not self._in_flight[0].is_empty
-        return in_flight or self._unsampled is not None or self.scheduler.has_finished_requests()
+        return (in_flight or self._unsampled is not None or bool(self._batch_queue)
+                or self.scheduler.has_finished_requests())
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_requests()

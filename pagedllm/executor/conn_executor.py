@@ -5,10 +5,13 @@ actor).
 Each call is pickled once and written to every worker's connection (the broadcast of the step's
 ``SchedulerOutput``, in the compact wire form of ``step_codec.py``); only the output rank
 (``ParallelConfig.output_rank``) sends a step's ``ModelRunnerOutput`` back (``mp_worker.py`` says
-which calls reply). While it waits for a reply the driver watches every connection (and, where it
-has them, the workers' process sentinels): a worker that reports an exception, closes its
-connection or exits makes the call raise ``WorkerFailedError`` naming the rank and the cause, and
-every later call raises the same error, so the engine fails loudly rather than hang.
+which calls reply). With async scheduling a rank holds a sampled step's reply until the next
+step's forward is launched; the driver that waits for the last step it sampled (pipeline parallel:
+nothing more to launch while micro-batches are in flight) first sends ``flush``. While it waits
+for a reply the driver watches every connection (and, where it has them, the workers' process
+sentinels): a worker that reports an exception, closes its connection or exits makes the call
+raise ``WorkerFailedError`` naming the rank and the cause, and every later call raises the same
+error, so the engine fails loudly rather than hang.
 """
 
 from __future__ import annotations
@@ -67,6 +70,10 @@ class ConnectionExecutor(Executor):
         self._launched = itertools.count()
         self._received = 0
         self._outputs: dict[int, ModelRunnerOutput] = {}
+        # The ranks hold a sampled step's reply until the next call (mp_worker._serve); the step
+        # whose reply they hold, if no execute_model has followed its sample_tokens yet.
+        self._defers_replies = config.async_scheduling
+        self._held_seq: int | None = None
 
     # -- what a subclass provides -------------------------------------------------------------
     @abstractmethod
@@ -131,6 +138,9 @@ class ConnectionExecutor(Executor):
         return self._failure
 
     def _step_output(self, seq: int) -> ModelRunnerOutput:
+        if seq == self._held_seq:  # nothing else will make the ranks send it
+            self._broadcast("flush")
+            self._held_seq = None
         while self._received <= seq:
             (self._outputs[self._received],) = self._replies([self.output_rank])
             self._received += 1
@@ -155,10 +165,14 @@ class ConnectionExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         self._broadcast("execute_model", encode_scheduler_output(scheduler_output))
+        self._held_seq = None
 
     def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> _ConnectionStepFuture:
         self._broadcast("sample_tokens", grammar_output)
-        return _ConnectionStepFuture(self, next(self._launched))
+        seq = next(self._launched)
+        if self._defers_replies:
+            self._held_seq = seq
+        return _ConnectionStepFuture(self, seq)
 
 
 def send_shutdown(conns: list[Connection]) -> None:

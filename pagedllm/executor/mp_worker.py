@@ -15,7 +15,9 @@ collective it will never join, so the driver tears the whole world down). Which 
 - ``sample_tokens``: only the output rank, with the step's ``ModelRunnerOutput``. Every rank calls
   ``result()`` on its own step handle, which applies the sampled tokens to its ``InputBatch`` (the
   ranks sample the same tokens from the same gathered logits with the same seeds); with async
-  scheduling it does so once the next step's forward is launched (``_serve``).
+  scheduling it does so once the next step's forward is launched (``_serve``), or on ``flush``
+  (the driver waits for that step with nothing else to launch: pipeline micro-batches). Only the
+  last pipeline stage samples; the earlier stages' steps resolve to nothing.
 """
 
 from __future__ import annotations
@@ -106,6 +108,10 @@ def _serve(worker: Any, rank: int, is_output_rank: bool, conn: Connection, defer
             return
         if method == "shutdown":
             return
+        if method == "flush":
+            if pending is not None:
+                resolve()
+            continue
         if method not in WORKER_CALLS:
             raise ValueError(f"unknown worker call {method!r}")
         if method == "execute_model":

@@ -55,7 +55,9 @@ class Linear(CustomOp):
     ``QuantizeMethodBase``, which creates, loads and processes its parameters and computes the
     product (``apply``); the layer then runs the ``quantized`` implementation on every device, says
     ``fuses_kernels = False`` and ``gemm_tunable = False`` (instance attributes: its weight is no
-    float matrix for the fused kernels or the cuBLAS table) and is neither prepacked nor folded.
+    float matrix for the fused kernels or the cuBLAS table) and is neither prepacked nor folded; its
+    ``forward_norm_prologue`` / ``forward_act_prologue`` run the method's own fused kernels where it
+    has them (``apply_norm_prologue`` / ``apply_act_prologue``) and the plan allows fused kernels.
     ``quant_method`` None: the plain layer above, unchanged.
 
     LoRA (``pagedllm.lora``): ``lora`` is None (no LoRA: nothing allocated) or the layer's stacked
@@ -80,6 +82,7 @@ class Linear(CustomOp):
         # oneDNN-blocked copy of ``weight`` for the CPU (``pack_cpu_weight``); None: not packed.
         self.cpu_packed_weight: torch.Tensor | None = None
         self.gemms: GemmLibrary | None = None  # the plan's cuBLAS / cuBLASLt table (CUDA)
+        self.quantized_fusions = False  # a quantized layer's fused methods may run (CUDA, fused kernels on)
         # A ``pagedllm.quantization`` ``QuantizeMethodBase`` (not imported: quantization sits above
         # layers and imports them), or None: the plain layer.
         self.quant_method = None
@@ -94,6 +97,7 @@ class Linear(CustomOp):
         oneDNN GEMM is no C kernel of ours: ``KernelConfig.cpu_kernels`` does not turn it off);
         ``quantized`` on every device for a quantized layer."""
         if self.quant_method is not None:
+            self.quantized_fusions = plan.device.type == "cuda" and plan.fused_kernels
             return "quantized"
         if plan.device.type == "cuda":
             self.gemms = plan.gemms
@@ -149,6 +153,14 @@ class Linear(CustomOp):
     def _fused(self) -> bool:
         return self.impl == "cuda" and self.fuses_kernels
 
+    def _quantized_fusion(self, name: str):
+        """The quantization method's fused method ``name`` (``apply_norm_prologue(layer, x, residual,
+        norm)`` / ``apply_act_prologue(layer, x)``, each returning None where its kernel does not
+        apply), where the layer runs quantized and the plan allows fused kernels; else None."""
+        if self.impl != "quantized" or not self.quantized_fusions:
+            return None
+        return getattr(self.quant_method, name, None)
+
     def forward_add_(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``residual += self(x)``, in place; returns ``residual``. On CUDA, without a bias and where
         cuBLAS runs the layer, one GEMM with the add in its epilogue (``GemmLibrary.linear_add_``);
@@ -168,6 +180,9 @@ class Linear(CustomOp):
         """``(self(norm(x + residual)), x + residual)`` in one launch (the GEMV with the residual add
         and the norm in its prologue; without a residual ``(self(norm(x)), x)``), or None where that
         kernel does not apply (it applies exactly where ``forward`` takes the Triton GEMV)."""
+        quantized = self._quantized_fusion("apply_norm_prologue")
+        if quantized is not None:
+            return quantized(self, x, residual, norm) if norm.fuses_kernels else None
         if not (self._fused() and norm.fuses_kernels
                 and triton_ops.norm_prologue_fits(x, residual, norm.weight, self.weight, self.tuning)):
             return None
@@ -176,6 +191,9 @@ class Linear(CustomOp):
     def forward_act_prologue(self, x: torch.Tensor) -> torch.Tensor | None:
         """``self(silu(gate) * up)`` for ``x = [gate | up]`` in one launch (the GEMV with the activation
         in its prologue), or None where that kernel does not apply."""
+        quantized = self._quantized_fusion("apply_act_prologue")
+        if quantized is not None:
+            return quantized(self, x)
         if not (self._fused() and triton_ops.act_prologue_fits(x, self.weight, self.tuning)):
             return None
         return triton_ops.silu_and_mul_linear(x, self.weight, self.bias)

@@ -17,9 +17,10 @@ Two sources, one serving form (``Fp8LinearMethod``):
 
 Serving form of a layer: ``weight [N, K]`` float8_e4m3fn (1 byte an element), ``weight_scale [N]``
 float32 (or ``weight_scale_inv`` for block-wise), ``input_scale`` a float32 ``[1]`` (static
-activations) or absent. ``apply`` quantizes the
-activations (per token unless the scheme says per tensor or static; none for weight-only schemes)
-and multiplies through ``fp8_ops`` (cuBLASLt on Hopper, else the tiled float32 product).
+activations) or absent. ``apply`` multiplies through ``fp8_ops``: at decode rows on CUDA the Triton
+weight-only GEMV (activations as they are, whatever the scheme: the product closer to the float
+one); else it quantizes the activations (per token unless the scheme says per tensor or static;
+none for weight-only schemes) and runs cuBLASLt on Hopper, or the tiled float32 product.
 """
 
 from __future__ import annotations
@@ -121,8 +122,9 @@ def _new_param(layer: Linear, name: str, tensor: torch.Tensor, loader: Any) -> N
 
 
 class Fp8LinearMethod(QuantizeMethodBase):
-    """FP8 weights of one ``Linear`` (module doc). Cost per call: one activation quantization pass
-    (unless weight-only) and one FP8 GEMM; on the CPU a float32 tile of weight rows at a time."""
+    """FP8 weights of one ``Linear`` (module doc). Cost per call: at decode rows on CUDA one GEMV
+    launch (two with split K); else one activation quantization pass (unless weight-only) and one
+    FP8 GEMM; on the CPU a float32 tile of weight rows at a time."""
 
     def __init__(self, scheme: Fp8Scheme) -> None:
         self.scheme = scheme
@@ -151,6 +153,26 @@ class Fp8LinearMethod(QuantizeMethodBase):
         layer.weight = nn.Parameter(wq, requires_grad=False)
         layer.weight_scale = nn.Parameter(scale, requires_grad=False)
 
+    def apply_norm_prologue(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
+                            norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(apply(norm(x + residual)), x + residual)`` in one launch (``Linear.forward_norm_prologue``),
+        or None where the GEMV does not take the norm (not CUDA, too many rows, block-wise scales,
+        a norm weight or residual unlike ``x``)."""
+        if not (self.scheme.block is None and fp8_ops.prologue_fits(x, layer.weight, layer.weight_scale, "norm")
+                and norm.weight.dtype == x.dtype and norm.weight.is_contiguous()
+                and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
+                                          and residual.stride(-1) == 1))):
+            return None
+        return fp8_ops.rms_norm_fp8_gemv(x, residual, norm.weight, norm.eps, layer.weight, layer.weight_scale,
+                                         layer.bias)
+
+    def apply_act_prologue(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """``apply(silu(gate) * up)`` for ``x = [gate | up]`` in one launch (``Linear.forward_act_prologue``),
+        or None where the GEMV does not take it."""
+        if not (self.scheme.block is None and fp8_ops.prologue_fits(x, layer.weight, layer.weight_scale, "act")):
+            return None
+        return fp8_ops.silu_and_mul_fp8_gemv(x, layer.weight, layer.weight_scale, layer.bias)
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         wq = layer.weight
@@ -158,6 +180,8 @@ class Fp8LinearMethod(QuantizeMethodBase):
             y = fp8_ops.fp8_linear_blockwise(x2, wq, layer.weight_scale_inv, self.scheme.block, x.dtype)
             return (y if bias is None else y + bias).reshape(*x.shape[:-1], wq.shape[0])
         w_scale = layer.weight_scale
+        if fp8_ops.gemv_fits(x2, wq, w_scale):  # decode rows: weight-only, the bias inside
+            return fp8_ops.fp8_gemv(x2, wq, w_scale, bias).reshape(*x.shape[:-1], wq.shape[0])
         if self.scheme.activations is None:
             y = fp8_ops.fp8_linear_tiled(x2, None, wq, w_scale, x.dtype)
         else:

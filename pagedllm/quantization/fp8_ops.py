@@ -7,6 +7,13 @@ with the dot product accumulated in float32: exactly what ``torch._scaled_mm`` c
 (cuBLASLt, row-wise scales) and what ``fp8_linear_tiled`` computes on any device, a tile of weight
 rows at a time (the float32 copy of one tile is the only extra memory).
 
+Decode rows (``gemv_fits``: CUDA, at most ``kernels/fp8_gemv.GEMV_MAX_ROWS`` rows): the Triton
+weight-only GEMV (``fp8_gemv``) reads each weight byte once and multiplies the activations as they
+are (no activation quantization: one launch, or two with split K, and a product closer to the
+float one), with the residual add + RMSNorm or the SiLU-and-mul before it in its prologue where the
+layer's fused methods ask (``rms_norm_fp8_gemv``, ``silu_and_mul_fp8_gemv``); above, the activations
+are quantized and cuBLASLt multiplies.
+
 Constraints of ``torch._scaled_mm`` (checked by ``scaled_mm_fits``): CUDA with compute capability
 >= 8.9, K and N multiples of 16, row-wise scales (torch >= 2.5), which take a bfloat16 output only.
 Elsewhere (the CPU, float16 or float32 models, odd shapes) the tiled path runs.
@@ -19,6 +26,7 @@ whole blocks at a time (every device; no cuBLASLt path yet).
 from __future__ import annotations
 
 import functools
+import importlib.util
 import math
 
 import torch
@@ -27,6 +35,7 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 # A scale never goes below this (an all-zero row would give 0 and then 0/0): vLLM's lower bound.
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 # Weight elements per float32 tile of the tiled GEMM (8 MiB).
 TILE_ELEMENTS = 1 << 21
 
@@ -42,8 +51,14 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_activations(x: torch.Tensor, static_scale: torch.Tensor | None,
                          per_token: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``(xq [M, K] float8, scale [M, 1] float32)`` for ``x [M, K]``: the checkpoint's static scale
-    where given, else dynamic: per token (row) or one for the whole tensor. A handful of small
-    launches (the max-norm reads ``x`` in its own dtype)."""
+    where given, else dynamic: per token (row) or one for the whole tensor. On CUDA per token: one
+    launch (``kernels/fp8_act_quant.py``); else a handful of small ones (the max-norm reads ``x`` in
+    its own dtype)."""
+    if per_token and static_scale is None and HAS_TRITON and x.is_cuda:
+        from pagedllm.quantization.kernels import fp8_act_quant
+
+        if fp8_act_quant.fits(x):
+            return fp8_act_quant.per_token_quant(x, FP8_MAX, MIN_SCALE)
     rows = x.shape[0]
     if static_scale is not None:
         scale = static_scale.float().reshape(1, 1).expand(rows, 1)
@@ -109,6 +124,50 @@ def scaled_mm_fits(x: torch.Tensor, wq: torch.Tensor) -> bool:
     n, k = wq.shape
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     return k % 16 == 0 and n % 16 == 0 and _has_fp8_tensor_cores(index)
+
+
+def gemv_fits(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor) -> bool:
+    """Whether the Triton weight-only GEMV takes this product (module doc)."""
+    if not (HAS_TRITON and x.is_cuda and x.dim() == 2):
+        return False
+    from pagedllm.quantization.kernels import fp8_gemv
+
+    return x.shape[0] <= fp8_gemv.GEMV_MAX_ROWS and fp8_gemv.fits(x, wq, w_scale)
+
+
+def fp8_gemv(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``[M, N]`` in x's dtype: ``x @ (Wq * w_scale)^T (+ bias)`` by the Triton GEMV (precondition: ``gemv_fits``)."""
+    from pagedllm.quantization.kernels import fp8_gemv as kernel
+
+    return kernel.fp8_gemv(x, wq, w_scale, bias)
+
+
+def prologue_fits(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, prologue: str) -> bool:
+    """Whether the GEMV takes ``prologue`` ("norm": residual add + RMSNorm of ``x``; "act": SiLU-and-mul
+    of ``x = [gate | up]``) at ``x``'s rows (``kernels/fp8_gemv.prologue_fits``), on CUDA."""
+    if not (HAS_TRITON and x.is_cuda and x.dim() == 2):
+        return False
+    from pagedllm.quantization.kernels import fp8_gemv as kernel
+
+    code = kernel.NORM_PROLOGUE if prologue == "norm" else kernel.ACT_PROLOGUE
+    return kernel.prologue_fits(x, wq, w_scale, code)
+
+
+def rms_norm_fp8_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                      wq: torch.Tensor, w_scale: torch.Tensor,
+                      bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(GEMV of rmsnorm(x + residual) * g, x + residual)`` in one launch (precondition: ``prologue_fits``)."""
+    from pagedllm.quantization.kernels import fp8_gemv as kernel
+
+    return kernel.rms_norm_fp8_gemv(x, residual, norm_weight, eps, wq, w_scale, bias)
+
+
+def silu_and_mul_fp8_gemv(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+                          bias: torch.Tensor | None) -> torch.Tensor:
+    """GEMV of ``silu(gate) * up`` for ``x = [gate | up]`` in one launch (precondition: ``prologue_fits``)."""
+    from pagedllm.quantization.kernels import fp8_gemv as kernel
+
+    return kernel.silu_and_mul_fp8_gemv(x, wq, w_scale, bias)
 
 
 def fp8_linear_scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,

@@ -3,7 +3,9 @@
 Which path a GGUF file takes (vLLM's rule: a GGUF model file implies ``quantization="gguf"``):
 
 - ``quantization`` None or "gguf" with ``load_format`` "auto" or "gguf": the file's quantized
-  matrices stay packed (``GGUFConfig``); norms and biases (F32 in the file) load as float.
+  matrices stay packed (``GGUFConfig``); norms and biases (F32 in the file) load as float. On a GPU
+  they stay packed only with ``quantization="gguf"`` given explicitly (``keeps_packed``); implied
+  by the file, they are dequantized into the model dtype at load (faster there).
 - ``load_format="gguf_dequantized"``: every weight dequantized to float at load (the
   dequantized-float path: 32 bits a weight on the CPU, the exact reference of the packed path).
 - another ``quantization`` (``fp8``) applies its own scheme to the dequantized weights.
@@ -15,15 +17,26 @@ in one block format; a merged qkv or gate_up layer whose shards share a format i
 A tied LM head shares the embedding's Parameter, so the packed table is held once.
 
 Products: ``apply`` picks the kernel of the input's device from ``PACKED_KERNELS`` (the CPU: the C
-library's ``gguf_matmul``, which decodes blocks in registers; a CUDA entry is the hook for the
-Triton kernels). Where the device has none, or the CPU kernels cannot be built,
-``process_weights_after_loading`` dequantizes the layer once (F32 segments, ``F.linear``). Many
-rows at once (prefill) dequantize a tile of weight rows exactly and run the float GEMM
-(``PREFILL_MIN_ROWS``).
+library's ``gguf_matmul``, which decodes blocks in registers, and from ``PREFILL_MIN_ROWS`` rows a
+tile of weight rows dequantized exactly for the float GEMM; CUDA: the Triton GEMV / tiled GEMM of
+``kernels/gguf_gemm.py`` on bf16 / fp16 activations, captured in the CUDA graphs). On the CPU the
+packed products equal the dequantized model's to float rounding; opt-in
+(``PAGEDLLM_GGUF_INT8_ACTIVATIONS=1``, read at load), Q4_0 / Q4_1 / Q8_0 layers round the
+activations to int8 blocks and take integer dot products (llama.cpp's scheme: the logits move by a
+few percent of their largest value; faster from about 8 rows, not at batch 1 on the embedded model,
+whose step is mostly outside the matmuls). Where the device has no kernel (or, on CUDA, a layer has
+a part in a format the Triton kernels lack), or the CPU kernels cannot be built,
+``process_weights_after_loading`` dequantizes the layer once into one matrix of the model's dtype
+and hands it back as a plain float layer (``as_float_layer``: no quantization method), which
+``prepare_model_kernels`` then dispatches as a float checkpoint's layer, fused kernels and GEMM
+choice included: the same kernels at 1 row as at the few rows of a speculative verification, and
+no float32 copies of the activations.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm import envs
 from pagedllm.layers.embedding import LMHead, VocabEmbedding
 from pagedllm.layers.linear import Linear, MergedLinear
 from pagedllm.loader.gguf_file import GGUFTensor
@@ -75,8 +89,14 @@ def _mm_into(dst: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
         dst.copy_(torch.mm(x, w.t()))
 
 
-def _cpu_linear(x: torch.Tensor, packed: torch.Tensor, qtype: int, out: torch.Tensor) -> None:
-    """``out = x @ W^T`` on the CPU (``out`` a column slice of the layer's output)."""
+def _cpu_linear(x: torch.Tensor, packed: torch.Tensor, qtype: int, out: torch.Tensor,
+                int8_activations: bool = False) -> None:
+    """``out = x @ W^T`` on the CPU (``out`` a column slice of the layer's output). With
+    ``int8_activations`` (and a kernel for ``qtype``) every batch takes the integer kernel, which
+    beats dequantizing tiles for the float GEMM at every row count."""
+    if int8_activations and native.gguf_q8_supported(qtype):
+        native.gguf_matmul(x, packed, qtype, out, int8_activations=True)
+        return
     if x.shape[0] < PREFILL_MIN_ROWS:
         native.gguf_matmul(x, packed, qtype, out)
         return
@@ -86,19 +106,50 @@ def _cpu_linear(x: torch.Tensor, packed: torch.Tensor, qtype: int, out: torch.Te
         _mm_into(out[:, start:start + rows.shape[0]], x, native.gguf_dequantize_rows(rows, qtype, x.shape[1]))
 
 
+_cpu_linear_int8 = functools.partial(_cpu_linear, int8_activations=True)
+
+def _cuda_linear(x: torch.Tensor, packed: torch.Tensor, qtype: int, out: torch.Tensor) -> None:
+    """``out = x @ W^T`` on CUDA: the Triton GEMV / tiled GEMM, reading x and writing ``out`` in
+    their own dtype (bf16 / fp16 in and out, float32 inside)."""
+    from pagedllm.quantization.kernels import gguf_gemm
+
+    gguf_gemm.gguf_linear(x, packed, CUDA_TYPES[qtype], out=out)
+
+
+def _cuda_gather(packed: torch.Tensor, qtype: int, k: int, ids: torch.Tensor) -> torch.Tensor:
+    from pagedllm.quantization.kernels import gguf_gemm
+
+    return gguf_gemm.gguf_gather(packed, CUDA_TYPES[qtype], k, ids)
+
+
+# GGML type -> name, for the formats the CUDA kernels (kernels/gguf_gemm.py) multiply packed. A GPU
+# layer with a part in another format is dequantized whole (no float32 rows beside bf16 activations).
+CUDA_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 # The kernels per device type (the hook for other devices: add an entry to both tables).
-# ``PACKED_KERNELS[d](x float32 [M, K], packed [N, row_bytes], qtype, out float32 [M, N] view)``;
-# ``PACKED_GATHERS[d](packed, qtype, K, ids) -> float32 [len(ids), K]`` (the embedding lookup).
-PACKED_KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], None]] = {"cpu": _cpu_linear}
+# ``PACKED_KERNELS[d](x [M, K], packed [N, row_bytes], qtype, out [M, N] view)`` (float32 on the CPU,
+# x's dtype on CUDA); ``PACKED_GATHERS[d](packed, qtype, K, ids) -> float32 [len(ids), K]`` (the
+# embedding lookup).
+PACKED_KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], None]] = {
+    "cpu": _cpu_linear, "cuda": _cuda_linear}
 PACKED_GATHERS: dict[str, Callable[[torch.Tensor, int, int, torch.Tensor], torch.Tensor]] = {
-    "cpu": native.gguf_dequantize_gather}
+    "cpu": native.gguf_dequantize_gather, "cuda": _cuda_gather}
 
 
 def has_packed_kernel(device: torch.device) -> bool:
-    """Whether ``device`` multiplies GGUF blocks packed (the CPU needs the C library built)."""
+    """Whether ``device`` multiplies GGUF blocks packed (the CPU needs the C library built, CUDA
+    needs Triton)."""
     if device.type == "cpu":
         return native.load() is not None
+    if device.type == "cuda":
+        return importlib.util.find_spec("triton") is not None
     return device.type in PACKED_KERNELS and device.type in PACKED_GATHERS
+
+
+def keeps_packed(device: torch.device, packed_on_gpu: bool) -> bool:
+    """Whether a layer on ``device`` keeps its blocks: where the device has a kernel, and on CUDA only
+    when asked (``quantization="gguf"`` given explicitly): the Triton kernels there save memory
+    (about 4.5 bits a weight for Q4_1) but are slower than the model dtype's GEMMs."""
+    return has_packed_kernel(device) and (device.type != "cuda" or packed_on_gpu)
 
 
 def as_gguf_tensor(loaded: GGUFTensor | torch.Tensor) -> GGUFTensor:
@@ -118,9 +169,15 @@ def dequantized(t: GGUFTensor) -> GGUFTensor:
 
 def pack_segments(param: nn.Parameter, parts: list[GGUFTensor], keep_packed: bool) -> None:
     """Make ``param`` the serving form of ``parts`` (the layer's row blocks, in row order): their
-    bytes back to back (on ``param``'s device) and ``param.gguf_segments``. Formats without a kernel,
-    and every part where ``keep_packed`` is False, are dequantized first."""
-    parts = [p if keep_packed and p.qtype in PACKED_TYPES else dequantized(p) for p in parts]
+    bytes back to back (on ``param``'s device) and ``param.gguf_segments``. With ``keep_packed``,
+    formats without a kernel are dequantized to F32 rows; without it the whole layer is one matrix
+    in ``param.gguf_dtype`` (``param.gguf_dense``, for ``as_float_layer``)."""
+    if param.device.type == "cuda" and any(p.qtype not in CUDA_TYPES for p in parts):
+        keep_packed = False
+    if not keep_packed:
+        _pack_dense(param, parts)
+        return
+    parts = [p if p.qtype in PACKED_TYPES else dequantized(p) for p in parts]
     segments, blobs, row, offset = [], [], 0, 0
     for p in parts:
         last = segments[-1] if segments else None
@@ -135,16 +192,46 @@ def pack_segments(param: nn.Parameter, parts: list[GGUFTensor], keep_packed: boo
     param.data = torch.cat(blobs).to(param.device)
     param.gguf_segments = tuple(segments)
     param.gguf_rows = tuple(seg.rows(param.data) for seg in segments)  # views, made once
+    param.gguf_int8_activations = envs.PAGEDLLM_GGUF_INT8_ACTIVATIONS  # read once, at load (CPU only)
+    param.gguf_dense = None
+
+
+def _pack_dense(param: nn.Parameter, parts: list[GGUFTensor]) -> None:
+    """``parts`` dequantized exactly (float32), then rounded once to ``param.gguf_dtype``."""
+    dense = torch.cat([dequantized(p).data.view(torch.float32) for p in parts])
+    param.data = torch.empty(0, dtype=torch.uint8, device=param.device)
+    param.gguf_segments = param.gguf_rows = ()
+    param.gguf_dense = dense.to(param.device, param.gguf_dtype)
+
+
+def as_float_layer(layer: nn.Module) -> None:
+    """Where ``layer``'s weight was dequantized at load (``weight.gguf_dense``), make it the plain
+    float layer of that matrix: no quantization method, the layer class's kernel flags, its
+    implementation chosen again by ``prepare_model_kernels`` (``native`` until then). The
+    Parameter object is kept (a tied LM head shares it with the embedding)."""
+    weight = layer.weight
+    if getattr(weight, "gguf_dense", None) is None:
+        return
+    weight.data = weight.gguf_dense
+    layer.quant_method = None
+    for flag in ("fuses_kernels", "gemm_tunable"):  # set on the instance by set_quant_method
+        layer.__dict__.pop(flag, None)
+    layer.use_impl("native")
 
 
 def gguf_linear(weight: nn.Parameter, x: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ W^T (+ bias)`` for the packed ``weight`` (see the module doc); float32 inside, the
-    result in ``x``'s dtype."""
+    result in ``x``'s dtype. The CPU kernels take float32 x; the CUDA ones x as it is."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
-    xf = x2 if x2.dtype == torch.float32 and x2.stride(-1) == 1 else x2.float().contiguous()
-    out = torch.empty((xf.shape[0], out_features), dtype=torch.float32, device=x.device)
+    if x.is_cuda:  # every segment is a Triton-packed one there (pack_segments)
+        xf = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    else:
+        xf = x2 if x2.dtype == torch.float32 and x2.stride(-1) == 1 else x2.float().contiguous()
+    out = torch.empty((xf.shape[0], out_features), dtype=xf.dtype, device=x.device)
     kernel = PACKED_KERNELS.get(x.device.type)
+    if x.device.type == "cpu" and weight.gguf_int8_activations:
+        kernel = _cpu_linear_int8
     whole = len(weight.gguf_segments) == 1
     for seg, rows in zip(weight.gguf_segments, weight.gguf_rows):
         cols = out if whole else out[:, seg.row_start:seg.row_start + seg.num_rows]
@@ -154,7 +241,7 @@ def gguf_linear(weight: nn.Parameter, x: torch.Tensor, out_features: int, bias: 
             kernel(xf, rows, seg.qtype, cols)
     if bias is not None:
         out += bias
-    out = out if x.dtype == torch.float32 else out.to(x.dtype)
+    out = out if out.dtype == x.dtype else out.to(x.dtype)
     return out.reshape(*x.shape[:-1], out_features)
 
 
@@ -164,9 +251,13 @@ class GGUFLinearMethod(QuantizeMethodBase):
     ``process_weights_after_loading`` packs them into segments. Cost per call: one kernel per
     segment; the weight is read once."""
 
+    def __init__(self, packed_on_gpu: bool = False) -> None:
+        self.packed_on_gpu = packed_on_gpu
+
     def create_weights(self, layer: nn.Module) -> None:
         old = layer.weight
         param = nn.Parameter(torch.empty(0, dtype=torch.uint8, device=old.device), requires_grad=False)
+        param.gguf_dtype = old.dtype  # the model's: the dtype of a layer dequantized at load
         param.weight_loader = self._loader(layer)
         if hasattr(old, "shard_ids"):
             param.shard_ids = old.shard_ids
@@ -191,8 +282,9 @@ class GGUFLinearMethod(QuantizeMethodBase):
             raise ValueError("quantization: gguf layers load their blocks from a GGUF file (load_format='dummy' "
                              "has none)")
         parts = [layer.gguf_shards[i] for i in sorted(layer.gguf_shards)]
-        pack_segments(layer.weight, parts, has_packed_kernel(layer.weight.device))
+        pack_segments(layer.weight, parts, keeps_packed(layer.weight.device, self.packed_on_gpu))
         layer.gguf_shards = {}
+        as_float_layer(layer)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return gguf_linear(layer.weight, x, layer.out_features, bias)
@@ -202,6 +294,9 @@ class GGUFEmbeddingMethod(QuantizeMethodBase):
     """The token embedding (``embedding``: gather rows, dequantize them) and the LM head (``apply``)
     with their table in GGUF blocks. The checkpoint tensor is packed as it loads (one tensor, no
     shards); a tied head shares the embedding's Parameter and loads nothing itself."""
+
+    def __init__(self, packed_on_gpu: bool = False) -> None:
+        self.packed_on_gpu = packed_on_gpu
 
     def create_weights(self, layer: nn.Module) -> None:
         if getattr(layer, "tied", False):
@@ -214,9 +309,13 @@ class GGUFEmbeddingMethod(QuantizeMethodBase):
             t = as_gguf_tensor(loaded)
             if t.shape != p.gguf_shape:
                 raise ValueError(f"weight shape {t.shape} does not match parameter {p.gguf_shape}")
-            pack_segments(p, [t], has_packed_kernel(p.device))
+            pack_segments(p, [t], keeps_packed(p.device, self.packed_on_gpu))
 
         param.weight_loader = load
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """The embedding and a tied head alike: a plain float layer where the table was dequantized."""
+        as_float_layer(layer)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return gguf_linear(layer.weight, x, layer.weight.gguf_shape[0], bias)
@@ -239,8 +338,11 @@ class GGUFConfig(QuantizationConfig):
 
     name = "gguf"
 
-    def __init__(self) -> None:
+    def __init__(self, packed_on_gpu: bool = False) -> None:
+        """``packed_on_gpu``: the user gave ``quantization="gguf"`` (implied by a GGUF file, the
+        blocks are dequantized into the model dtype on a GPU: ``keeps_packed``)."""
         self.packed_modules_mapping: dict[str, list[str]] = {}
+        self.packed_on_gpu = packed_on_gpu
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> GGUFConfig:
@@ -252,17 +354,19 @@ class GGUFConfig(QuantizationConfig):
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
         if isinstance(layer, Linear):
-            return GGUFLinearMethod()
+            return GGUFLinearMethod(self.packed_on_gpu)
         if isinstance(layer, (VocabEmbedding, LMHead)):
-            return GGUFEmbeddingMethod()
+            return GGUFEmbeddingMethod(self.packed_on_gpu)
         return None
 
     def weight_iterator(self, source: Any) -> Any:
         return source.iter_weights(gguf_packed=True)
 
     def describe(self) -> str:
-        return ("gguf (the file's quantized blocks stay packed in the linear layers, embedding and LM head; "
-                "load_format='gguf_dequantized' loads them as float instead)")
+        gpu = ("packed on a GPU too (quantization='gguf' given: the Triton GGUF kernels)" if self.packed_on_gpu else
+               "dequantized into the model dtype on a GPU (quantization='gguf' keeps them packed there)")
+        return ("gguf (the file's quantized blocks stay packed in the linear layers, embedding and LM head on the "
+                f"CPU, {gpu}; load_format='gguf_dequantized' loads them as float instead)")
 
 
 def gguf_quantization(quantization: str | None, source_kind: str | None, load_format: str) -> str | None:

@@ -38,9 +38,10 @@ def get_quantization_config(quantization: str | None, hf_config: Any, source_kin
     GGUF file (``source_kind`` "gguf") implies "gguf" unless told otherwise (``gguf.gguf_quantization``)."""
     if quantization is not None and quantization not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be one of {sorted(QUANTIZATION_METHODS)} or None, got {quantization!r}")
+    requested = quantization
     quantization = gguf_quantization(quantization, source_kind, load_format)
     if quantization == "gguf":
-        return GGUFConfig()
+        return GGUFConfig(packed_on_gpu=requested == "gguf")
     checkpoint = checkpoint_quantization_config(hf_config)
     if checkpoint is None:
         return QUANTIZATION_METHODS[quantization].online() if quantization is not None else None
@@ -75,7 +76,7 @@ def process_quantized_weights(model: nn.Module) -> None:
     """After the load: every quantized layer takes its serving form (``process_weights_after_loading``)."""
     for module in model.modules():
         method = getattr(module, "quant_method", None)
-        if isinstance(module, Linear) and method is not None:
+        if isinstance(module, (Linear, VocabEmbedding, LMHead)) and method is not None:
             method.process_weights_after_loading(module)
 
 

@@ -170,18 +170,17 @@ class ModelRunner:
             return StepHandle.empty()
         inp, batch = fwd.inputs, self.input_batch
         handle = StepHandle(batch, inp.req_ids, inp.sample_req_idx, self.proposer)
-        if inp.sample_req_idx:
+        # No logits: nothing samples, or a pipeline stage before the last, which samples nothing
+        # (the driver sends it the sampled ids with the next step: SchedulerOutput.new_token_ids).
+        if fwd.logits is not None:
             rows = [batch.req_id_to_row[inp.req_ids[i]] for i in inp.sample_req_idx]
             params = [batch.params[r] for r in rows]
-            if fwd.logits is None:  # a pipeline stage before the last: it samples nothing itself
-                self._receive_sampled(handle, rows, params, inp.drafts)
+            if grammar_output is not None:
+                self._apply_grammar(fwd.logits, inp, grammar_output)
+            if inp.drafts is None:
+                self._sample_one_per_request(handle, fwd.logits, rows, params)
             else:
-                if grammar_output is not None:
-                    self._apply_grammar(fwd.logits, inp, grammar_output)
-                if inp.drafts is None:
-                    self._sample_one_per_request(handle, fwd.logits, rows, params)
-                else:
-                    self._sample_with_drafts(handle, fwd.logits, rows, params, inp.drafts)
+                self._sample_with_drafts(handle, fwd.logits, rows, params, inp.drafts)
         # Prompt logprobs come from prefill chunks, which never run as a graph (hidden is set then).
         if fwd.hidden is not None:
             handle.prompt_logprobs = self.prompt_logprobs.compute(
@@ -198,20 +197,8 @@ class ModelRunner:
         # Counts include tokens still in flight (async scheduling) so positions (seeds, min_tokens)
         # are exact; rows that read the ids themselves waited for them (StepSyncPolicy).
         result = self._sample(logits, rows_np, params, batch.num_tokens[rows_np] + batch.num_pending[rows_np])
-        if self.pp.size > 1:  # the earlier stages' input batches need the ids too
-            self.pp.broadcast_sampled(result.token_ids)
         handle.launch_copies(result, rows, params)
         self.prep.sampled(result.token_ids, rows, np.arange(len(rows)))
-        self.sync_policy.launched(None)
-
-    def _receive_sampled(self, handle: StepHandle, rows: list[int], params: list,
-                         drafts: list[list[int]] | None) -> None:
-        """A stage before the last: take the ids the last stage sampled (its broadcast) as if sampled
-        here, so this stage's input batch advances with the others."""
-        assert drafts is None, "EngineArgs refuses speculative_config with pipeline parallelism"
-        token_ids = self.pp.broadcast_sampled(torch.empty(len(rows), dtype=torch.int64, device=self.device))
-        handle.launch_copies(SamplerOutput(token_ids), rows, params)
-        self.prep.sampled(token_ids, rows, np.arange(len(rows)))
         self.sync_policy.launched(None)
 
     def _sample_with_drafts(self, handle: StepHandle, logits: torch.Tensor, rows: list[int], params: list,
@@ -267,5 +254,17 @@ class ModelRunner:
             self.prep.inputs.queue_block_update(row, int(batch.num_blocks[row]), cached.new_block_ids)
             batch.append_blocks(row, cached.new_block_ids)
             batch.num_computed_tokens[row] = cached.num_computed_tokens
+        if so.new_token_ids and not self.pp.is_last:
+            self._write_pipeline_tokens(so)
         for req_id, (start, token_ids) in so.jump_forward_tokens.items():
             batch.replace_tokens(batch.req_id_to_row[req_id], start, token_ids)
+
+    def _write_pipeline_tokens(self, so: SchedulerOutput) -> None:
+        """A pipeline stage before the last (it never samples): write the output tokens the step
+        computes, which the driver sends, where the step reads its input ids. O(those tokens)."""
+        batch = self.input_batch
+        for req_id, token_ids in so.new_token_ids.items():
+            row = batch.req_id_to_row[req_id]
+            end = int(batch.num_computed_tokens[row]) + so.num_scheduled_tokens[req_id]
+            batch.token_ids[row, end - len(token_ids) : end] = token_ids
+            batch.num_tokens[row] = max(int(batch.num_tokens[row]), end)

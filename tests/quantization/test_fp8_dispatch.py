@@ -16,18 +16,22 @@ from pagedllm.models import build_model, init_dummy_weights
 from pagedllm.quantization.fp8 import Fp8Config, Fp8LinearMethod
 from tests.helpers import PagedTestRunner, tiny_config
 
-CALLS: Counter = Counter()  # layer name -> calls of Fp8LinearMethod.apply
+# layer name -> products by Fp8LinearMethod: ``apply`` calls, and the fused prologue GEMVs it ran
+# (``apply_norm_prologue`` / ``apply_act_prologue`` calls that did not decline with None).
+CALLS: Counter = Counter()
 
 
 @pytest.fixture(autouse=True)
 def count_apply_calls(monkeypatch):
-    apply = Fp8LinearMethod.apply
+    for name in ("apply", "apply_norm_prologue", "apply_act_prologue"):
+        method = getattr(Fp8LinearMethod, name)
 
-    def counted(self, layer, x, bias):
-        CALLS[layer.test_name] += 1
-        return apply(self, layer, x, bias)
+        def counted(self, layer, *args, method=method):
+            out = method(self, layer, *args)
+            CALLS[layer.test_name] += out is not None
+            return out
 
-    monkeypatch.setattr(Fp8LinearMethod, "apply", counted)
+        monkeypatch.setattr(Fp8LinearMethod, name, counted)
 
 
 def fp8_model(arch: str, dtype: torch.dtype, device: str, quant_config=None) -> tuple[torch.nn.Module, list[str]]:

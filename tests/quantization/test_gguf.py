@@ -52,7 +52,9 @@ def smollm2_pair():
 
     source = resolve_model(None)
     config = load_hf_config(source)
-    packed = load_model(source, config, torch.float32, "cpu", GGUFConfig())
+    with pytest.MonkeyPatch.context() as mp:  # float activations: the exact packed products
+        mp.setenv("PAGEDLLM_GGUF_INT8_ACTIVATIONS", "0")
+        packed = load_model(source, config, torch.float32, "cpu", GGUFConfig())
     plain = load_model(source, config, torch.float32, "cpu", None)
     return packed, plain
 
@@ -124,8 +126,11 @@ def test_merged_layer_with_shards_of_several_formats(monkeypatch, packed_kernel)
         layer.weight.weight_loader(layer.weight, t, shard_id)
     layer.bias.data.copy_(torch.randn(256))
     layer.quant_method.process_weights_after_loading(layer)
-    # Q4_K (12) and Q6_K (14) stay packed; Q5_0 has no kernel: F32 rows. Without kernels: all F32.
-    assert [s.qtype for s in layer.weight.gguf_segments] == ([12, 14, 0] if packed_kernel else [0])
+    # Q4_K (12) and Q6_K (14) stay packed; Q5_0 has no kernel: F32 rows. Without kernels: a float layer.
+    if packed_kernel:
+        assert [s.qtype for s in layer.weight.gguf_segments] == [12, 14, 0]
+    else:
+        assert layer.quant_method is None and layer.weight.dtype == torch.float32
     w = torch.cat([t.dequantize() for t in shards.values()])
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(5))
     ref = torch.nn.functional.linear(x, w, layer.bias)
@@ -142,3 +147,102 @@ def test_a_shard_of_the_wrong_shape_is_refused():
     layer.set_quant_method(GGUFLinearMethod())
     with pytest.raises(ValueError, match="does not match"):
         layer.weight.weight_loader(layer.weight, _random_gguf("Q8_0", 32, 256, 0), 0)
+
+
+def test_without_a_kernel_a_layer_becomes_a_float_layer_in_the_model_dtype(monkeypatch):
+    """A GPU (no packed kernel): q/k/v dequantized once into one bfloat16 matrix, and the layer is a
+    plain float layer again (no quantization method, the fused-kernel flags of its class), so the
+    kernel plan dispatches it as a float checkpoint's: the same GEMM at 1 row as at 6."""
+    from pagedllm.layers.linear import QKVLinear
+    from pagedllm.quantization import gguf as gguf_module
+    from pagedllm.quantization.registry import process_quantized_weights
+
+    monkeypatch.setattr(gguf_module, "has_packed_kernel", lambda device: False)
+    layer = QKVLinear(256, 32, 4, 2, bias=True)
+    layer.weight.data = layer.weight.data.to(torch.bfloat16)
+    layer.bias.data = torch.randn(256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    layer.set_quant_method(gguf_module.GGUFLinearMethod())
+    shards = {"q": _random_gguf("Q4_K", 128, 256, 1), "k": _random_gguf("Q6_K", 64, 256, 2),
+              "v": _random_gguf("Q8_0", 64, 256, 3)}
+    for shard_id, t in shards.items():
+        layer.weight.weight_loader(layer.weight, t, shard_id)
+    process_quantized_weights(torch.nn.ModuleList([layer]))
+    dense = torch.cat([t.dequantize() for t in shards.values()]).to(torch.bfloat16)
+    assert layer.quant_method is None and layer.fuses_kernels and layer.gemm_tunable
+    assert layer.weight.dtype == torch.bfloat16 and torch.equal(layer.weight, dense)
+    for rows in (1, 6):
+        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+        assert torch.equal(layer(x), torch.nn.functional.linear(x, dense, layer.bias))
+
+
+def test_without_a_kernel_the_tied_table_becomes_a_float_table_in_the_model_dtype(monkeypatch):
+    from pagedllm.layers.embedding import LMHead, VocabEmbedding
+    from pagedllm.quantization import gguf as gguf_module
+    from pagedllm.quantization.registry import process_quantized_weights
+
+    monkeypatch.setattr(gguf_module, "has_packed_kernel", lambda device: False)
+    embed = VocabEmbedding(96, 64)
+    embed.weight.data = embed.weight.data.to(torch.bfloat16)
+    head = LMHead(96, 64, tied_to=embed)
+    for layer in (embed, head):
+        layer.set_quant_method(gguf_module.GGUFEmbeddingMethod())
+    table = _random_gguf("Q8_0", 96, 64, 7)
+    embed.weight.weight_loader(embed.weight, table)
+    process_quantized_weights(torch.nn.ModuleList([embed, head]))
+    dense = table.dequantize().to(torch.bfloat16)
+    assert head.weight is embed.weight and torch.equal(embed.weight, dense)
+    assert embed.quant_method is None and head.quant_method is None and head.fuses_kernels
+    ids = torch.tensor([0, 5, 95])
+    assert torch.equal(embed(ids), dense[ids])
+    hidden = torch.randn(6, 64, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    assert torch.equal(head(hidden, upcast=False), torch.nn.functional.linear(hidden, dense))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and has_default_model()), reason="needs CUDA and SmolLM2")
+def test_on_cuda_the_blocks_stay_packed_and_logits_match_the_dequantized_model():
+    """CUDA with quantization="gguf" given: the Triton kernels multiply the packed blocks in bfloat16 (GEMV at 1-4 rows, the tiled
+    GEMM above, the gather for the embedding); logits agree with the bf16 dequantized model's."""
+    from pagedllm.loader import load_hf_config, resolve_model
+    from pagedllm.models.registry import load_model
+
+    source = resolve_model(None)
+    config = load_hf_config(source)
+    packed = load_model(source, config, torch.bfloat16, "cuda", GGUFConfig(packed_on_gpu=True))
+    plain = load_model(source, config, torch.bfloat16, "cuda", None)
+    implied = load_model(source, config, torch.bfloat16, "cuda", GGUFConfig())  # a GGUF file without quantization=
+    assert implied.model.layers[0].self_attn.qkv_proj.quant_method is None
+    qkv = packed.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight.dtype == torch.uint8 and qkv.quant_method is not None
+    assert packed.lm_head.weight.dtype == torch.uint8
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (150, 7)]
+    outs = {}
+    for name, model in (("packed", packed), ("plain", plain)):
+        runner = PagedTestRunner(model, num_blocks=64, block_size=16)
+        logits = runner.step([(0, prompts[0]), (1, prompts[1])])
+        logits += runner.step([(0, [5]), (1, [6])])
+        outs[name] = torch.cat(logits).float()
+    rel = float((outs["packed"] - outs["plain"]).abs().max() / outs["plain"].abs().max())
+    assert rel < 3e-2, rel
+
+
+def test_on_a_gpu_blocks_stay_packed_only_when_gguf_is_asked_for(monkeypatch):
+    """A GGUF file implies quantization="gguf": packed on the CPU, dequantized into the model dtype on
+    a GPU (faster there); quantization="gguf" given explicitly keeps the blocks packed on the GPU."""
+    from pagedllm.quantization import gguf as gguf_module
+    from pagedllm.quantization.registry import get_quantization_config
+
+    monkeypatch.setattr(gguf_module, "has_packed_kernel", lambda device: True)
+    implied = get_quantization_config(None, object(), "gguf", "auto")
+    explicit = get_quantization_config("gguf", object(), "gguf", "auto")
+    assert not implied.packed_on_gpu and explicit.packed_on_gpu
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert gguf_module.keeps_packed(cpu, False) and gguf_module.keeps_packed(cpu, True)
+    assert not gguf_module.keeps_packed(cuda, False) and gguf_module.keeps_packed(cuda, True)
+    assert "dequantized into the model dtype on a GPU" in implied.describe()
+    from pagedllm.layers.linear import Linear
+
+    for config, packed in ((implied, False), (explicit, True)):
+        method = config.get_quant_method(Linear(32, 8), "layer")
+        assert method.packed_on_gpu is packed

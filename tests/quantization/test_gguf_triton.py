@@ -55,12 +55,18 @@ def check(qtype: str, m: int, n: int, k: int, dtype: torch.dtype, device: str) -
 
 
 def _interpreter_main() -> None:
+    from pagedllm.quantization.kernels import gguf_gemm
+
     for qtype in QTYPES:
         k = 512 if qtype.endswith("_K") else 96
-        for m, n in ((1, 24), (3, 16), (6, 40)):  # GEMV (1, 3 rows) and GEMM; ragged N
+        for m, n in ((1, 24), (3, 16), (6, 40), (9, 40)):  # GEMV (1, 3, 6 rows) and GEMM; ragged N
             decoding, err = check(qtype, m, n, k, torch.float32, "cpu")
             assert decoding == 0 and err < 1e-5, (qtype, m, n, decoding, err)
             print("ok", qtype, m, n, err)
+        w = random_blocks(qtype, 40, k)
+        ids = torch.tensor([39, 0, 7, 7, 21])
+        assert torch.equal(gguf_gemm.gguf_gather(w, qtype, k, ids), gguf_reference(w, qtype, k)[ids])
+        print("gathered", qtype)
 
 
 @pytest.mark.skipif(not HAS_DEPS, reason="needs Triton and gguf")
@@ -70,7 +76,8 @@ def test_gguf_kernels_match_the_gguf_package_in_the_triton_interpreter():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, cwd=root)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert proc.stdout.count("ok") == 3 * len(QTYPES)
+    assert proc.stdout.count("ok") == 4 * len(QTYPES)
+    assert proc.stdout.count("gathered") == len(QTYPES)
 
 
 @pytest.mark.skipif(not HAS_DEPS, reason="needs Triton and gguf")
@@ -86,7 +93,7 @@ def test_bad_shapes_are_refused_naming_the_layout():
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HAS_DEPS and torch.cuda.is_available()), reason="needs Triton, gguf and CUDA")
 @pytest.mark.parametrize("qtype", QTYPES)
-@pytest.mark.parametrize("m", [1, 2, 4, 64, 300])
+@pytest.mark.parametrize("m", [1, 2, 4, 6, 64, 300])
 def test_gguf_kernels_on_cuda(qtype, m):
     decoding, err = check(qtype, m, 4096, 4096, torch.bfloat16, "cuda")
     assert err < 1e-2, err

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from tests.helpers import make_tiny_model
+from tests.helpers import has_default_model, make_tiny_model
 
 pytestmark = pytest.mark.gpu
 
@@ -96,3 +96,25 @@ def test_draft_model_runs_its_steps_in_its_decode_graphs(tmp_path):
         if not eager:
             assert 1 in replayed
     assert outs[False] == outs[True]
+
+
+@pytest.mark.skipif(not has_default_model(), reason="embedded SmolLM2 not installed")
+def test_gguf_copy_workload_gives_the_same_greedy_text_on_cuda():
+    """Real weights in the GPU's default dtype (the GGUF blocks packed, the Triton GGUF kernels):
+    greedy n-gram speculation (verify graphs, the short-query attention kernel) gives the plain
+    engine's tokens on a prompt that makes the model copy a passage, with most drafts accepted."""
+    words = ("the river runs past the old mill where the miller counts the sacks of grain while "
+             "children watch the ducks and the wheel turns slowly in the cold water").split()
+    passage = " ".join(words[i * 7 % len(words)] for i in range(300))
+    prompt = f"{passage}\n\n{passage[:80]}"
+    spec = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    params = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
+    outs, stats = {}, None
+    for name, config in (("plain", None), ("ngram", spec)):
+        llm = LLM(max_model_len=1024, max_num_seqs=4, gpu_memory_utilization=0.3, speculative_config=config)
+        outs[name] = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+        if config is not None:
+            stats = llm.llm_engine.engine_core.scheduler.stats().spec_decoding
+        llm.llm_engine.shutdown()
+    assert outs["ngram"] == outs["plain"]
+    assert stats.mean_acceptance_length > 3.0

@@ -20,6 +20,7 @@ layouts (llama.cpp's ``ggml-common.h``; all little-endian, float16 ``d`` / ``dmi
 
 Kernels (the same per-element decoding, ``_dequantize``, float32 in the order gguf-py computes):
 ``_gguf_dequant_kernel`` (a float matrix: tests, and large prefills that go through cuBLAS),
+``_gguf_gather_kernel`` (the rows of given ids: the embedding lookup),
 ``_gguf_gemv_kernel`` (up to ``GEMV_MAX_ROWS`` rows: each program streams ``BLOCK_N`` weight rows
 for all rows of x) and ``_gguf_gemm_kernel`` (a tiled ``tl.dot`` GEMM on dequantized tiles). No host
 sync, no allocation besides the output: they can be captured in a CUDA graph.
@@ -34,7 +35,9 @@ import triton.language as tl
 # name -> (kernel id, weights per block, bytes per block)
 GGUF_BLOCKS = {"Q4_0": (0, 32, 18), "Q4_1": (1, 32, 20), "Q8_0": (2, 32, 34),
                "Q4_K": (3, 256, 144), "Q5_K": (4, 256, 176), "Q6_K": (5, 256, 210)}
-GEMV_MAX_ROWS = 4
+# Up to this many rows of x the GEMV decodes each weight once for all of them (a speculative
+# verification's 1 + k rows at batch 1 included); above, the tiled GEMM.
+GEMV_MAX_ROWS = 8
 
 
 @triton.jit
@@ -115,6 +118,18 @@ def _gguf_dequant_kernel(w_ptr, out_ptr, N, K, stride_wn, stride_on, QTYPE: tl.c
 
 
 @triton.jit
+def _gguf_gather_kernel(w_ptr, ids_ptr, out_ptr, T, K, stride_wn, stride_ot, QTYPE: tl.constexpr, QK: tl.constexpr,
+                        BLOCK_BYTES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
+    t_mask = rt < T
+    rn = tl.load(ids_ptr + rt, mask=t_mask, other=0)[:, None]
+    mask = t_mask[:, None] & (rk < K)
+    w = _dequantize(w_ptr, rn, rk, mask, stride_wn, QTYPE, QK, BLOCK_BYTES)
+    tl.store(out_ptr + rt[:, None].to(tl.int64) * stride_ot + rk, w.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _gguf_gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                       QTYPE: tl.constexpr, QK: tl.constexpr, BLOCK_BYTES: tl.constexpr, HAS_BIAS: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -183,6 +198,17 @@ def gguf_dequantize(w: torch.Tensor, qtype: str, k: int, dtype: torch.dtype = to
     return out
 
 
+def gguf_gather(w: torch.Tensor, qtype: str, k: int, ids: torch.Tensor, dtype: torch.dtype = torch.float32
+                ) -> torch.Tensor:
+    """Rows ``ids`` (int64 ``[T]``, each in ``[0, N)``) of a packed ``qtype`` weight, ``[T, k]`` in ``dtype``."""
+    kid, qk, nbytes = _block(qtype, w, k)
+    out = torch.empty(ids.shape[0], k, dtype=dtype, device=w.device)
+    grid = (triton.cdiv(ids.shape[0], 16), triton.cdiv(k, 256))
+    _gguf_gather_kernel[grid](w, ids, out, ids.shape[0], k, w.stride(0), out.stride(0), QTYPE=kid, QK=qk,
+                              BLOCK_BYTES=nbytes, BLOCK_T=16, BLOCK_K=256)
+    return out
+
+
 def gguf_linear(x: torch.Tensor, w: torch.Tensor, qtype: str, bias: torch.Tensor | None = None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K] @ W^T (+ bias)`` in x's dtype for a packed ``qtype`` weight ``w`` (module doc):
@@ -197,8 +223,12 @@ def gguf_linear(x: torch.Tensor, w: torch.Tensor, qtype: str, bias: torch.Tensor
     args = (x, w, bias if bias is not None else out, out, m, n, k, x.stride(0), w.stride(0), out.stride(0))
     consts = dict(QTYPE=kid, QK=qk, BLOCK_BYTES=nbytes, HAS_BIAS=bias is not None)
     if m <= GEMV_MAX_ROWS:
-        _gguf_gemv_kernel[(triton.cdiv(n, 16),)](*args, **consts, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=16,
-                                                 BLOCK_K=128, num_warps=4)
+        # Narrow layers get 8-row programs (more of them on the GPU); 8 rows of x keep 64 columns
+        # per step (the [rows, BLOCK_N, BLOCK_K] product stays in registers).
+        block_m = triton.next_power_of_2(m)
+        block_n = 16 if n >= 4096 else 8
+        _gguf_gemv_kernel[(triton.cdiv(n, block_n),)](*args, **consts, BLOCK_M=block_m, BLOCK_N=block_n,
+                                                      BLOCK_K=128 if block_m <= 4 else 64, num_warps=4)
         return out
     block_m, block_n, num_warps = (64, 64, 4) if m <= 128 else (128, 128, 8)
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)

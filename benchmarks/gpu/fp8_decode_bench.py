@@ -1,0 +1,211 @@
+"""FP8 weights at decode against bf16: Llama-3.1-8B architecture, random weights, one script.
+
+Two parts, each in its own process (a clean GPU for each engine):
+
+1. kernels: on the 8B projections (qkv, o, gate_up, down) at 1, 2, 4, 8, 16, 32 and 64 rows, each
+   timed as 20 calls replayed from a CUDA graph: bf16 ``F.linear`` (cuBLAS), the FP8 path above
+   the GEMV threshold (per-token activation quantization + ``torch._scaled_mm``, cuBLASLt), and the
+   weight-only Triton GEMV (``quantization/kernels/fp8_gemv.py``) at its default launch sizes, with
+   the weight bytes read per second; then a sweep of GEMV launch sizes on the o and gate_up shapes
+   (the split of K by the kernel's rule), so the defaults and ``GEMV_MAX_ROWS`` can be read off.
+2. engine: the decode step (``bench latency``'s measure: (time for N tokens - time for 1) / (N - 1),
+   best of 2) at batch 1 and 64 with 1024-token prompts, for bf16, ``quantization="fp8"``, and fp8
+   weights with ``kv_cache_dtype="fp8"``; each against its own floor (weight bytes as stored,
+   without the embedding table, plus the KV cache at the mean context, over the measured copy
+   bandwidth). The issue's targets: fp8 <= 0.6x the bf16 step, and within 1.2x of its floor.
+
+Prints the tables and writes ``$OUT/fp8-decode-8b.json`` (``--out`` to change). From the repo root:
+
+    python benchmarks/gpu/fp8_decode_bench.py                  # about 3 minutes on an H100
+    python benchmarks/gpu/fp8_decode_bench.py --skip-engine    # the kernel table only (~1 min)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.gpu.int4_decode_bench import graph_time_us  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "benchmarks/configs/llama-3.1-8b/config.json"
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+ROWS = (1, 2, 4, 8, 16, 32, 64)
+# GEMV launch sizes (block_n, block_k, num_warps, dot) swept on SWEEP_SHAPES at SWEEP rows (the
+# round-2 H100 figures chose gemv_config's defaults among them).
+SWEEP_SHAPES = ("o", "gate_up")
+SWEEP = {
+    1: [(4, 1024, 4, False), (16, 512, 4, False), (8, 2048, 8, False), (16, 1024, 8, False), (32, 256, 4, True)],
+    4: [(16, 512, 4, False), (16, 512, 4, True), (64, 256, 4, True)],
+    16: [(32, 256, 4, True), (128, 128, 4, True)],
+    64: [(64, 128, 4, True), (128, 128, 4, True), (128, 256, 8, True)],
+}
+VARIANTS = {"bf16": {}, "fp8": {"quantization": "fp8"}, "fp8-kv-fp8": {"quantization": "fp8", "kv_cache_dtype": "fp8"}}
+
+
+def time_shape(name: str, n: int, k: int) -> list[dict]:
+    """bf16 ``F.linear``, the FP8 cuBLASLt path and the FP8 GEMV (default and, on ``SWEEP_SHAPES``,
+    swept launch sizes) for one ``[n, k]`` weight."""
+    import torch
+    import torch.nn.functional as F
+
+    from pagedllm.quantization import fp8_ops
+    from pagedllm.quantization.kernels import fp8_gemv
+
+    weight = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02
+    wq, w_scale = fp8_ops.quantize_rows(weight)
+    sms = fp8_gemv.num_sms(torch.cuda.current_device())
+    rows = []
+    for m in ROWS:
+        x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+        ref = (x.float() @ fp8_ops.dequantize_rows(wq, w_scale).t())
+
+        def scaled_mm(x=x):
+            xq, x_scale = fp8_ops.quantize_activations(x, None)
+            return fp8_ops.fp8_linear_scaled_mm(xq, x_scale, wq, w_scale, torch.bfloat16)
+
+        base = {"layer": name, "n": n, "k": k, "m": m, "bf16_us": graph_time_us(lambda x=x: F.linear(x, weight)),
+                "scaled_mm_us": graph_time_us(scaled_mm)}
+        configs = [None] + ([(*c, fp8_gemv.split_k(n, k, c[0], c[1], sms)) for c in SWEEP.get(m, [])]
+                            if name in SWEEP_SHAPES else [])
+        for config in configs:
+            used = config or fp8_gemv.gemv_config(m, n, k, sms)
+            row = {**base, "config": list(used), "default": config is None}
+            try:
+                y = fp8_gemv.fp8_gemv(x, wq, w_scale, None, config)
+                err = float((y.float() - ref).abs().max() / ref.abs().max())
+                us = graph_time_us(lambda x=x, c=config: fp8_gemv.fp8_gemv(x, wq, w_scale, None, c))
+                row.update({"gemv_us": us, "rel_err": err, "gemv_gb_per_s": n * k / us / 1e3,
+                            "vs_bf16": us / base["bf16_us"], "vs_scaled_mm": us / base["scaled_mm_us"]})
+            except Exception as e:  # a launch size the device cannot take: recorded, the sweep goes on
+                row["error"] = f"{type(e).__name__}: {str(e)[:120]}"
+            print_kernel_row(row)
+            rows.append(row)
+    return rows
+
+
+def kernels_part() -> dict:
+    import torch
+
+    from pagedllm.entrypoints.bench_roofline import measure_copy_bandwidth
+
+    copy = measure_copy_bandwidth(torch.device("cuda"))
+    print(f"copy bandwidth {copy / 1e9:.0f} GB/s", flush=True)
+    print_kernel_header()
+    return {"copy_bytes_per_s": copy,
+            "kernels": [row for name, (n, k) in SHAPES.items() for row in time_shape(name, n, k)]}
+
+
+def engine_part(variant: str, batch_sizes: list[int], input_len: int, output_len: int) -> dict:
+    import random
+
+    import torch
+
+    from pagedllm import LLM
+    from pagedllm.entrypoints.bench_latency import decode_step_seconds
+    from pagedllm.entrypoints.bench_roofline import device_name, measure_copy_bandwidth
+
+    config = json.loads(CONFIG.read_text())
+    llm = LLM(str(CONFIG.parent), load_format="dummy", skip_tokenizer_init=True, max_model_len=4096,
+              **VARIANTS[variant])
+    runner = llm.llm_engine.engine_core.runner
+    model = runner.model
+    embed = model.model.embed_tokens.weight
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) - embed.numel() * embed.element_size()
+    kv_bytes = runner.kv_caches[0].element_size()
+    kv_per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * config["head_dim"] * kv_bytes
+    bandwidth = measure_copy_bandwidth(runner.device)
+    rng = random.Random(0)
+    runs = []
+    for bs in batch_sizes:
+        def prompts(bs=bs):
+            return [[rng.randrange(0, config["vocab_size"]) for _ in range(input_len)] for _ in range(bs)]
+
+        step, _, _ = decode_step_seconds(llm, prompts, output_len, repeats=2)
+        floor = (weight_bytes + bs * (input_len + output_len / 2) * kv_per_token) / bandwidth
+        runs.append({"batch_size": bs, "decode_step_ms": step * 1e3, "floor_ms": floor * 1e3,
+                     "step_over_floor": step / floor})
+        print(f"{variant} batch {bs}: {step * 1e3:.3f} ms (floor {floor * 1e3:.3f} ms)", flush=True)
+    return {"variant": variant, "device": device_name(runner.device), "weight_bytes": weight_bytes,
+            "kv_bytes_per_element": kv_bytes, "copy_bytes_per_s": bandwidth, "torch": torch.__version__, "runs": runs}
+
+
+def run_child(args: list[str]) -> dict:
+    """Runs this script with ``args`` in a fresh process; returns the JSON it wrote."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        path = f.name
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, __file__, *args, "--child-json", path], env=env, cwd=ROOT)
+    if proc.returncode != 0:
+        return {"error": f"{args} exited with {proc.returncode}"}
+    return json.loads(Path(path).read_text())
+
+
+def print_kernel_header() -> None:
+    print("\nkernels (us per call, CUDA graph): bf16 F.linear, fp8 act-quant + _scaled_mm, fp8 Triton GEMV "
+          "(config: block_n,block_k,warps,dot,split; * default)")
+    print(f"{'layer':8} {'m':>3} {'config':>22} {'bf16':>7} {'scaled':>7} {'gemv':>7} {'GB/s':>6} "
+          f"{'/bf16':>6} {'/scaled':>7} {'err':>8}", flush=True)
+
+
+def print_kernel_row(r: dict) -> None:
+    config = ("* " if r["default"] else "") + ",".join(str(int(v)) for v in r["config"])
+    head = f"{r['layer']:8} {r['m']:>3} {config:>22} {r['bf16_us']:>7.1f} {r['scaled_mm_us']:>7.1f} "
+    if "error" in r:
+        print(head + r["error"], flush=True)
+        return
+    print(head + f"{r['gemv_us']:>7.1f} {r['gemv_gb_per_s']:>6.0f} {r['vs_bf16']:>6.2f} {r['vs_scaled_mm']:>7.2f} "
+          f"{r['rel_err']:>8.1e}", flush=True)
+
+
+def print_engine_table(result: dict) -> None:
+    """The decode-step table (the kernel rows were printed as they were timed)."""
+    base = {r["batch_size"]: r["decode_step_ms"] for r in result["engine"].get("bf16", {}).get("runs", [])}
+    print("\ndecode step, Llama-3.1-8B architecture, random weights, 1024-token prompts")
+    print(f"{'variant':12} {'batch':>5} {'step ms':>8} {'floor ms':>9} {'/floor':>7} {'vs bf16':>8}")
+    for variant, res in result["engine"].items():
+        for r in res.get("runs", []):
+            vs = r["decode_step_ms"] / base[r["batch_size"]] if r["batch_size"] in base else float("nan")
+            print(f"{variant:12} {r['batch_size']:>5} {r['decode_step_ms']:>8.3f} {r['floor_ms']:>9.3f} "
+                  f"{r['step_over_floor']:>7.2f} {vs:>8.2f}")
+        if "error" in res:
+            print(f"{variant:12} error: {res['error']}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"), "fp8-decode-8b.json"))
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--input-len", type=int, default=1024)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--skip-kernels", action="store_true")
+    p.add_argument("--skip-engine", action="store_true", help="only the kernel tables")
+    p.add_argument("--child", choices=["kernels", *VARIANTS], help=argparse.SUPPRESS)
+    p.add_argument("--child-json", help=argparse.SUPPRESS)
+    ns = p.parse_args()
+    if ns.child:
+        out = kernels_part() if ns.child == "kernels" else engine_part(ns.child, ns.batch_sizes, ns.input_len,
+                                                                         ns.output_len)
+        Path(ns.child_json).write_text(json.dumps(out))
+        return 0
+    sizes = ["--batch-sizes", *map(str, ns.batch_sizes), "--input-len", str(ns.input_len),
+             "--output-len", str(ns.output_len)]
+    result = {"kernels": {} if ns.skip_kernels else run_child(["--child", "kernels"]),
+              "engine": {} if ns.skip_engine else {v: run_child(["--child", v, *sizes]) for v in ns.variants}}
+    print_engine_table(result)
+    os.makedirs(os.path.dirname(ns.out) or ".", exist_ok=True)
+    Path(ns.out).write_text(json.dumps(result, indent=2))
+    print(f"\nwrote {ns.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
