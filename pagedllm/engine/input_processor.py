@@ -22,6 +22,15 @@ def _check_prompt_dict_keys(prompt: dict) -> None:
         raise ValueError(f"prompt dict keys {unknown} are not supported (allowed: {list(PROMPT_DICT_KEYS)})")
 
 
+def _all_token_ids(values: list | tuple) -> bool:
+    """Whether every value is an int and none a bool. The common case (plain ints only) is one
+    C-level pass (``map(type)``); other int subclasses take the per-value check."""
+    types = set(map(type, values))
+    if types <= {int}:
+        return True
+    return all(isinstance(t, int) and not isinstance(t, bool) for t in values)
+
+
 def tokenize_prompt(prompt: Any, tokenizer, tokenization_kwargs: dict | None = None) -> tuple[str | None, list[int]]:
     if isinstance(prompt, str):
         text, ids = prompt, None
@@ -33,7 +42,7 @@ def tokenize_prompt(prompt: Any, tokenizer, tokenization_kwargs: dict | None = N
             text, ids = prompt["prompt"], None
         else:
             raise ValueError("prompt dict must contain 'prompt' or 'prompt_token_ids'")
-    elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    elif isinstance(prompt, (list, tuple)) and _all_token_ids(prompt):
         text, ids = None, list(prompt)
     else:
         raise TypeError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
@@ -48,12 +57,25 @@ def tokenize_prompt(prompt: Any, tokenizer, tokenization_kwargs: dict | None = N
         kwargs.setdefault("add_special_tokens", True)
         ids = tokenizer.encode(text, **kwargs)
     else:
-        if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        if not isinstance(ids, (list, tuple)) or not _all_token_ids(ids):
             raise TypeError("prompt_token_ids must be a list of integers")
         ids = list(ids)
     if not ids:
         raise ValueError("prompt must not be empty (it has no tokens)")
     return text, ids
+
+
+def batch_token_ids(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Each text's token ids with the special tokens (what ``tokenizer.encode(text)`` gives), in one
+    batched call. A fast tokenizer whose Rust backend has no truncation, padding or special-token
+    splitting of its own runs ``encode_batch_fast`` directly: no character offsets, no per-text
+    Python conversion into a ``BatchEncoding``. Any other tokenizer runs its batched ``__call__``."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    encode_batch_fast = getattr(backend, "encode_batch_fast", None)
+    if (encode_batch_fast is not None and backend.truncation is None and backend.padding is None
+            and backend.encode_special_tokens == bool(getattr(tokenizer, "split_special_tokens", False))):
+        return [encoding.ids for encoding in encode_batch_fast(texts, add_special_tokens=True)]
+    return tokenizer(texts, add_special_tokens=True)["input_ids"]
 
 
 def validate_prompt(ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> int:

@@ -20,8 +20,8 @@ POOLING_PLACEHOLDER_PARAMS = SamplingParams(max_tokens=1, detokenize=False)
 def validate_pooling_prompt(ids: list[int], vocab_size: int, max_model_len: int) -> None:
     """ValueError naming ``prompt`` / ``prompt_token_ids`` for ids outside the vocabulary or a
     prompt longer than ``max_model_len`` (a pooling prompt may fill it: nothing is generated)."""
-    bad = [t for t in ids if t < 0 or t >= vocab_size]
-    if bad:
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):  # C-level scans; the list only on failure
+        bad = [t for t in ids if t < 0 or t >= vocab_size]
         raise ValueError(f"prompt_token_ids contains ids outside the vocabulary (size {vocab_size}): {bad[:5]}")
     if len(ids) > max_model_len:
         raise ValueError(f"prompt is too long: {len(ids)} tokens, but max_model_len is {max_model_len}")

@@ -3,20 +3,25 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from pagedllm.config import EngineArgs
-from pagedllm.engine.input_processor import tokenize_prompt
+from pagedllm.engine.input_processor import batch_token_ids, tokenize_prompt
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.metrics_reader import Metric
 from pagedllm.entrypoints.chat_utils import apply_chat_template
 from pagedllm.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+# Texts tokenized per batched call when ``LLM.encode`` tokenizes ahead of the engine: large enough for
+# the tokenizer's threads, small enough that the first chunk (not overlapped) is short.
+_TOKENIZE_CHUNK = 512
 
 
 class LLM:
@@ -51,12 +56,14 @@ class LLM:
         params = _per_prompt(sampling_params, len(prompts), SamplingParams, "sampling_params")
         return self._add_and_run(prompts, params, use_tqdm, priority, lora_request)
 
-    def _add_and_run(self, prompts: list, params: list, use_tqdm: bool, priority: list[int] | None,
-                     lora_request: Any = None) -> list:
-        """Add one request per prompt (aborting those added if one is refused), run them to the end."""
-        loras = _loras_per_prompt(lora_request, len(prompts))
-        if priority is not None and len(priority) != len(prompts):
-            raise ValueError(f"priority must have one entry per prompt ({len(prompts)}), got {len(priority)}")
+    def _add_and_run(self, prompts: Iterable, params: list, use_tqdm: bool, priority: list[int] | None,
+                     lora_request: Any = None, finished: dict[str, Any] | None = None) -> list:
+        """Add one request per prompt (aborting those added if one is refused), run them to the end.
+        ``params`` has one entry per prompt; ``prompts`` may be produced as they are added, and the
+        producer may step the engine meanwhile, keeping the finished outputs in ``finished``."""
+        loras = _loras_per_prompt(lora_request, len(params))
+        if priority is not None and len(priority) != len(params):
+            raise ValueError(f"priority must have one entry per prompt ({len(params)}), got {len(priority)}")
         ids = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
@@ -72,11 +79,13 @@ class LLM:
             while self.llm_engine.has_unfinished_requests():
                 self.llm_engine.step()
             raise
-        return self._run(ids, use_tqdm)
+        return self._run(ids, use_tqdm, finished)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list:
-        results: dict[str, Any] = {}
-        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+    def _run(self, ids: list[str], use_tqdm: bool, finished: dict[str, Any] | None = None) -> list:
+        """Step until every request is done; ``finished``: outputs of those that finished earlier."""
+        results: dict[str, Any] = dict(finished or {})
+        bar = tqdm(total=len(ids), initial=len(results), desc="Processed prompts", disable=not use_tqdm,
+                   dynamic_ncols=True)
         out_tokens = 0
         try:
             while self.llm_engine.has_unfinished_requests():
@@ -85,8 +94,9 @@ class LLM:
                         results[out.request_id] = out
                         if isinstance(out, RequestOutput):
                             out_tokens += sum(len(c.token_ids) for c in out.outputs)
-                        bar.update(1)
-                        bar.set_postfix(output_toks=out_tokens, refresh=False)
+                        if use_tqdm:  # a disabled bar still formats its postfix
+                            bar.update(1)
+                            bar.set_postfix(output_toks=out_tokens, refresh=False)
         finally:
             bar.close()
         return [results[r] for r in ids]
@@ -95,21 +105,43 @@ class LLM:
                use_tqdm: bool = True, priority: list[int] | None = None) -> list[PoolingRequestOutput]:
         """Pool one prompt or a list with a pooling model (``runner="pooling"``); outputs in input order,
         ``.outputs.data`` the vector (a float32 CPU tensor)."""
-        prompts = self._pretokenized(_as_prompt_list(prompts))
+        prompts = _as_prompt_list(prompts)
         params = _per_prompt(pooling_params, len(prompts), PoolingParams, "pooling_params")
-        return self._add_and_run(prompts, params, use_tqdm, priority)
+        finished: dict[str, Any] = {}
+        return self._add_and_run(self._pretokenized(prompts, finished), params, use_tqdm, priority,
+                                 finished=finished)
 
-    def _pretokenized(self, prompts: list) -> list:
-        """Text prompts as token-id prompts, tokenized in one batched call (the fast tokenizer
-        splits a batch over threads; an embedding run is mostly short prompts, where tokenizing
-        them one by one would cost as much as computing them). Empty strings stay text so that
-        ``add_request`` refuses them by name."""
+    def _pretokenized(self, prompts: list, finished: dict[str, Any]) -> Iterator:
+        """The prompts, text ones as token-id prompts, tokenized in batched calls on a background
+        thread (a fast tokenizer releases the GIL and splits a batch over its own threads) in
+        chunks of ``_TOKENIZE_CHUNK`` texts, ahead of the caller. While a chunk is not ready yet the
+        engine steps the requests already added (their finished outputs go to ``finished``), so
+        tokenization and the engine's work overlap. An embedding run is mostly short prompts, where
+        tokenizing them one by one would cost as much as computing them. Every text is tokenized
+        there (none by ``add_request`` meanwhile, on the same tokenizer); empty ones stay text, so
+        that ``add_request`` refuses them by name."""
         tokenizer = self.llm_engine.tokenizer
-        texts = [p for p in prompts if isinstance(p, str) and p]
+        texts = [t for t in map(_prompt_text, prompts) if t]
         if tokenizer is None or len(texts) < 2:
-            return prompts
-        ids = iter(tokenizer(texts, add_special_tokens=True)["input_ids"])
-        return [{"prompt": p, "prompt_token_ids": next(ids)} if isinstance(p, str) and p else p for p in prompts]
+            yield from prompts
+            return
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-tokenize")
+        try:
+            chunks = [pool.submit(batch_token_ids, tokenizer, texts[i : i + _TOKENIZE_CHUNK])
+                      for i in range(0, len(texts), _TOKENIZE_CHUNK)]
+            ids = itertools.chain.from_iterable(self._step_until_done(chunk, finished) for chunk in chunks)
+            for p in prompts:
+                text = _prompt_text(p)
+                yield {"prompt": text, "prompt_token_ids": next(ids)} if text else p
+        finally:  # also when the caller stops early (a refused prompt): drop the chunks not started
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _step_until_done(self, future: Future, finished: dict[str, Any]) -> Any:
+        """``future``'s result, stepping the engine while it is not ready and there is work."""
+        engine = self.llm_engine
+        while not future.done() and engine.has_unfinished_requests():
+            finished.update((out.request_id, out) for out in engine.step() if out.finished)
+        return future.result()
 
     def embed(self, prompts: Any, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
               use_tqdm: bool = True, priority: list[int] | None = None) -> list[EmbeddingRequestOutput]:
@@ -163,6 +195,13 @@ def _as_prompt_list(prompts: Any) -> list:
     if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
         return [prompts]
     return list(prompts)
+
+
+def _prompt_text(prompt: Any) -> str | None:
+    """The text of a prompt given as text only (a str, or a dict with just ``"prompt"``), else None."""
+    if isinstance(prompt, dict) and prompt.keys() == {"prompt"}:
+        prompt = prompt["prompt"]
+    return prompt if isinstance(prompt, str) else None
 
 
 def _per_prompt(params: Any, n: int, kind: type, name: str) -> list:

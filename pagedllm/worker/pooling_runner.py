@@ -100,6 +100,28 @@ class PoolingModelRunner(ModelRunner):
     def _finish(self, req_ids: list[str], finished_idx: list[int], chunks: torch.Tensor,
                 seq_lens: np.ndarray) -> PooledStep:
         """Merge the chunks with earlier partials; keep the unfinished ones; finish the others."""
+        partials = self._merge_partials(req_ids, finished_idx, chunks)
+        if not finished_idx:
+            return PooledStep(req_ids, [], None, [])
+        finished = [req_ids[i] for i in finished_idx]
+        params = [self._params.pop(r) for r in finished]
+        hidden_size = int(chunks.shape[1])
+        lengths = [p.dimensions or hidden_size for p in params]
+        device = chunks.device
+        if len(finished_idx) < len(req_ids):
+            partials = partials.index_select(0, torch.as_tensor(finished_idx, device=device))
+            seq_lens = seq_lens[finished_idx]
+        # The three per-request arguments travel to the device as one int64 tensor (one copy).
+        per_request = torch.as_tensor(np.stack([seq_lens, lengths, [bool(p.normalize) for p in params]]),
+                                      dtype=torch.int64).to(device, non_blocking=True)
+        vectors = self.pooler.finish(partials, per_request[0], per_request[1], per_request[2].bool())
+        return PooledStep(req_ids, finished, vectors, lengths)
+
+    def _merge_partials(self, req_ids: list[str], finished_idx: list[int], chunks: torch.Tensor) -> torch.Tensor:
+        """``chunks`` merged with the earlier partials of their requests; the unfinished ones are
+        kept for the next step. An encoder's step (every prompt whole, all finished) skips the loop."""
+        if not self._partials and len(finished_idx) == len(req_ids):
+            return chunks
         finished_set = set(finished_idx)
         partials = chunks
         for i, req_id in enumerate(req_ids):
@@ -109,21 +131,7 @@ class PoolingModelRunner(ModelRunner):
                 partials[i] = self.pooler.merge(earlier, chunks[i])
             if i not in finished_set:
                 self._partials[req_id] = partials[i].clone()
-        if not finished_idx:
-            return PooledStep(req_ids, [], None, [])
-        finished = [req_ids[i] for i in finished_idx]
-        hidden_size = int(chunks.shape[1])
-        lengths = [self._params[r].dimensions or hidden_size for r in finished]
-        device = chunks.device
-        vectors = self.pooler.finish(
-            partials[finished_idx],
-            torch.as_tensor(seq_lens[finished_idx], device=device),
-            torch.as_tensor(lengths, device=device),
-            torch.as_tensor([bool(self._params[r].normalize) for r in finished], device=device),
-        )
-        for r in finished:
-            self._params.pop(r, None)
-        return PooledStep(req_ids, finished, vectors, lengths)
+        return partials
 
     def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> PooledStep:
         """No sampling: hand back the step's pooled vectors (``grammar_output`` is always None here:

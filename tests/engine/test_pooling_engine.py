@@ -80,11 +80,39 @@ def test_refused_params_name_the_field_and_leave_nothing_behind(engine, params, 
 
 
 @pytest.mark.parametrize("prompt,field", [("", "prompt"), ({"prompt_token_ids": [101, 30522]}, "prompt_token_ids"),
+                                          ({"prompt_token_ids": [-1, 101]}, "prompt_token_ids"),
                                           ({"prompt_token_ids": [101] * 129}, "prompt")])
 def test_bad_prompts_are_refused_naming_the_field(engine, prompt, field):
     with pytest.raises(ValueError, match=rf"^{field}"):
         engine.add_request("bad-prompt", prompt, PoolingParams())
     assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("ids", [[101, True, 102], [101, 2.0, 102], [101, "7", 102]])
+def test_token_ids_that_are_not_ints_are_refused(engine, ids):
+    with pytest.raises(TypeError, match="^prompt_token_ids"):
+        engine.add_request("bad-ids", {"prompt_token_ids": ids}, PoolingParams())
+    with pytest.raises(TypeError, match="^prompt"):
+        engine.add_request("bad-ids", ids, PoolingParams())
+    assert not engine.has_unfinished_requests()
+
+
+def test_int_subclass_token_ids_are_accepted(engine):
+    class TokenId(int):
+        pass
+
+    engine.add_request("subclass", {"prompt_token_ids": [TokenId(101), TokenId(7592), TokenId(102)]}, PoolingParams())
+    engine.add_request("plain", {"prompt_token_ids": [101, 7592, 102]}, PoolingParams())
+    by_id = {o.request_id: o.outputs.data for o in _run(engine)}
+    torch.testing.assert_close(by_id["subclass"], by_id["plain"])
+
+
+def test_pooling_params_clone_is_an_independent_equal_copy():
+    params = PoolingParams(dimensions=8)
+    twin = params.clone()
+    assert twin == params and twin is not params
+    twin.normalize = False
+    assert params.normalize is None
 
 
 def test_a_prompt_may_fill_max_model_len(engine):
