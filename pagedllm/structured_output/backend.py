@@ -23,6 +23,7 @@ import json
 import threading
 
 import xgrammar as xgr
+from xgrammar.matcher import _core as _xgrammar_core
 
 from pagedllm.cpu_threads import usable_cpus
 from pagedllm.sampling_params import StructuredOutputsParams
@@ -102,10 +103,7 @@ class XgrammarBackend:
         element by element (about a microsecond each under the GIL: no cheaper than a loop of
         ``accept_token``); the binding it wraps returns an array that answers ``0 in`` at once, so
         the common all-accepted case costs one call (tens of microseconds for 256 matchers)."""
-        if _core_batch_accept is None:  # an xgrammar without that binding: its public form
-            accepted = xgr.BatchGrammarMatcher.batch_accept_token(matchers, token_ids)
-        else:
-            accepted = _core_batch_accept([m._handle for m in matchers], token_ids, False)
+        accepted = _core_batch_accept([m._handle for m in matchers], token_ids, False)
         if 0 not in accepted:
             return []
         return [i for i, ok in enumerate(accepted) if not ok]
@@ -117,18 +115,7 @@ class XgrammarBackend:
         return xgr.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids or None)
 
 
-def _private_batch_accept():
-    """xgrammar's binding behind ``BatchGrammarMatcher.batch_accept_token`` (a private name: None
-    where a release moved it, and ``batch_accept`` then takes the public, slower wrapper)."""
-    try:
-        from xgrammar.matcher import _core
-
-        return _core.BatchGrammarMatcher.batch_accept_token
-    except (ImportError, AttributeError):
-        return None
-
-
-_core_batch_accept = _private_batch_accept()
+_core_batch_accept = _xgrammar_core.BatchGrammarMatcher.batch_accept_token
 
 _WHAT = {"json": "JSON schema", "regex": "regular expression", "choice": "list of choices",
          "grammar": "EBNF grammar", "json_object": "JSON grammar"}

@@ -215,20 +215,3 @@ def test_a_refused_deferred_token_allows_all_then_aborts_at_the_next_accept(mana
     assert (out.bitmask[0] == -1).all()
     [one] = tokenizer.encode("1", add_special_tokens=False)
     assert not state.accept_tokens([one])
-
-
-@pytest.mark.parametrize("private_binding", [True, False])
-def test_batch_accept_reports_the_refusing_matchers(manager, tokenizer, monkeypatch, private_binding):
-    """``batch_accept`` through xgrammar's private binding, and through the public wrapper that
-    replaces it where a release moved it: the same matchers advance, the refusing ones are named."""
-    from pagedllm.structured_output import backend
-
-    if not private_binding:
-        monkeypatch.setattr(backend, "_core_batch_accept", None)
-    elif backend._core_batch_accept is None:
-        pytest.skip("this xgrammar has no private batch-accept binding")
-    compiled = manager.backend.compile(manager.backend.parse(StructuredOutputsParams(json=SCHEMA)))
-    matchers = [manager.backend.new_matcher(compiled, [2]) for _ in range(3)]
-    brace, quote = (tokenizer.encode(t, add_special_tokens=False)[0] for t in ("{", "}"))
-    assert manager.backend.batch_accept(matchers, [brace, quote, brace]) == [1]
-    assert not matchers[0].is_terminated() and matchers[1].accept_token(brace)  # 1 did not move
