@@ -17,19 +17,14 @@ With it, a constrained step N runs
 
     schedule(N) -> sample(N-1) -> execute(N) -> wait(N-1) -> apply(N-1) -> start fill(N) -> return
 
-and the next step samples N before it executes N+1. The update of N-1 only records the sampled
-tokens of the constrained requests (structured_output/request.py); starting the fill applies
-them to the matchers in batched xgrammar calls, in parallel chunks outside the GIL, and the fill
-of N's rows (xgrammar's batched fill on its own threads) then runs on the manager's fill thread
-while the engine thread returns, the outputs of N-1 are processed and N+1 is scheduled, and
-while the GPU runs forward N. The next step then waits for what is left of the fill, samples N
-and launches forward N+1 right behind it, so the GPU computes N+1 while the engine thread
-applies N. Against the unconstrained order the engine thread adds the choice of the rows, the
-parallel accepts, and the part of the fill that outlasts output processing plus scheduling
-(``StructuredOutputManager.bitmask_wait_s``). (Accepting on the fill thread before the fill
-hides the accepts but not the fill: between two xgrammar calls that thread needs the GIL, which
-it gets only when the engine thread waits for it; measured on one H100 that waited 1.9 ms per
-step at 256 requests.) ``_unsampled`` holds the step between its fill's
+and the next step samples N before it executes N+1. The fill runs on the manager's fill thread
+(xgrammar's batched fill, outside the GIL, on its own threads) while the engine thread returns,
+the outputs of N-1 are processed and N+1 is scheduled, and while the GPU runs forward N. The next
+step then waits for what is left of the fill, samples N and launches forward N+1 right behind
+it, so the GPU computes N+1 while the engine thread applies N. Against the unconstrained order
+the engine thread adds only the matchers' accepts in the update, the choice of the rows, and the
+part of the fill that outlasts output processing plus scheduling
+(``StructuredOutputManager.bitmask_wait_s``). ``_unsampled`` holds the step between its fill's
 start and its sample; the runner never sees the difference (execute and sample still alternate).
 A step without constrained requests keeps the plain order (no cost).
 ``benchmarks/structured_step_overhead.py`` measures the cost against a simulated GPU.

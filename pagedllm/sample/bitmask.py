@@ -13,8 +13,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedllm.sample.transfer import numpy_to_device
-
 
 @dataclass
 class GrammarOutput:
@@ -31,9 +29,8 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor | list[int], bi
 
     Cost: a host-side mask of the logits' height (rows not in ``rows`` allow everything; a memset
     of ``len(logits) * ceil(vocab / 32)`` words when some rows are unconstrained), one
-    host->device copy of it (staged in pinned memory before the call returns, so the caller may
-    reuse ``bitmask`` at once; the copy itself does not wait for the GPU) and one masking launch
-    over ``rows``."""
+    host->device copy of it (from pageable memory: staged before the call returns, so the caller
+    may reuse ``bitmask`` at once) and one masking launch over ``rows``."""
     import xgrammar as xgr  # imported on the first constrained step, not at engine start
 
     rows = rows.tolist() if isinstance(rows, torch.Tensor) else list(rows)
@@ -45,5 +42,7 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor | list[int], bi
         words = np.full((num_rows, num_words), -1, dtype=np.int32)
         words[rows] = bitmask
         indices = rows
-    mask = numpy_to_device(words, logits.device)
+    mask = torch.from_numpy(words)
+    if logits.device.type != "cpu":
+        mask = mask.to(logits.device, non_blocking=True)
     xgr.apply_token_bitmask_inplace(logits, mask, indices=indices, vocab_size=min(logits.shape[-1], num_words * 32))

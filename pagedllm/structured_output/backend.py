@@ -23,7 +23,6 @@ import json
 import threading
 
 import xgrammar as xgr
-from xgrammar.matcher import _core as _xgrammar_core
 
 from pagedllm.cpu_threads import usable_cpus
 from pagedllm.sampling_params import StructuredOutputsParams
@@ -95,27 +94,11 @@ class XgrammarBackend:
         self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
 
     @staticmethod
-    def batch_accept(matchers: list[xgr.GrammarMatcher], token_ids: list[int]) -> list[int]:
-        """Advance ``matchers[i]`` by ``token_ids[i]`` in one xgrammar call (outside the GIL); the
-        indices of the matchers that refused their token (unchanged then).
-
-        xgrammar's public ``BatchGrammarMatcher.batch_accept_token`` converts its result to a list
-        element by element (about a microsecond each under the GIL: no cheaper than a loop of
-        ``accept_token``); the binding it wraps returns an array that answers ``0 in`` at once, so
-        the common all-accepted case costs one call (tens of microseconds for 256 matchers)."""
-        accepted = _core_batch_accept([m._handle for m in matchers], token_ids, False)
-        if 0 not in accepted:
-            return []
-        return [i for i, ok in enumerate(accepted) if not ok]
-
-    @staticmethod
     def new_matcher(compiled: xgr.CompiledGrammar, stop_token_ids: list[int] | None) -> xgr.GrammarMatcher:
         """A matcher at the grammar's start. ``stop_token_ids``: the tokens that end the text (the
         request's EOS and stop token ids), accepted only once the grammar is complete; None keeps the tokenizer's."""
         return xgr.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids or None)
 
-
-_core_batch_accept = _xgrammar_core.BatchGrammarMatcher.batch_accept_token
 
 _WHAT = {"json": "JSON schema", "regex": "regular expression", "choice": "list of choices",
          "grammar": "EBNF grammar", "json_object": "JSON grammar"}

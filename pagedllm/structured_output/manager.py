@@ -6,13 +6,12 @@ Flow of one constrained request:
    for the request yet, so a refused request leaves no state anywhere.
 2. ``EngineCore.add_request`` -> ``attach(request)``: the request gets its
    ``StructuredOutputRequest``; the scheduler keeps it waiting (others run) until ``is_ready()``.
-3. Each step that samples for it: ``start_bitmask`` applies the tokens the last update deferred
-   to its matcher (batched, in parallel chunks) and starts filling its bitmask row(s) on the fill
-   thread, and ``finish_bitmask`` waits for the fill (``grammar_bitmask`` does both; the engine core does its own
-   work in between: engine_core.py); the runner applies the rows to the logits. The scheduler's
-   update hands the sampled tokens to ``accept_tokens``, which only records them (request.py)
-   and tells it when the grammar terminates; with jump-forward on, the request accepts at once
-   and the update appends the tokens the grammar forces (jump_forward.py).
+3. Each step that samples for it: ``start_bitmask`` starts filling its bitmask row(s) on the fill
+   thread and ``finish_bitmask`` waits for them (``grammar_bitmask`` does both; the engine core
+   does its own work in between: engine_core.py), the runner applies them to the logits; the
+   scheduler's update
+   advances its matcher by the accepted tokens and stops it when the grammar terminates; with
+   jump-forward on, it then appends the tokens the grammar forces (jump_forward.py).
 4. The step after it finishes or is aborted (``SchedulerOutput.finished_req_ids``): ``release``.
 
 Compiled grammars are cached by ``StructuredOutputsParams.cache_key()`` (kind, spec, options), so
@@ -30,15 +29,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from pagedllm.core.sched_output import SchedulerOutput
-from pagedllm.cpu_threads import usable_cpus
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sample.bitmask import GrammarOutput
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.structured_output.jump_forward import JumpForward
-from pagedllm.structured_output.request import StructuredOutputRequest, apply_deferred
+from pagedllm.structured_output.request import StructuredOutputRequest
 
 _RUNNING = RequestStatus.RUNNING
-_MIN_ACCEPT_CHUNK = 32  # matchers per parallel accept call: below, a thread hand-off costs more than it saves
 
 
 @dataclass
@@ -72,16 +69,15 @@ class StructuredOutputManager:
     matcher); ``_cache`` maps a constraint key to the future of its compiled grammar, and a key
     enters it only after its constraint parsed; at most ``max_cached_grammars`` keys are kept
     (least recently used dropped). Cost: ``prepare`` is a dict lookup on a hit, a parse (about a
-    millisecond) on a miss; ``start_bitmask`` is O(structured requests of the step) Python and
-    the batched accepts of the deferred tokens (in parallel chunks, the engine thread waiting);
-    its job (on the fill thread, one in flight at a time: the engine core finishes a job before
-    it starts another) is one multi-threaded fill into one reused int32 buffer.
+    millisecond) on a miss; ``grammar_bitmask`` is O(structured requests of the step) matcher
+    calls into one reused int32 buffer, the fills batched into one multi-threaded call on the fill
+    thread (one fill in flight at a time: the engine core finishes a job before it starts another).
 
     Counters (the engine's metrics read them): ``num_compiled``, ``compile_time_s`` (summed;
     ``take_compile_times`` gives each), ``num_cache_hits`` (requests whose constraint was already
-    compiled or compiling), ``bitmask_time_s`` and ``num_bitmask_steps`` (time spent in the
-    deferred accepts and the fill jobs, over the steps that had structured requests: their ratio is
-    the time per step), ``bitmask_wait_s`` (the part of it the engine thread waited for: the rest overlapped its work),
+    compiled or compiling), ``bitmask_time_s`` and ``num_bitmask_steps`` (time spent filling
+    bitmasks, over the steps that had structured requests: their ratio is the time per step),
+    ``bitmask_wait_s`` (the part of it the engine thread waited for: the rest overlapped its work),
     ``num_jumped_tokens`` (tokens appended by jump-forward).
 
     ``jump_forward``: requests that ask for no logprobs get the shared ``JumpForward``
@@ -97,8 +93,6 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self._pool: ThreadPoolExecutor | None = None  # started on the first constraint
         self._fill_thread: ThreadPoolExecutor | None = None  # one worker: the bitmask fills, in order
-        self._accept_pool: ThreadPoolExecutor | None = None  # chunks of the deferred accepts
-        self._max_accept_threads = max(0, min(7, usable_cpus() - 2))
         self._max_compile_threads = max_compile_threads
         # Least recently used first; requests hold their own future, so evicting one is safe.
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
@@ -234,7 +228,7 @@ class StructuredOutputManager:
             self._bitmask = np.zeros((max(max_rows, 2 * self._bitmask.shape[0]), self._bitmask.shape[1]), np.int32)
         bitmask = self._bitmask
         req_ids: list[str] = []
-        states, matchers, token_lists, rows = [], [], [], []  # the fill job's rows
+        matchers, rows = [], []  # the rows the fill thread fills
         num_rows = 0
         live = self._requests
         for req_id in scheduled:
@@ -250,14 +244,11 @@ class StructuredOutputManager:
                 state.fill_bitmask(bitmask, num_rows, drafts)
                 num_rows += len(drafts) + 1
                 continue
-            if state.needs_fill():
-                matcher, token_ids = state.take_for_fill()
-                states.append(state)
-                matchers.append(matcher)
-                token_lists.append(token_ids)
-                rows.append(num_rows)
-            else:
+            if state.is_terminated():
                 bitmask[num_rows] = -1
+            else:
+                matchers.append(state.matcher)
+                rows.append(num_rows)
             num_rows += 1
         if not req_ids:
             return None
@@ -266,9 +257,6 @@ class StructuredOutputManager:
             future: Future = Future()
             future.set_result(0.0)
             return BitmaskJob(req_ids, num_rows, future)
-        t1 = time.perf_counter()
-        matchers, rows = self._accept_deferred(states, matchers, token_lists, rows)
-        self.bitmask_time_s += time.perf_counter() - t1
         if self._fill_thread is None:
             self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-bitmask")
         started = threading.Event()
@@ -287,35 +275,6 @@ class StructuredOutputManager:
         # The runner copies the rows before sample_tokens returns, so the buffer is reused next step.
         return GrammarOutput(job.req_ids, self._bitmask[:job.num_rows])
 
-    def _accept_deferred(self, states: list[StructuredOutputRequest], matchers: list, token_lists: list[list[int]],
-                         rows: list[int]) -> tuple[list, list[int]]:
-        """Advance ``matchers`` by the tokens the last update deferred (request.py): batched
-        xgrammar calls outside the GIL, in chunks of at least ``_MIN_ACCEPT_CHUNK`` matchers run
-        in parallel on this thread and the accept pool (this thread waits for the others, so each
-        gets the GIL at once to start its call). A refused token's row allows everything (never
-        expected: the request is aborted in its next update). Returns the matchers and rows to
-        fill."""
-        accept = self.backend.batch_accept
-        num_chunks = min(self._max_accept_threads + 1, len(matchers) // _MIN_ACCEPT_CHUNK)
-        if num_chunks <= 1:
-            refused = apply_deferred(matchers, token_lists, accept)
-        else:
-            if self._accept_pool is None:
-                self._accept_pool = ThreadPoolExecutor(self._max_accept_threads, thread_name_prefix="pagedllm-accept")
-            bounds = [len(matchers) * k // num_chunks for k in range(num_chunks + 1)]
-            futures = [(a, self._accept_pool.submit(apply_deferred, matchers[a:b], token_lists[a:b], accept))
-                       for a, b in zip(bounds[1:-1], bounds[2:])]
-            refused = apply_deferred(matchers[:bounds[1]], token_lists[:bounds[1]], accept)
-            for first, future in futures:
-                refused.update({first + i: token_id for i, token_id in future.result().items()})
-        if not refused:
-            return matchers, rows
-        for i, token_id in refused.items():
-            states[i].refuse(token_id)
-            self._bitmask[rows[i]] = -1
-        keep = [i for i in range(len(rows)) if i not in refused]
-        return [matchers[i] for i in keep], [rows[i] for i in keep]
-
     def _fill_rows(self, matchers: list, rows: list[int], started: threading.Event) -> float:
         """Fill ``bitmask[rows[i]]`` from ``matchers[i]`` (on the fill thread); returns the seconds
         it took. One batched xgrammar call on its own threads, outside the GIL: the fill is the
@@ -325,11 +284,11 @@ class StructuredOutputManager:
         started.set()
         if len(matchers) == 1:
             matchers[0].fill_next_token_bitmask(self._bitmask, rows[0])
-        elif matchers:
+        else:
             self.backend.batch_fill_bitmask(matchers, self._bitmask, rows)
         return time.perf_counter() - t0
 
     def shutdown(self) -> None:
-        for pool in (self._pool, self._fill_thread, self._accept_pool):
+        for pool in (self._pool, self._fill_thread):
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)

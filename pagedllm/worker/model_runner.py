@@ -226,17 +226,12 @@ class ModelRunner:
 
     def _apply_grammar(self, logits: torch.Tensor, inp: PreparedInputs, grammar: GrammarOutput) -> None:
         """Mask the logits rows of the requests in ``grammar`` (their rows in request order)."""
-        req_ids = inp.req_ids
-        if inp.drafts is None:  # one row per sampled request: a dict from request to row
-            row_of = {req_ids[i]: row for row, i in enumerate(inp.sample_req_idx)}
-            idx = [row_of[req_id] for req_id in grammar.req_ids]
-        else:
-            first_row, row = {}, 0
-            for j, i in enumerate(inp.sample_req_idx):
-                n = len(inp.drafts[j]) + 1
-                first_row[req_ids[i]] = (row, n)
-                row += n
-            idx = [r for req_id in grammar.req_ids for r in range(first_row[req_id][0], sum(first_row[req_id]))]
+        first_row, row = {}, 0
+        for j, i in enumerate(inp.sample_req_idx):
+            n = 1 if inp.drafts is None else len(inp.drafts[j]) + 1
+            first_row[inp.req_ids[i]] = (row, n)
+            row += n
+        idx = [r for req_id in grammar.req_ids for r in range(first_row[req_id][0], sum(first_row[req_id]))]
         apply_token_bitmask(logits, idx, grammar.bitmask)
 
     # -- inputs ----------------------------------------------------------------------------

@@ -12,7 +12,6 @@ import jsonschema
 import pytest
 
 from pagedllm import LLM, SamplingParams, StructuredOutputsParams
-from pagedllm.structured_output import StructuredOutputRequest
 from tests.helpers import has_default_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not has_default_model(), reason="embedded SmolLM2 not installed")]
@@ -105,21 +104,6 @@ def test_every_kind_gives_valid_text_in_one_mixed_batch(any_llm):
     m = grammars(llm)
     assert m.num_requests == 0 and m.num_bitmask_steps > 0 and m.bitmask_time_s > 0
     llm.llm_engine.engine_core.scheduler.check_integrity()
-
-
-def test_seeded_tokens_are_the_same_with_and_without_the_overlap(engines, monkeypatch):
-    """Async (deferred accepts applied by the fill job beside the next schedule) samples the same
-    tokens as sync with every accept applied at once in the update (the reference)."""
-    params = [constrained(temperature=0.8, max_tokens=40, json=SCHEMA) for _ in range(3)]
-    for i, p in enumerate(params):
-        p.seed = 100 + i
-    overlapped = engines(True).generate([PROMPT] * 3, params, use_tqdm=False)
-    accept = StructuredOutputRequest.accept_tokens
-    monkeypatch.setattr(StructuredOutputRequest, "accept_tokens",
-                        lambda self, token_ids: accept(self, token_ids) and self.matcher is not None)
-    immediate = engines(False).generate([PROMPT] * 3, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in overlapped] == [o.outputs[0].token_ids for o in immediate]
-    assert len({tuple(o.outputs[0].token_ids) for o in overlapped}) == 3  # the seeds were used
 
 
 def test_the_same_schema_compiles_once(llm):
