@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.gpu.int4_decode_bench import graph_time_us  # noqa: E402
+from benchmarks.gpu.int4_decode_bench import graph_time_us, print_engine_table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "benchmarks/configs/llama-3.1-8b/config.json"
@@ -165,20 +165,6 @@ def print_kernel_row(r: dict) -> None:
           f"{r['rel_err']:>8.1e}", flush=True)
 
 
-def print_engine_table(result: dict) -> None:
-    """The decode-step table (the kernel rows were printed as they were timed)."""
-    base = {r["batch_size"]: r["decode_step_ms"] for r in result["engine"].get("bf16", {}).get("runs", [])}
-    print("\ndecode step, Llama-3.1-8B architecture, random weights, 1024-token prompts")
-    print(f"{'variant':12} {'batch':>5} {'step ms':>8} {'floor ms':>9} {'/floor':>7} {'vs bf16':>8}")
-    for variant, res in result["engine"].items():
-        for r in res.get("runs", []):
-            vs = r["decode_step_ms"] / base[r["batch_size"]] if r["batch_size"] in base else float("nan")
-            print(f"{variant:12} {r['batch_size']:>5} {r['decode_step_ms']:>8.3f} {r['floor_ms']:>9.3f} "
-                  f"{r['step_over_floor']:>7.2f} {vs:>8.2f}")
-        if "error" in res:
-            print(f"{variant:12} error: {res['error']}")
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"), "fp8-decode-8b.json"))
@@ -200,7 +186,7 @@ def main() -> int:
              "--output-len", str(ns.output_len)]
     result = {"kernels": {} if ns.skip_kernels else run_child(["--child", "kernels"]),
               "engine": {} if ns.skip_engine else {v: run_child(["--child", v, *sizes]) for v in ns.variants}}
-    print_engine_table(result)
+    print_engine_table(result["engine"], width=12)
     os.makedirs(os.path.dirname(ns.out) or ".", exist_ok=True)
     Path(ns.out).write_text(json.dumps(result, indent=2))
     print(f"\nwrote {ns.out}")

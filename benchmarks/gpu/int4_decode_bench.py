@@ -297,16 +297,22 @@ def print_tables(result: dict) -> None:
     for r in gguf:
         print(f"{r['layer']:8} {r['qtype']:6} {r['m']:>3} {r['us']:>9.1f} {r['bf16_us']:>9.1f} {r['ratio']:>6.2f} "
               f"{r['gb_per_s']:>7.0f}")
-    base = {r["batch_size"]: r["decode_step_ms"] for r in result["engine"].get("bf16", {}).get("runs", [])}
-    print("\ndecode step, Llama-3.1-8B architecture, 1024-token prompts")
-    print(f"{'variant':22} {'batch':>5} {'step ms':>8} {'floor ms':>9} {'/floor':>7} {'vs bf16':>8}")
-    for variant, res in result["engine"].items():
+    print_engine_table(result["engine"], width=22)
+
+
+def print_engine_table(engine: dict, width: int) -> None:
+    """The decode-step table of ``engine`` (variant -> its ``bench latency`` result), each step
+    against its floor and against the ``bf16`` variant's step at the same batch size."""
+    base = {r["batch_size"]: r["decode_step_ms"] for r in engine.get("bf16", {}).get("runs", [])}
+    print("\ndecode step, Llama-3.1-8B architecture, random weights, 1024-token prompts")
+    print(f"{'variant':{width}} {'batch':>5} {'step ms':>8} {'floor ms':>9} {'/floor':>7} {'vs bf16':>8}")
+    for variant, res in engine.items():
         for r in res.get("runs", []):
             vs = r["decode_step_ms"] / base[r["batch_size"]] if r["batch_size"] in base else float("nan")
-            print(f"{variant:22} {r['batch_size']:>5} {r['decode_step_ms']:>8.3f} {r['floor_ms']:>9.3f} "
+            print(f"{variant:{width}} {r['batch_size']:>5} {r['decode_step_ms']:>8.3f} {r['floor_ms']:>9.3f} "
                   f"{r['step_over_floor']:>7.2f} {vs:>8.2f}")
         if "error" in res:
-            print(f"{variant:22} error: {res['error']}")
+            print(f"{variant:{width}} error: {res['error']}")
 
 
 def main() -> int:

@@ -209,10 +209,13 @@ def test_word_row_gemv_compiles_for_hopper_without_spills():
                             options={"num_warps": 4})
     assert "ld.global" in kernel.asm["ptx"] and "ld.local" not in kernel.asm["ptx"]
     _assert_no_spills(kernel)
+    from pagedllm.quantization.kernels.splitk import splitk_sum_kernel
+
     sum_signature = {"ws_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32",
-                     "stride_om": "i32", "SPLIT": "constexpr", "HAS_BIAS": "constexpr", "BLOCK": "constexpr"}
-    triton.compile(ASTSource(int4_gemm._splitk_sum_kernel, sum_signature, {"SPLIT": 7, "HAS_BIAS": True,
-                                                                           "BLOCK": 1024}), target=target)
+                     "stride_om": "i32", **dict.fromkeys(("SPLIT", "HAS_BIAS", "BLOCK", "USE_PDL"), "constexpr")}
+    for use_pdl in (False, True):  # int4's launch; fp8's under programmatic dependent launch
+        triton.compile(ASTSource(splitk_sum_kernel, sum_signature, {"SPLIT": 7, "HAS_BIAS": True, "BLOCK": 1024,
+                                                                    "USE_PDL": use_pdl}), target=target)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")

@@ -25,7 +25,7 @@ one kernel reads each weight byte once and leaves x in its dtype:
   residual; K not split), or SiLU-and-mul of ``[gate | up]``. One launch instead of two.
 - Split K (``SPLIT_K``, where the row blocks alone leave SMs idle: narrow layers such as o_proj
   and down_proj): each split writes its float32 partial sums to ``[SPLIT, M, N]`` and
-  ``_splitk_sum_kernel`` adds them with the bias, in x's dtype.
+  ``splitk.splitk_sum_kernel`` adds them with the bias, in x's dtype.
 
 With PDL (``pagedllm/pdl.py``: the batch-1 decode graph) each program waits for the kernel that
 wrote x before its loop and lets the next kernel launch after it, as the bf16 GEMVs do.
@@ -47,6 +47,7 @@ import triton.language as tl
 from pagedllm.layers.kernels.fused_gemv import _silu_mul_chunk
 from pagedllm.layers.kernels.rms_norm import _load_sum
 from pagedllm.pdl import launch_kwargs
+from pagedllm.quantization.kernels.splitk import splitk_sum_kernel
 from pagedllm.triton_pdl import allow_dependents, wait_for_inputs
 
 # At most this many rows take the GEMV; more rows the caller's GEMM (cuBLASLt FP8 on Hopper).
@@ -138,23 +139,6 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, res_ptr, res_out_ptr, 
              mask=m_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit
-def _splitk_sum_kernel(ws_ptr, b_ptr, out_ptr, M, N, stride_om, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    """``out[m, n] = sum_s ws[s, m, n] (+ bias[n])`` in out's dtype (the split-K GEMV's second half)."""
-    wait_for_inputs(USE_PDL)
-    allow_dependents(USE_PDL)  # one short wave: the next kernel may take the SMs it leaves
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < M * N
-    acc = tl.zeros((BLOCK,), tl.float32)
-    for s in tl.static_range(SPLIT):
-        acc += tl.load(ws_ptr + s * M * N + offs, mask=mask, other=0.0)
-    n = offs % N
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + n, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + (offs // N) * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
 @functools.cache
 def num_sms(device_index: int) -> int:
     """The SM count of CUDA device ``device_index`` (cached)."""
@@ -236,7 +220,7 @@ def _launch(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torc
         HAS_RESIDUAL=residual is not None, num_warps=num_warps, **launch_kwargs(x.device))
     if split > 1:
         block = 1024
-        _splitk_sum_kernel[(triton.cdiv(m * n, block),)](target, b, out, m, n, out.stride(0), SPLIT=split,
+        splitk_sum_kernel[(triton.cdiv(m * n, block),)](target, b, out, m, n, out.stride(0), SPLIT=split,
                                                          HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
                                                          **launch_kwargs(x.device))
     return out

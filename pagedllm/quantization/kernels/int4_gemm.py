@@ -14,7 +14,7 @@ column; chosen at load where ``n8_layout_fits``):
   one multiply-add; the scale multiplies a step's sums. Grid ``(M, N / 8, split)``: a program per
   input row (a word row's programs run together: the words come from DRAM once), split K
   (``gemv_n8_config``) where the programs alone leave SMs idle, its float32 partial sums added by
-  ``_splitk_sum_kernel`` (with the bias, in x's dtype). Act-order: the input is permuted by one
+  ``splitk.splitk_sum_kernel`` (with the bias, in x's dtype). Act-order: the input is permuted by one
   gather first.
 - ``_int4_gemm_n8_kernel`` (the tiled GEMM, above the GEMV up to ``TILED_MAX_ROWS`` half-precision
   rows): a program owns a ``[BLOCK_M, BLOCK_N]`` output tile and a split of K; a step takes one
@@ -58,6 +58,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.quantization.int4_layout import N8_LAYOUT, PACK, ROWS_LAYOUT, n8_run
+from pagedllm.quantization.kernels.splitk import splitk_sum_kernel
 
 GEMV_MAX_ROWS = 4
 MAGIC = 0x4B000000  # the bits of the float 2^23, whose mantissa takes a code (``_n8_plane``)
@@ -222,7 +223,7 @@ def _int4_gemv_n8_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, G
     ``magic`` (0x4B000000) comes as an argument so that it sits in one register and the nibble
     masks are the logic op's immediates.
     ``SPLIT`` > 1: float32 partial sums into ``out_ptr`` (``[SPLIT, M, N]``), the bias and the
-    rounding left to ``_splitk_sum_kernel``."""
+    rounding left to ``splitk.splitk_sum_kernel``."""
     pid_m = tl.program_id(0)
     pid_b = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -290,21 +291,6 @@ def _int4_gemv_n8_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, G
     _n8_store(out, tl.sum(acc5), row + 5, b_ptr, HAS_BIAS, SPLIT)
     _n8_store(out, tl.sum(acc6), row + 6, b_ptr, HAS_BIAS, SPLIT)
     _n8_store(out, tl.sum(acc7), row + 7, b_ptr, HAS_BIAS, SPLIT)
-
-
-@triton.jit
-def _splitk_sum_kernel(ws_ptr, b_ptr, out_ptr, M, N, stride_om, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       BLOCK: tl.constexpr):
-    """``out[m, n] = sum_s ws[s, m, n] (+ bias[n])`` in out's dtype (the split-K GEMV's second half)."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < M * N
-    acc = tl.zeros((BLOCK,), tl.float32)
-    for s in tl.static_range(SPLIT):
-        acc += tl.load(ws_ptr + s * M * N + offs, mask=mask, other=0.0)
-    n = offs % N
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + n, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + (offs // N) * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -499,7 +485,7 @@ def int4_gemm_n8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                  out: torch.Tensor | None = None, config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """``x[:, perm] @ W^T (+ bias)`` by the tiled GEMM (``_int4_gemm_n8_kernel``) from a word-row
     weight; ``config``: ``tiled_n8_config``'s tuple (default its choice). Precondition:
-    ``tiled_n8_fits``. Split K writes float32 partial sums, added by ``_splitk_sum_kernel``."""
+    ``tiled_n8_fits``. Split K writes float32 partial sums, added by ``splitk.splitk_sum_kernel``."""
     m, k = x.shape
     n = qweight.shape[0] * PACK
     if out is None:
@@ -534,9 +520,9 @@ def _splitk_sum(partials: torch.Tensor, bias: torch.Tensor | None, out: torch.Te
     """``out = partials.sum(0) (+ bias)`` in out's dtype (``partials`` float32 ``[split, M, N]``)."""
     split, m, n = partials.shape
     block = 1024
-    _splitk_sum_kernel[(triton.cdiv(m * n, block),)](partials, bias if bias is not None else out, out, m, n,
+    splitk_sum_kernel[(triton.cdiv(m * n, block),)](partials, bias if bias is not None else out, out, m, n,
                                                      out.stride(0), SPLIT=split, HAS_BIAS=bias is not None,
-                                                     BLOCK=block, num_warps=4)
+                                                     BLOCK=block, USE_PDL=False, num_warps=4)
 
 
 def int4_gemv_n8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
