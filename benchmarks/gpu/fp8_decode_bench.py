@@ -25,14 +25,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.gpu.int4_decode_bench import graph_time_us, print_engine_table  # noqa: E402
+from benchmarks.gpu.int4_decode_bench import graph_time_us, print_engine_table, run_child  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "benchmarks/configs/llama-3.1-8b/config.json"
@@ -137,17 +135,6 @@ def engine_part(variant: str, batch_sizes: list[int], input_len: int, output_len
             "kv_bytes_per_element": kv_bytes, "copy_bytes_per_s": bandwidth, "torch": torch.__version__, "runs": runs}
 
 
-def run_child(args: list[str]) -> dict:
-    """Runs this script with ``args`` in a fresh process; returns the JSON it wrote."""
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        path = f.name
-    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, __file__, *args, "--child-json", path], env=env, cwd=ROOT)
-    if proc.returncode != 0:
-        return {"error": f"{args} exited with {proc.returncode}"}
-    return json.loads(Path(path).read_text())
-
-
 def print_kernel_header() -> None:
     print("\nkernels (us per call, CUDA graph): bf16 F.linear, fp8 act-quant + _scaled_mm, fp8 Triton GEMV "
           "(config: block_n,block_k,warps,dot,split; * default)")
@@ -184,8 +171,8 @@ def main() -> int:
         return 0
     sizes = ["--batch-sizes", *map(str, ns.batch_sizes), "--input-len", str(ns.input_len),
              "--output-len", str(ns.output_len)]
-    result = {"kernels": {} if ns.skip_kernels else run_child(["--child", "kernels"]),
-              "engine": {} if ns.skip_engine else {v: run_child(["--child", v, *sizes]) for v in ns.variants}}
+    result = {"kernels": {} if ns.skip_kernels else run_child(["--child", "kernels"], __file__),
+              "engine": {} if ns.skip_engine else {v: run_child(["--child", v, *sizes], __file__) for v in ns.variants}}
     print_engine_table(result["engine"], width=12)
     os.makedirs(os.path.dirname(ns.out) or ".", exist_ok=True)
     Path(ns.out).write_text(json.dumps(result, indent=2))

@@ -267,12 +267,13 @@ def profile_decode(llm, batch: int, ctx: int, steps: int = 10) -> list[dict]:
             *rows[:30]]
 
 
-def run_child(args: list[str]) -> dict:
-    """Runs this script with ``args`` in a fresh process; returns the JSON it wrote."""
+def run_child(args: list[str], script: str = __file__) -> dict:
+    """Runs ``script`` (this one by default) with ``args`` in a fresh process (its own GPU memory);
+    returns the JSON it wrote to ``--child-json``, or ``{"error": ...}`` if it failed."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         path = f.name
     env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, __file__, *args, "--child-json", path], env=env, cwd=ROOT)
+    proc = subprocess.run([sys.executable, script, *args, "--child-json", path], env=env, cwd=ROOT)
     if proc.returncode != 0:
         return {"error": f"{args} exited with {proc.returncode}"}
     return json.loads(Path(path).read_text())

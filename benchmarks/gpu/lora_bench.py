@@ -89,14 +89,19 @@ def run_engine(ns, prompts, enable_lora: bool, workloads: dict) -> dict:
     return results
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    """The workload's flags (model, requests, adapters, rank, lengths), shared with lora_profile.py."""
     ap.add_argument("--model", default="benchmarks/configs/llama-3.1-8b")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--num-adapters", type=int, default=8)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=256)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    add_workload_args(ap)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--output-json", default=None)

@@ -34,6 +34,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.gpu.lora_bench import add_workload_args  # noqa: E402
+
 
 def cuda_us(fn, n: int = 50) -> float:
     """GPU microseconds per call of ``fn`` (a graph replay or a graph of calls), after a warm-up."""
@@ -224,12 +226,7 @@ SECTIONS = ("decode", "generate", "prefill", "sweep", "ops", "kernels")  # the o
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="benchmarks/configs/llama-3.1-8b")
-    ap.add_argument("--num-requests", type=int, default=64)
-    ap.add_argument("--num-adapters", type=int, default=8)
-    ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--prompt-len", type=int, default=256)
-    ap.add_argument("--max-tokens", type=int, default=256)
+    add_workload_args(ap)
     ap.add_argument("--sections", default=",".join(SECTIONS),
                     help=f"comma-separated, of {','.join(SECTIONS)} (module doc)")
     ap.add_argument("--output-json", default=None)
