@@ -87,12 +87,18 @@ class PipelineParallelGroup:
         return range(start, start + length)
 
     def send_next(self, x: torch.Tensor) -> None:
+        """Send ``x`` to the next stage. On return (NCCL) the current stream waits for the send, so
+        the caller may overwrite ``x`` with later work on that stream (a CUDA graph's static output)."""
         torch.distributed.send(x.contiguous(), dst=self.world_rank + self.tp_size)
 
     def recv_prev(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        x = torch.empty(shape, dtype=dtype, device=device)
-        torch.distributed.recv(x, src=self.world_rank - self.tp_size)
-        return x
+        return self.recv_prev_into(torch.empty(shape, dtype=dtype, device=device))
+
+    def recv_prev_into(self, out: torch.Tensor) -> torch.Tensor:
+        """Receive the previous stage's tensor into ``out`` (contiguous, its shape; e.g. rows of a CUDA
+        graph's static input buffer); later work on the current stream sees it. Returns ``out``."""
+        torch.distributed.recv(out, src=self.world_rank - self.tp_size)
+        return out
 
 
 _tp_group = TensorParallelGroup()

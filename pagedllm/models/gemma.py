@@ -115,8 +115,8 @@ class GemmaDecoderLayer(nn.Module):
 
 class GemmaModel(nn.Module):
     """Scaled embedding -> decoder layers -> final norm, with pipeline stages as ``LlamaModel``'s
-    (a stage sends the residual stream on). The RoPE tables: one shared by every layer, or with
-    per-layer-type RoPE parameters (Gemma 3) one per layer type."""
+    (a stage returns its residual stream for the next). The RoPE tables: one shared by every layer,
+    or with per-layer-type RoPE parameters (Gemma 3) one per layer type."""
 
     def __init__(self, cfg: Any) -> None:
         super().__init__()
@@ -141,18 +141,14 @@ class GemmaModel(nn.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
-        if self.pp.is_first:
-            hidden = self.embed_tokens(input_ids) * self.embed_scale
-        else:
-            shape = (positions.shape[0], self.embed_tokens.weight.shape[1])
-            hidden = self.pp.recv_prev(shape, self.embed_tokens.weight.dtype, positions.device)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids) * self.embed_scale if self.pp.is_first else intermediate
         residual = None
         for i in self.layer_range:
             hidden, residual = self.layers[i](positions, hidden, residual)
         if not self.pp.is_last:
-            self.pp.send_next(hidden if residual is None else hidden + residual)
-            return None
+            return hidden if residual is None else hidden + residual
         return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
 

@@ -24,8 +24,12 @@ class CausalLM(Protocol):
     config: Any  # the HF (or plain) config the model was built from
     max_supported_len: int | None  # a length cap beyond max_position_embeddings (e.g. a sliding window)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """``input_ids [T]``, ``positions [T]`` -> hidden states ``[T, hidden_size]``."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: torch.Tensor | None = None) -> torch.Tensor:
+        """``input_ids [T]``, ``positions [T]`` -> hidden states ``[T, hidden_size]``. Under pipeline
+        parallel a stage after the first starts from ``intermediate`` (the previous stage's
+        residual stream ``[T, hidden_size]``) and a stage before the last returns its own residual
+        stream; the runner moves it between stages (``worker/pipeline_stage.py``)."""
         ...
 
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:

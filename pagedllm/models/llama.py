@@ -144,8 +144,10 @@ class LlamaModel(nn.Module):
     whose form ``self.residual`` chooses per forward (``layers/residual.py``).
 
     Pipeline parallel (``distributed.get_pp_group()``): this stage runs ``layer_range``; a stage
-    after the first takes the residual stream from the previous one instead of the embedding, and
-    a stage before the last sends its stream on and returns None. Every stage holds the embedding,
+    after the first starts from ``intermediate``, the residual stream ``[T, hidden]`` the previous
+    stage returned, instead of the embedding, and a stage before the last returns its residual
+    stream instead of the final hidden states (the runner sends and receives it:
+    ``worker/pipeline_stage.py``; a model never communicates). Every stage holds the embedding,
     the final norm and the LM head (so a tied head has its table): one vocabulary table of memory
     per stage, for one code path."""
 
@@ -167,17 +169,16 @@ class LlamaModel(nn.Module):
         """Decoder layer ``index`` (a subclass may vary the layer by index, e.g. MoE or dense MLP)."""
         return LlamaDecoderLayer(cfg, self.rotary_emb, self.sliding_windows[index])
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: torch.Tensor | None = None) -> torch.Tensor:
         if self.pp.is_first:
             state = self.residual(self.embed_tokens(input_ids))
         else:
-            shape = (positions.shape[0], self.embed_tokens.weight.shape[1])
-            state = self.residual(self.pp.recv_prev(shape, self.embed_tokens.weight.dtype, positions.device))
+            state = self.residual(intermediate)
         for i in self.layer_range:
             state = self.layers[i](positions, state)
         if not self.pp.is_last:
-            self.pp.send_next(_residual_stream(state))
-            return None
+            return _residual_stream(state)
         return state.normed(self.norm)
 
 
@@ -211,9 +212,11 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = LMHead(hf_config.vocab_size, hf_config.hidden_size, self.model.embed_tokens if tied else None)
         self.max_supported_len: int | None = None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
-        """``[T, hidden]`` final hidden states; None on a pipeline stage before the last."""
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: torch.Tensor | None = None) -> torch.Tensor:
+        """``[T, hidden]`` final hidden states; on a pipeline stage before the last, the residual
+        stream the next stage takes as ``intermediate`` (which a stage after the first needs)."""
+        return self.model(input_ids, positions, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         """``[N, vocab]`` logits, float32 (or in the model dtype with ``upcast=False``)."""

@@ -13,6 +13,12 @@ argument copies beyond the step's one input copy; padded rows carry slot -1 (KV 
 and seq_len 0 (attention writes zeros), and their outputs are discarded. All graphs share one
 memory pool; capture time is part of start-up.
 Graphs of ``pdl.MAX_TOKENS`` request are captured with programmatic dependent launch.
+Under pipeline parallel each stage captures its own layers (``replay_stage``, vLLM's way): a stage
+after the first reads the previous stage's residual stream from a static input buffer
+(``intermediate``, rows ``[:bs * q]`` for graph ``(bs, q)``) that the receive fills before the
+replay, and a stage before the last ends its graphs with its residual stream (not the logits), which
+is sent from the graph's static output after the replay; the send and the receive are never
+captured. Speculative decoding is refused with pipeline parallel, so a stage has decode graphs only.
 With LoRA (``capture_lora``) a second set of graphs, one per size, runs the layers with their
 adapter delta over the LoRA manager's fixed mapping (``lora/mapping.GraphMapping``), which a
 step fills before ``replay_lora``; those graphs are captured without PDL (the LoRA kernels do not
@@ -20,8 +26,10 @@ wait on their predecessor in a dependent launch).
 
 Invariant: ``self.graphs[bs, q]`` was captured with metadata built by the backend's builder over
 ``DeviceInputs.device_views(bs * q, bs)``: the device views that a step padded to ``bs`` requests
-of ``q`` queries fills with its one input copy. Cost: one graph and one logits buffer
-``[bs * q, vocab]`` per shape, in one shared memory pool.
+of ``q`` queries fills with its one input copy (and, on a stage after the first, rows ``[:bs * q]``
+of ``intermediate``). Cost: one graph and one output buffer per shape (``[bs * q, vocab]`` logits,
+or ``[bs * q, hidden]`` on a stage before the last), in one shared memory pool, plus one
+``[largest graph's tokens, hidden]`` input buffer on a stage after the first.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from pagedllm.attention.backend import (
     CommonAttentionInputs,
     forward_context,
 )
+from pagedllm.distributed import PipelineParallelGroup, get_pp_group
 from pagedllm.worker.device_inputs import LONGEST_FIRST_FROM
 
 logger = logging.getLogger("pagedllm")
@@ -70,19 +79,33 @@ class CUDAGraphRunner:
     """The decode (and verify) graphs of one model (see the module doc): ``capture_all`` at start-up,
     then ``replay(padded_size(n))`` for every pure decode step of ``n <= max_size`` requests, and
     ``replay(padded_size(n, q), q)`` (``q = verify_query_len``) for a step of ``n <= max_verify_size``
-    requests of at most ``q`` tokens each."""
+    requests of at most ``q`` tokens each; a pipeline stage replays through ``replay_stage``.
+    ``pp`` is the stage (default: this process's); ``dtype`` the activations' (needed by a stage
+    after the first, for its input buffer)."""
 
     def __init__(self, model, backend: AttentionBackend, inputs, max_num_seqs: int, device: torch.device,
-                 allow_pdl: bool = True, verify_query_len: int = 1, max_num_tokens: int = 0) -> None:
+                 allow_pdl: bool = True, verify_query_len: int = 1, max_num_tokens: int = 0,
+                 pp: PipelineParallelGroup | None = None, dtype: torch.dtype | None = None) -> None:
         self.model = model
         self.allow_pdl = allow_pdl  # KernelConfig.pdl
         self.backend = backend
         self.inputs = inputs  # DeviceInputs
         self.device = device
+        self.pp = pp if pp is not None else get_pp_group()
         self.sizes = capture_sizes(max_num_seqs)
         self.verify_query_len = verify_query_len
         self.verify_sizes = verify_capture_sizes(self.sizes, verify_query_len, max_num_tokens)
+        if self.verify_sizes and self.pp.size > 1:
+            raise ValueError("verify_query_len: no verify graphs under pipeline parallel (a stage exchanges "
+                             "the first rows of its graph: a decode step's tokens)")
         inputs.recurring_shapes.update((bs * verify_query_len, bs) for bs in self.verify_sizes)
+        # A stage after the first: the previous stage's residual stream, received before each replay.
+        self.intermediate: torch.Tensor | None = None
+        if not self.pp.is_first:
+            if dtype is None:
+                raise ValueError("dtype: a pipeline stage after the first needs the activations' dtype")
+            self.intermediate = torch.zeros(max(self.token_counts), model.config.hidden_size, dtype=dtype,
+                                            device=device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.lora_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # with the LoRA delta (capture_lora)
@@ -148,9 +171,14 @@ class CUDAGraphRunner:
                 self._forward(dev["input_ids"], dev["positions"])
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """What a graph runs: the forward pass and the LM head (logits in the model dtype, as the
-        sampler takes them)."""
-        return self.model.compute_logits(self.model(ids, pos), upcast=False)
+        """What a graph runs: this stage's layers (on a stage after the first from the first rows of
+        ``intermediate``) and, on the last stage, the LM head (logits in the model dtype, as the
+        sampler takes them); a stage before the last ends with its residual stream."""
+        if self.intermediate is None:
+            hidden = self.model(ids, pos)
+        else:
+            hidden = self.model(ids, pos, self.intermediate[: ids.shape[0]])
+        return self.model.compute_logits(hidden, upcast=False) if self.pp.is_last else hidden
 
     @torch.inference_mode()
     def capture_all(self) -> float:
@@ -204,7 +232,24 @@ class CUDAGraphRunner:
         return self.lora_outputs[bs]
 
     def replay(self, bs: int, q: int = 1) -> torch.Tensor:
-        """Run the graph of shape ``(bs, q)``; returns its logits ``[bs * q, vocab]`` (valid until the
-        next replay)."""
+        """Run the graph of shape ``(bs, q)``; returns its logits ``[bs * q, vocab]`` (on a stage before
+        the last its residual stream ``[bs * q, hidden]``), valid until the next replay."""
         self.graphs[bs, q].replay()
         return self.outputs[bs, q]
+
+    def replay_stage(self, bs: int, q: int, num_tokens: int) -> torch.Tensor | None:
+        """``replay(bs, q)`` as this pipeline stage's part of a step whose ``num_tokens`` tokens are
+        the graph's first rows: a stage after the first receives the previous stage's residual
+        stream into those rows of ``intermediate`` first (and zeroes the padding rows, which would
+        otherwise carry a stale stream that each replay adds to); a stage before the last then
+        sends those rows of its output and returns None. The last stage returns the logits. At
+        pipeline size 1 this is ``replay``."""
+        if self.intermediate is not None:
+            self.pp.recv_prev_into(self.intermediate[:num_tokens])
+            if num_tokens < bs * q:
+                self.intermediate[num_tokens : bs * q].zero_()
+        out = self.replay(bs, q)
+        if self.pp.is_last:
+            return out
+        self.pp.send_next(out[:num_tokens])
+        return None

@@ -44,6 +44,7 @@ from pagedllm.spec_decode.interface import Proposer
 from pagedllm.worker.cuda_graph import CUDAGraphRunner
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.input_prep import InputPreparer, PreparedInputs
+from pagedllm.worker.pipeline_stage import stage_forward
 from pagedllm.worker.step_handle import StepHandle, StepTrace
 from pagedllm.worker.sync_policy import StepSyncPolicy
 
@@ -144,8 +145,10 @@ class ModelRunner:
         self.timings["prepare"] += time.perf_counter() - t0
         hidden = logits = None
         if inp.graph_size is not None:  # the graph ends with the LM head (a decode or verify step)
-            if lora_slots is None:
-                logits = self.graph_runner.replay(inp.graph_size, inp.graph_query_len)[inp.logits_indices]
+            if lora_slots is None:  # a pipeline stage before the last sends its output and has no logits
+                out = self.graph_runner.replay_stage(inp.graph_size, inp.graph_query_len,
+                                                     so.total_num_scheduled_tokens)
+                logits = None if out is None else out[inp.logits_indices]
             else:
                 self.lora_manager.stage_graph(lora_slots)
                 logits = self.graph_runner.replay_lora(inp.graph_size)[inp.logits_indices]
@@ -155,7 +158,7 @@ class ModelRunner:
                 lora_step = self.lora_manager.step(None if lora_slots is None
                                                    else self.lora_manager.eager_mapping(lora_slots))
             with attention_forward_context(inp.attn_metadata, self.backend), lora_step:
-                hidden = self.model(inp.input_ids, inp.positions)
+                hidden = stage_forward(self.model, self.pp, inp.input_ids, inp.positions, self.dtype)
             if inp.sample_req_idx and hidden is not None:  # None: a pipeline stage before the last
                 # logits in the model dtype: the sampler upcasts where it needs
                 logits = self.model.compute_logits(hidden[inp.logits_indices], upcast=False)

@@ -41,12 +41,21 @@ from pagedllm.spec_decode.draft_model import DraftModelProposer
 from pagedllm.worker import kv_cache as kvc
 from pagedllm.worker.cuda_graph import CUDAGraphRunner
 from pagedllm.worker.model_runner import ModelRunner, StepHandle
+from pagedllm.worker.pipeline_stage import dummy_stage_forward
 from pagedllm.worker.pooling_runner import PoolingModelRunner
 from pagedllm.worker.proposer import build_proposer, draft_bytes_per_block, load_draft_model
 
 logger = logging.getLogger("pagedllm")
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def uses_decode_graphs(config: EngineConfig, device: torch.device, backend) -> bool:
+    """Whether a worker captures decode CUDA graphs: on CUDA unless ``enforce_eager`` or the
+    attention backend has none, at every pipeline stage (each over its own layers); never for
+    pooling (its steps are prefills, the graphs are of decode steps)."""
+    return (device.type == "cuda" and not config.enforce_eager and backend.supports_decode_graphs
+            and config.model_config.runner != "pooling")
 
 
 class Worker:
@@ -96,16 +105,15 @@ class Worker:
             self.model_runner = ModelRunner(config, self.model, self.backend, self.device, self.dtype)
         self.model_runner.lora_manager = self.lora_manager
         self._graphs: CUDAGraphRunner | None = None
-        # No graphs across pipeline stages: a captured forward cannot hold the stage's send / receive.
-        # None for pooling: its steps are prefills (the graphs are of decode steps).
-        if (self.device.type == "cuda" and not config.enforce_eager and self.backend.supports_decode_graphs
-                and config.parallel_config.pipeline_parallel_size == 1 and not self.pooling):
+        if uses_decode_graphs(config, self.device, self.backend):
+            # A pipeline stage captures its own layers; its send / receive stay outside (cuda_graph.py).
             spec = config.speculative_config  # verify graphs: 1 + k queries per request
             self._graphs = CUDAGraphRunner(self.model, self.backend, self.model_runner.prep.inputs,
                                            config.scheduler_config.max_num_seqs, self.device,
                                            allow_pdl=config.kernel_config.pdl,
                                            verify_query_len=1 + (spec.num_speculative_tokens if spec else 0),
-                                           max_num_tokens=config.scheduler_config.max_num_batched_tokens)
+                                           max_num_tokens=config.scheduler_config.max_num_batched_tokens,
+                                           pp=self.model_runner.pp, dtype=self.dtype)
 
     # -- kernel policy (layers/): the two calls the runner used to make on a loaded model ---------
     def _prepare_model_kernels(self) -> None:
@@ -252,13 +260,15 @@ class Worker:
             self.model_runner.sampler(logits, build_sampling_metadata(params, history, self.device, logits.shape[-1]))
         torch.cuda.synchronize(self.device)
 
-    def _dummy_forward(self, query_lens: list[int], num_cached: int) -> torch.Tensor:
+    def _dummy_forward(self, query_lens: list[int], num_cached: int) -> torch.Tensor | None:
         """One eager forward of requests with these query lengths, each after ``num_cached`` earlier
-        positions (all in block 0); token 0 everywhere, nothing written to the KV cache."""
+        positions (all in block 0); token 0 everywhere, nothing written to the KV cache, nothing
+        sent or received (a stage before the last returns None: ``pipeline_stage.py``)."""
         meta = self.model_runner.dummy_metadata(query_lens, num_cached)
         positions = torch.cat([torch.arange(num_cached, num_cached + q) for q in query_lens]).to(self.device)
         with forward_context(meta, self.backend):
-            return self.model(torch.zeros_like(positions), positions)
+            return dummy_stage_forward(self.model, self.model_runner.pp, torch.zeros_like(positions), positions,
+                                       self.dtype)
 
     # -- serving ---------------------------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
