@@ -144,7 +144,7 @@ class ModelRunner:
         inp = self.prep.prepare(so, rows, graph_runner)
         self.timings["prepare"] += time.perf_counter() - t0
         hidden = logits = None
-        if inp.graph_size is not None:  # the graph ends with the LM head (a decode or verify step)
+        if inp.graph_size is not None:  # a decode or verify graph (on the last stage it ends with the LM head)
             if lora_slots is None:  # a pipeline stage before the last sends its output and has no logits
                 out = self.graph_runner.replay_stage(inp.graph_size, inp.graph_query_len,
                                                      so.total_num_scheduled_tokens)
