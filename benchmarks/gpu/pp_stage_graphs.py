@@ -28,9 +28,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from pagedllm import EngineArgs, LLMEngine, SamplingParams  # noqa: E402
-from pagedllm.engine import engine_core  # noqa: E402
 from pagedllm.entrypoints.bench_roofline import git_commit, today  # noqa: E402
-from tests.worker.pp_two_stage import TwoStageExecutor  # noqa: E402
+from tests.worker.pp_two_stage import two_stage_engine  # noqa: E402
 
 WARM_TOKENS = 4  # decode tokens per request before the clock starts
 MODES = {"single stage, graphs": (1, False), "PP=2, graphs": (2, False), "PP=2, eager": (2, True)}
@@ -38,15 +37,9 @@ MODES = {"single stage, graphs": (1, False), "PP=2, graphs": (2, False), "PP=2, 
 
 def build(model: str, pp: int, eager: bool, device: str) -> LLMEngine:
     args = EngineArgs(model=model, load_format="dummy", skip_tokenizer_init=True, device=device,
-                      max_model_len=2048, max_num_seqs=16, num_gpu_blocks_override=1024,
-                      pipeline_parallel_size=pp, enforce_eager=eager, seed=0)
-    original = engine_core.executor_class
-    if pp > 1:  # both stages in this process (NCCL refuses two ranks on one GPU)
-        engine_core.executor_class = lambda config: TwoStageExecutor
-    try:
-        return LLMEngine.from_engine_args(args)
-    finally:
-        engine_core.executor_class = original
+                      max_model_len=2048, max_num_seqs=16, num_gpu_blocks_override=1024, enforce_eager=eager, seed=0)
+    # PP=2: both stages in this process (NCCL refuses two ranks on one GPU).
+    return two_stage_engine(args) if pp > 1 else LLMEngine.from_engine_args(args)
 
 
 def decode_ms(engine: LLMEngine, batch: int, ctx: int, steps: int) -> tuple[float, dict[str, list[int]]]:

@@ -9,19 +9,23 @@ receive into a graph's static input rows, the replay, the send from its static o
 production code. ``InMemoryStage`` overrides only the two transfer methods of
 ``PipelineParallelGroup``; ``TwoStageExecutor`` is the executor interface over the two workers.
 
-Usage: ``monkeypatch.setattr(engine_core, "executor_class", lambda config: TwoStageExecutor)``
-with ``pipeline_parallel_size=2`` (the engine core then keeps two micro-batches in flight).
+Usage: ``two_stage_engine(EngineArgs(...))``, an ``LLMEngine`` of ``pipeline_parallel_size=2`` (so
+the engine core keeps two micro-batches in flight) over a ``TwoStageExecutor``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from unittest import mock
 
 import torch
 
+from pagedllm import EngineArgs, LLMEngine
 from pagedllm.attention.backend import CommonAttentionInputs, forward_context
 from pagedllm.distributed import PipelineParallelGroup, set_pp_group
+from pagedllm.engine import engine_core
+from pagedllm.engine.config_builder import create_engine_config
 from pagedllm.executor.abstract import Executor
 from pagedllm.worker.cuda_graph import CUDAGraphRunner
 from pagedllm.worker.worker import Worker
@@ -117,6 +121,17 @@ class TwoStageExecutor(Executor):
     def shutdown(self) -> None:
         for w in self.stages:
             w.shutdown()
+
+
+def two_stage_engine(args: EngineArgs) -> LLMEngine:
+    """The engine of ``args`` (``pipeline_parallel_size`` 1) as a pipeline of 2 stages in this process.
+    The config is resolved at one stage and then given 2 (a CUDA config of 2 stages would be refused
+    on a host of one GPU); the model's layers must divide by 2."""
+    config = create_engine_config(args)
+    parallel = dataclasses.replace(config.parallel_config, pipeline_parallel_size=2, distributed_executor_backend="mp")
+    config = dataclasses.replace(config, parallel_config=parallel)
+    with mock.patch.object(engine_core, "executor_class", lambda config: TwoStageExecutor):
+        return LLMEngine(config)
 
 
 class EagerStageReplay(CUDAGraphRunner):

@@ -13,11 +13,10 @@ import pytest
 import torch
 
 from pagedllm import EngineArgs, LLMEngine, SamplingParams
-from pagedllm.engine import engine_core
 from pagedllm.engine.config_builder import create_engine_config
 from pagedllm.worker.cuda_graph import CUDAGraphRunner, capture_sizes
 from pagedllm.worker.worker import uses_decode_graphs
-from tests.worker.pp_two_stage import EagerStageReplay, TwoStageExecutor, make_pp_model
+from tests.worker.pp_two_stage import EagerStageReplay, TwoStageExecutor, make_pp_model, two_stage_engine
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -90,7 +89,7 @@ def run(engine: LLMEngine, prompts, params) -> dict[str, list[int]]:
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
-def test_two_stages_with_stage_graphs_equal_the_single_stage_engine(arch, folder, tmp_path, monkeypatch):
+def test_two_stages_with_stage_graphs_equal_the_single_stage_engine(arch, folder, tmp_path):
     if arch != "llama":  # Gemma's decoder hands its stream over in its own forward
         folder = make_pp_model(tmp_path / arch, arch)
     reference = LLMEngine.from_engine_args(EngineArgs(model=folder, **ENGINE))
@@ -98,8 +97,7 @@ def test_two_stages_with_stage_graphs_equal_the_single_stage_engine(arch, folder
         expected = run(reference, PROMPTS, GREEDY)
     finally:
         reference.shutdown()
-    monkeypatch.setattr(engine_core, "executor_class", lambda config: TwoStageExecutor)
-    engine = LLMEngine.from_engine_args(EngineArgs(model=folder, pipeline_parallel_size=2, **ENGINE))
+    engine = two_stage_engine(EngineArgs(model=folder, **ENGINE))
     try:
         stages = engine.engine_core.executor.stages
         graphs = [EagerStageReplay(w) for w in stages]

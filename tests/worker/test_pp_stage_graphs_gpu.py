@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from pagedllm import EngineArgs, LLMEngine, SamplingParams
-from pagedllm.engine import engine_core
-from tests.worker.pp_two_stage import TwoStageExecutor, make_pp_model
+from tests.worker.pp_two_stage import make_pp_model, two_stage_engine
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 
@@ -66,7 +65,7 @@ def _assert_same_up_to_near_ties(folder: str, ours: dict, ref: dict, label: str)
         assert_greedy_match(model, PROMPTS[int(req_id)], ours[req_id], ref[req_id], f"{label} request {req_id}")
 
 
-def test_pp2_stage_graphs_on_one_gpu_equal_eager_and_single_stage(tmp_path, monkeypatch):
+def test_pp2_stage_graphs_on_one_gpu_equal_eager_and_single_stage(tmp_path):
     folder = make_pp_model(tmp_path / "tiny_llama_pp")
     single = LLMEngine.from_engine_args(EngineArgs(model=folder, **ENGINE))
     try:
@@ -75,11 +74,9 @@ def test_pp2_stage_graphs_on_one_gpu_equal_eager_and_single_stage(tmp_path, monk
     finally:
         single.shutdown()
     del single
-    monkeypatch.setattr(engine_core, "executor_class", lambda config: TwoStageExecutor)
     results = {}
     for eager in (False, True):
-        engine = LLMEngine.from_engine_args(EngineArgs(model=folder, pipeline_parallel_size=2, enforce_eager=eager,
-                                                       **ENGINE))
+        engine = two_stage_engine(EngineArgs(model=folder, enforce_eager=eager, **ENGINE))
         try:
             stages = engine.engine_core.executor.stages
             if eager:
