@@ -69,7 +69,7 @@ def test_pp2_stage_graphs_on_one_gpu_equal_eager_and_single_stage(tmp_path):
     folder = make_pp_model(tmp_path / "tiny_llama_pp")
     single = LLMEngine.from_engine_args(EngineArgs(model=folder, **ENGINE))
     try:
-        assert single.engine_core.model_runner.graph_runner is not None
+        assert single.engine_core.runner.graph_runner is not None
         expected = _run(single)
     finally:
         single.shutdown()
