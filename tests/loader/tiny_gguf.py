@@ -1,8 +1,9 @@
 """``write_tiny_gguf(path, qtype)``: a tiny random Llama as a llama.cpp GGUF file, written with the
 ``gguf`` package's writer: the sizes of ``tests/helpers.tiny_config("llama")`` (64 hidden, 128
-intermediate, 4 heads, 2 KV heads: everything divides by two ranks and by 32-weight blocks), the
-SmolLM2 tokenizer's metadata copied from the embedded GGUF, Q and K rows permuted as llama.cpp
-stores them, an untied output matrix, the matrices in ``qtype`` and the norms in F32."""
+intermediate, 4 heads, 2 KV heads: everything divides by two ranks and by 32-weight blocks), Q and
+K rows permuted as llama.cpp stores them, an untied output matrix, the matrices in ``qtype`` and the
+norms in F32. No tokenizer metadata (parsing SmolLM2's 49152 tokens costs seconds per read): an
+engine takes ``tokenizer=`` a folder saved from ``tests.helpers.default_tokenizer()``."""
 
 from __future__ import annotations
 
@@ -50,21 +51,10 @@ def tiny_llama_tensors(seed: int = 0) -> dict[str, np.ndarray]:
     return tensors
 
 
-def _copy_tokenizer_fields(writer, reader) -> None:
-    from gguf import GGUFValueType
-
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer."):
-            sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
-            writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
-
-
 def write_tiny_gguf(path: str | Path, qtype_name: str, seed: int = 0) -> str:
     """Write the tiny Llama to ``path`` with its matrices in ``qtype_name`` (e.g. "Q8_0", "Q4_1")."""
-    from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+    from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import quantize
-
-    from pagedllm.loader import default_model_path
 
     cfg = tiny_config("llama")
     qtype = GGMLQuantizationType[qtype_name]
@@ -80,7 +70,6 @@ def write_tiny_gguf(path: str | Path, qtype_name: str, seed: int = 0) -> str:
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
     writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
-    _copy_tokenizer_fields(writer, GGUFReader(default_model_path()))
     for name, array in tiny_llama_tensors(seed).items():
         if array.ndim == 2:
             writer.add_tensor(name, quantize(np.ascontiguousarray(array, dtype=np.float32), qtype), raw_dtype=qtype)
