@@ -15,7 +15,7 @@ Two ways to read the weights:
   (their blocks, unchanged apart from the Q/K row order); the F32 ones (norms, biases) as float32
   tensors. Cost: the parse and one copy of the packed bytes (no cache needed).
 
-Under tensor parallelism (a tensor-parallel group of more than one rank) both yield every matrix as
+Under tensor or pipeline parallelism (a group of more than one rank) both yield every matrix as
 a ``GGUFSlice`` (a view of its bytes in the memory-mapped file, like ``weights.SafetensorsSlice``):
 a rank's loader narrows it to its slice and only the bytes of that slice are read. A slice of
 output rows (column-parallel, vocabulary-parallel) is a run of whole rows; a slice of input
@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedllm.distributed import get_tp_group
+from pagedllm.distributed import get_pp_group, get_tp_group
 from pagedllm.loader.architectures import gguf_permutes_qk
 from pagedllm.loader.cache import ensure_entry, gguf_cache_folder, write_atomically
 from pagedllm.loader.weights import SafetensorsSlice
@@ -175,7 +175,9 @@ class GGUFSlice:
     blocks it overlaps, dequantized and trimmed). ``permuted_heads``: Q/K rows that llama.cpp
     permuted within each of that many heads (a slice reads the whole heads it touches, unpermutes
     them, then trims). Any other use (a torch function, an attribute) reads the whole matrix, as
-    ``materialize()``. Invariant: the values equal ``narrow(dequantize(whole))`` bit for bit."""
+    ``materialize()``. Invariant: the values equal ``narrow(dequantize(whole))`` bit for bit. Cost
+    of a slice: a copy of its blocks' bytes (Q/K: of the whole heads it touches), plus their
+    dequantization on the float path."""
 
     def __init__(self, name: str, raw: np.ndarray, qtype: int, shape: tuple[int, int],
                  permuted_heads: int | None = None, packed: bool = False) -> None:
@@ -261,14 +263,17 @@ def _read_gguf(path: Path, packed: bool = False,
 
 
 def _lazy_default(lazy: bool | None) -> bool:
-    return get_tp_group().size > 1 if lazy is None else lazy
+    """Unread matrices where a rank loads a part of the model: its slices (tensor parallel), its
+    layers (pipeline parallel: another stage's layers are then never read)."""
+    return get_tp_group().size > 1 or get_pp_group().size > 1 if lazy is None else lazy
 
 
 def iter_gguf_packed_weights(path: str | Path,
                              lazy: bool | None = None) -> Iterator[tuple[str, torch.Tensor | GGUFTensor | GGUFSlice]]:
     """(HF name, weight) for every weight of a GGUF file: a ``GGUFTensor`` for each quantized (or
     F16 / BF16) matrix, a float32 tensor for the rest (norms, biases). ``lazy`` (default: under
-    tensor parallelism): every matrix as a ``GGUFSlice`` instead (its loader reads its slice)."""
+    tensor or pipeline parallelism): every matrix as a ``GGUFSlice`` instead (its loader reads its
+    slice; another pipeline stage's layers are not read)."""
     return _read_gguf(Path(path), packed=True, lazy=_lazy_default(lazy))
 
 
@@ -277,8 +282,9 @@ def iter_gguf_weights(path: str | Path, lazy: bool | None = None) -> Iterator[tu
 
     Small models (< MAX_CACHED_WEIGHT_BYTES dequantized) are cached as ``weights.safetensors`` in the
     GGUF cache folder on the first full pass and read from there afterwards. ``lazy`` (default:
-    under tensor parallelism): every matrix comes unread (a ``SafetensorsSlice`` of the cache, else
-    a ``GGUFSlice`` of the file), so that a rank reads only its slices; a lazy pass writes no cache.
+    under tensor or pipeline parallelism): every matrix comes unread (a ``SafetensorsSlice`` of the
+    cache, else a ``GGUFSlice`` of the file), so that a rank reads only its slices; a lazy pass
+    writes no cache.
     """
     from safetensors import safe_open
     from safetensors.torch import save_file

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedllm.distributed import TensorParallelGroup, set_tp_group
+from pagedllm.distributed import PipelineParallelGroup, TensorParallelGroup, set_pp_group, set_tp_group
 from pagedllm.loader import gguf_file
 from pagedllm.loader.gguf_file import GGUFSlice, GGUFTensor, unpermute_qk
 
@@ -174,3 +174,15 @@ def test_rank_loads_the_same_shards_from_slices_as_from_whole_tensors(tiny_gguf,
         set_tp_group(previous)
     assert from_slices.keys() == from_whole.keys()
     assert all(torch.equal(from_slices[k], from_whole[k]) for k in from_slices)
+
+
+def test_a_pipeline_stage_reads_no_other_stages_layers(tiny_gguf, monkeypatch):
+    read = set()
+    narrow = GGUFSlice.narrow
+    monkeypatch.setattr(GGUFSlice, "narrow", lambda self, *args: read.add(self.name) or narrow(self, *args))
+    previous = set_pp_group(PipelineParallelGroup(stage=2, size=3, world_rank=2))  # the last of 3 layers
+    try:
+        _load_rank_model(tiny_gguf, lazy=None, packed=True)
+    finally:
+        set_pp_group(previous)
+    assert read and {name.split(".")[2] for name in read if name.startswith("model.layers.")} == {"2"}
