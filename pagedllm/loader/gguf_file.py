@@ -20,7 +20,8 @@ a ``GGUFSlice`` (a view of its bytes in the memory-mapped file, like ``weights.S
 a rank's loader narrows it to its slice and only the bytes of that slice are read. A slice of
 output rows (column-parallel, vocabulary-parallel) is a run of whole rows; a slice of input
 columns (row-parallel) is a run of blocks in every row, read packed where its bounds fall on block
-bounds, else (the float path only) the blocks it overlaps are dequantized and trimmed.
+bounds, else the blocks it overlaps are dequantized and trimmed (on the packed path too: that
+rank's slice of the matrix is then served as float32 rows, with a warning).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from pagedllm.loader.weights import SafetensorsSlice
 
 logger = logging.getLogger(__name__)
 
+F32 = 0  # GGMLQuantizationType.F32
 # Cache the dequantized weights only while their float32 size stays below this (the file is that big).
 MAX_CACHED_WEIGHT_BYTES = 2 << 30
 
@@ -121,13 +123,12 @@ class GGUFTensor:
 
     def narrow(self, dim: int, start: int, length: int) -> GGUFTensor:
         """Rows (``dim`` 0) or columns (``dim`` 1) ``[start, start + length)`` still in their blocks
-        (a view of ``data``); columns must fall on block bounds (``ValueError`` otherwise)."""
+        (a view of ``data``); columns that cut blocks come dequantized, as F32 rows."""
         rows, cols = (start, length), (0, self.shape[1])
         if dim == 1:
             rows, cols = (0, self.shape[0]), (start, length)
         covering, offset = _covering_blocks(self.data, self.qtype, self.shape, rows, cols)
-        _check_whole_blocks(covering, offset, cols, "")
-        return covering
+        return _whole_blocks(covering, offset, cols, "")
 
 
 def block_geometry(qtype: int) -> tuple[int, int]:
@@ -154,25 +155,39 @@ def _covering_blocks(raw: np.ndarray | torch.Tensor, qtype: int, shape: tuple[in
     return GGUFTensor(qtype, (num_rows, (end - first) * block), data), col_start - first * block
 
 
-def _check_whole_blocks(covering: GGUFTensor, offset: int, cols: tuple[int, int], name: str) -> None:
-    """Refuse a column slice ``cols = (start, length)`` that cuts blocks (packed blocks stay whole)."""
-    if offset or covering.shape[1] != cols[1]:
-        from gguf import GGMLQuantizationType
+def _whole_blocks(covering: GGUFTensor, offset: int, cols: tuple[int, int], name: str) -> GGUFTensor:
+    """Columns ``cols = (start, length)`` of ``covering`` (the blocks holding them, first wanted
+    column at ``offset``): those blocks where the slice falls on block bounds, else (a rank's slice
+    that cuts blocks: they cannot be cut packed) the slice dequantized exactly, as F32 rows."""
+    if not offset and covering.shape[1] == cols[1]:
+        return covering
+    _warn_cut_blocks(name, covering.qtype, cols[1])
+    values = covering.dequantize().narrow(1, offset, cols[1]).contiguous()
+    return GGUFTensor(F32, tuple(values.shape), values.view(torch.uint8))
 
-        block = block_geometry(covering.qtype)[0]
-        raise ValueError(
-            f"tensor_parallel_size: {name or 'a GGUF matrix'} ({GGMLQuantizationType(covering.qtype).name}) "
-            f"would be cut inside its blocks: a rank's slice of its input features (columns {cols[0]} to "
-            f"{cols[0] + cols[1]}) must start and end on a multiple of its block of {block} weights to stay "
-            "packed (load_format='gguf_dequantized' loads the slices as float)")
+
+def _warn_cut_blocks(name: str, qtype: int, num_cols: int) -> None:
+    """Warn once per process and (format, slice width): every layer of a model repeats it."""
+    from gguf import GGMLQuantizationType
+
+    if (qtype, num_cols) in _REPORTED_CUTS:
+        return
+    _REPORTED_CUTS.add((qtype, num_cols))
+    logger.warning("tensor_parallel_size: %s (%s) is split at %d input features a rank, not a multiple of its "
+                   "%d-weight blocks: each rank's slice of such matrices is dequantized to float32 at load "
+                   "(4 bytes a weight)", name or "a GGUF matrix", GGMLQuantizationType(qtype).name, num_cols,
+                   block_geometry(qtype)[0])
+
+
+_REPORTED_CUTS: set[tuple[int, int]] = set()  # (GGML type, slice width) already warned about
 
 
 class GGUFSlice:
     """A GGUF matrix not read yet: ``raw`` is its ``[rows, row_bytes]`` bytes in the memory-mapped
     file, ``shape`` its Hugging Face ``(out, in)``. ``narrow(dim, start, length)`` reads only the
-    blocks of that slice: with ``packed`` a ``GGUFTensor`` of them (columns on block bounds, else a
-    ``ValueError`` naming ``tensor_parallel_size``), else float32 values of exactly the slice (the
-    blocks it overlaps, dequantized and trimmed). ``permuted_heads``: Q/K rows that llama.cpp
+    blocks of that slice: with ``packed`` a ``GGUFTensor`` of them (a column slice that cuts blocks:
+    those blocks dequantized and trimmed, as F32 rows, with a warning), else float32 values of
+    exactly the slice (the blocks it overlaps, dequantized and trimmed). ``permuted_heads``: Q/K rows that llama.cpp
     permuted within each of that many heads (a slice reads the whole heads it touches, unpermutes
     them, then trims). Any other use (a torch function, an attribute) reads the whole matrix, as
     ``materialize()``. Invariant: the values equal ``narrow(dequantize(whole))`` bit for bit. Cost
@@ -204,8 +219,7 @@ class GGUFSlice:
             data = data.narrow(0, rows[0] - read_rows[0], rows[1])
         covering = GGUFTensor(self.qtype, (rows[1], covering.shape[1]), data.contiguous())
         if self.packed:
-            _check_whole_blocks(covering, offset, cols, self.name)
-            return covering
+            return _whole_blocks(covering, offset, cols, self.name)
         return covering.dequantize().narrow(1, offset, cols[1]).contiguous()
 
     def materialize(self) -> torch.Tensor | GGUFTensor:

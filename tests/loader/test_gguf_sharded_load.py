@@ -45,6 +45,18 @@ def _matrix(qtype_name: str, shape: tuple[int, int], permuted_heads: int | None 
     return GGUFSlice("w", raw, int(qtype), shape, permuted_heads, packed), whole
 
 
+class CountingBytes:
+    """A GGUF matrix's bytes that count how many of them are read."""
+
+    def __init__(self, raw: np.ndarray) -> None:
+        self.raw, self.bytes_read = raw, 0
+
+    def __getitem__(self, index):
+        part = self.raw[index]
+        self.bytes_read += part.nbytes
+        return part
+
+
 @pytest.mark.parametrize(("qtype_name", "shape"), CASES)
 def test_row_and_column_slices_equal_narrow_of_the_dequantized_whole(qtype_name, shape):
     block = gguf_file.block_geometry(GGMLQuantizationType[qtype_name])[0]
@@ -65,15 +77,19 @@ def test_row_and_column_slices_equal_narrow_of_the_dequantized_whole(qtype_name,
 
 
 @pytest.mark.parametrize("qtype_name", ["Q8_0", "Q4_K"])
-def test_a_slice_inside_blocks_is_dequantized_on_the_float_path_and_refused_packed(qtype_name):
+def test_a_slice_inside_blocks_dequantizes_only_the_blocks_it_overlaps(qtype_name, caplog, monkeypatch):
+    monkeypatch.setattr(gguf_file, "_REPORTED_CUTS", set())  # warned once per process
     block = gguf_file.block_geometry(GGMLQuantizationType[qtype_name])[0]
     plain, whole = _matrix(qtype_name, (4, 4 * block))
     packed, _ = _matrix(qtype_name, (4, 4 * block), packed=True)
     start, length = block // 2, 2 * block  # cuts the first and the third block
+    packed.raw = counting = CountingBytes(packed.raw)
     assert torch.equal(plain.narrow(1, start, length), whole[:, start:start + length])
-    with pytest.raises(ValueError, match=rf"^tensor_parallel_size: w \({qtype_name}\) would be cut inside its "
-                                         rf"blocks.*multiple of its block of {block} weights"):
-        packed.narrow(1, start, length)
+    part = packed.narrow(1, start, length)  # packed blocks cannot be cut: that slice as F32 rows
+    assert part.qtype == gguf_file.F32 and part.shape == (4, length)
+    assert torch.equal(part.dequantize(), whole[:, start:start + length])
+    assert counting.bytes_read == 3 * counting.raw.shape[1]  # blocks 0-2 of 4, in each of 4 rows
+    assert "dequantized to float32" in caplog.text
 
 
 def test_q_and_k_rows_are_unpermuted_per_slice():
@@ -84,18 +100,6 @@ def test_q_and_k_rows_are_unpermuted_per_slice():
             part = s.narrow(0, start, length)
             values = part.dequantize() if packed else part
             assert torch.equal(values, whole[start:start + length])
-
-
-class CountingBytes:
-    """A GGUF matrix's bytes that count how many of them are read."""
-
-    def __init__(self, raw: np.ndarray) -> None:
-        self.raw, self.bytes_read = raw, 0
-
-    def __getitem__(self, index):
-        part = self.raw[index]
-        self.bytes_read += part.nbytes
-        return part
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -128,7 +132,7 @@ def tiny_gguf(tmp_path_factory):
     return path, load_hf_config(resolve_model(path))
 
 
-def _load_rank_model(tiny_gguf, lazy: bool, packed: bool) -> dict[str, torch.Tensor]:
+def _load_rank_model(tiny_gguf, lazy: bool | None, packed: bool) -> torch.nn.Module:
     from pagedllm.models.registry import build_model, process_quantized_weights
     from pagedllm.quantization.gguf import GGUFConfig
 
@@ -137,7 +141,7 @@ def _load_rank_model(tiny_gguf, lazy: bool, packed: bool) -> dict[str, torch.Ten
     weights = gguf_file.iter_gguf_packed_weights(path, lazy) if packed else gguf_file.iter_gguf_weights(path, lazy)
     model.load_weights(weights)
     process_quantized_weights(model)
-    return model.state_dict()
+    return model
 
 
 def test_matrices_come_unread_under_tensor_parallel_only(tiny_gguf):
@@ -166,10 +170,10 @@ def test_rank_loads_the_same_shards_from_slices_as_from_whole_tensors(tiny_gguf,
     monkeypatch.setattr(gguf_file, "_covering_blocks", counting)
     previous = set_tp_group(LocalRank(1, 2))
     try:
-        from_slices = _load_rank_model(tiny_gguf, lazy=True, packed=packed)
+        from_slices = _load_rank_model(tiny_gguf, lazy=True, packed=packed).state_dict()
         matrix_bytes = sum(t.n_bytes for t in gguf.GGUFReader(tiny_gguf[0]).tensors if len(t.shape) == 2)
         assert sum(read) == matrix_bytes // 2  # every matrix is split in two: half of its bytes
-        from_whole = _load_rank_model(tiny_gguf, lazy=False, packed=packed)
+        from_whole = _load_rank_model(tiny_gguf, lazy=False, packed=packed).state_dict()
     finally:
         set_tp_group(previous)
     assert from_slices.keys() == from_whole.keys()
@@ -186,3 +190,24 @@ def test_a_pipeline_stage_reads_no_other_stages_layers(tiny_gguf, monkeypatch):
     finally:
         set_pp_group(previous)
     assert read and {name.split(".")[2] for name in read if name.startswith("model.layers.")} == {"2"}
+
+
+def test_row_parallel_slices_that_cut_blocks_load_as_float_rows(tmp_path):
+    """96 intermediate features over two ranks: 48 a rank, not a multiple of Q8_0's 32-weight blocks."""
+    from pagedllm.loader import load_hf_config, resolve_model
+    from pagedllm.quantization.gguf import F32
+    from tests.loader.tiny_gguf import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "tiny-i96-Q8_0.gguf", "Q8_0", intermediate_size=96)
+    tiny = (path, load_hf_config(resolve_model(path)))
+    previous = set_tp_group(LocalRank(1, 2))
+    try:
+        from_slices = _load_rank_model(tiny, lazy=True, packed=True)
+        from_whole = _load_rank_model(tiny, lazy=False, packed=True).state_dict()
+    finally:
+        set_tp_group(previous)
+    down = from_slices.model.layers[0].mlp.down_proj.weight
+    assert [seg.qtype for seg in down.gguf_segments] == [F32]
+    up = from_slices.model.layers[0].mlp.gate_up_proj.weight  # a column slice: whole rows, still packed
+    assert [seg.qtype for seg in up.gguf_segments] == [int(GGMLQuantizationType.Q8_0)]
+    assert all(torch.equal(v, from_whole[k]) for k, v in from_slices.state_dict().items())

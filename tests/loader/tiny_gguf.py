@@ -26,9 +26,15 @@ def permute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def tiny_llama_tensors(seed: int = 0) -> dict[str, np.ndarray]:
-    """GGUF name -> float32 array of a tiny random Llama (HF layout, Q/K permuted)."""
+def tiny_llama_config(intermediate_size: int | None = None):
     cfg = tiny_config("llama")
+    cfg.intermediate_size = intermediate_size or cfg.intermediate_size
+    return cfg
+
+
+def tiny_llama_tensors(seed: int = 0, intermediate_size: int | None = None) -> dict[str, np.ndarray]:
+    """GGUF name -> float32 array of a tiny random Llama (HF layout, Q/K permuted)."""
+    cfg = tiny_llama_config(intermediate_size)
     gen = torch.Generator().manual_seed(seed)
 
     def rand(*shape, mean=0.0, std=0.05):
@@ -51,12 +57,13 @@ def tiny_llama_tensors(seed: int = 0) -> dict[str, np.ndarray]:
     return tensors
 
 
-def write_tiny_gguf(path: str | Path, qtype_name: str, seed: int = 0) -> str:
-    """Write the tiny Llama to ``path`` with its matrices in ``qtype_name`` (e.g. "Q8_0", "Q4_1")."""
+def write_tiny_gguf(path: str | Path, qtype_name: str, seed: int = 0, intermediate_size: int | None = None) -> str:
+    """Write the tiny Llama to ``path`` with its matrices in ``qtype_name`` (e.g. "Q8_0", "Q4_1");
+    ``intermediate_size`` replaces the tiny config's 128."""
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import quantize
 
-    cfg = tiny_config("llama")
+    cfg = tiny_llama_config(intermediate_size)
     qtype = GGMLQuantizationType[qtype_name]
     writer = GGUFWriter(str(path), "llama")
     writer.add_name("tiny-llama")
@@ -70,7 +77,7 @@ def write_tiny_gguf(path: str | Path, qtype_name: str, seed: int = 0) -> str:
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
     writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
-    for name, array in tiny_llama_tensors(seed).items():
+    for name, array in tiny_llama_tensors(seed, intermediate_size).items():
         if array.ndim == 2:
             writer.add_tensor(name, quantize(np.ascontiguousarray(array, dtype=np.float32), qtype), raw_dtype=qtype)
         else:
