@@ -1,6 +1,7 @@
 """A GGUF file under tensor parallelism (two gloo CPU worker processes, each reading only its slices):
 the greedy ids equal the single-process engine's on a tiny random Llama, with the blocks kept packed
-(Q4_1) and dequantized at load (Q8_0, ``load_format="gguf_dequantized"``)."""
+(Q4_1, the LM head tied to the embedding as in SmolLM2's file) and dequantized at load (Q8_0, an
+untied head, ``load_format="gguf_dequantized"``)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,6 @@ def test_tp2_on_a_gguf_file_gives_the_greedy_ids_of_one_rank(qtype, load_format,
                                                              monkeypatch):
     # A fresh cache: the dequantized path reads the GGUF file itself, not a float copy of an earlier run.
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
-    path = write_tiny_gguf(tmp_path / f"tiny-{qtype}.gguf", qtype)
+    path = write_tiny_gguf(tmp_path / f"tiny-{qtype}.gguf", qtype, tied=load_format == "auto")
     sharded = greedy_ids(path, tokenizer_folder, 2, load_format)
     assert sharded == greedy_ids(path, tokenizer_folder, 1, load_format)

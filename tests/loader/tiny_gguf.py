@@ -1,9 +1,10 @@
 """``write_tiny_gguf(path, qtype)``: a tiny random Llama as a llama.cpp GGUF file, written with the
 ``gguf`` package's writer: the sizes of ``tests/helpers.tiny_config("llama")`` (64 hidden, 128
 intermediate, 4 heads, 2 KV heads: everything divides by two ranks and by 32-weight blocks), Q and
-K rows permuted as llama.cpp stores them, an untied output matrix, the matrices in ``qtype`` and the
-norms in F32. No tokenizer metadata (parsing SmolLM2's 49152 tokens costs seconds per read): an
-engine takes ``tokenizer=`` a folder saved from ``tests.helpers.default_tokenizer()``."""
+K rows permuted as llama.cpp stores them, an untied output matrix (unless ``tied``), the matrices
+in ``qtype`` and the norms in F32. No tokenizer metadata (parsing SmolLM2's 49152 tokens costs
+seconds per read): an engine takes ``tokenizer=`` a folder saved from
+``tests.helpers.default_tokenizer()``."""
 
 from __future__ import annotations
 
@@ -57,9 +58,11 @@ def tiny_llama_tensors(seed: int = 0, intermediate_size: int | None = None) -> d
     return tensors
 
 
-def write_tiny_gguf(path: str | Path, qtype_name: str, seed: int = 0, intermediate_size: int | None = None) -> str:
+def write_tiny_gguf(path: str | Path, qtype_name: str, seed: int = 0, intermediate_size: int | None = None,
+                    tied: bool = False) -> str:
     """Write the tiny Llama to ``path`` with its matrices in ``qtype_name`` (e.g. "Q8_0", "Q4_1");
-    ``intermediate_size`` replaces the tiny config's 128."""
+    ``intermediate_size`` replaces the tiny config's 128; ``tied``: no output matrix (the LM head is
+    the token embedding, as in SmolLM2's file)."""
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import quantize
 
@@ -78,6 +81,8 @@ def write_tiny_gguf(path: str | Path, qtype_name: str, seed: int = 0, intermedia
     writer.add_vocab_size(cfg.vocab_size)
     writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
     for name, array in tiny_llama_tensors(seed, intermediate_size).items():
+        if tied and name == "output.weight":
+            continue
         if array.ndim == 2:
             writer.add_tensor(name, quantize(np.ascontiguousarray(array, dtype=np.float32), qtype), raw_dtype=qtype)
         else:
