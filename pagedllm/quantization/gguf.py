@@ -256,7 +256,8 @@ def _check_shape(loaded: GGUFTensor | GGUFSlice | torch.Tensor, expected: tuple[
 
 class GGUFLinearMethod(QuantizeMethodBase):
     """A ``Linear`` whose weight stays in GGUF blocks (module doc). Each checkpoint shard (q, k, v;
-    gate, up) arrives as a ``GGUFTensor`` and waits in ``layer.gguf_shards`` until
+    gate, up) arrives as a ``GGUFTensor`` (under tensor parallelism a ``GGUFSlice``, of which this
+    rank reads its ``checkpoint_slice`` only) and waits in ``layer.gguf_shards`` until
     ``process_weights_after_loading`` packs them into segments. Cost per call: one kernel per
     segment; the weight is read once."""
 
