@@ -211,3 +211,16 @@ def test_row_parallel_slices_that_cut_blocks_load_as_float_rows(tmp_path):
     up = from_slices.model.layers[0].mlp.gate_up_proj.weight  # a column slice: whole rows, still packed
     assert [seg.qtype for seg in up.gguf_segments] == [int(GGMLQuantizationType.Q8_0)]
     assert all(torch.equal(v, from_whole[k]) for k, v in from_slices.state_dict().items())
+
+
+def test_the_float_cache_is_read_as_slices_too(tiny_gguf, monkeypatch, tmp_path):
+    from pagedllm.loader.weights import SafetensorsSlice
+
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    path, _ = tiny_gguf
+    assert any(isinstance(w, GGUFSlice) for _, w in gguf_file.iter_gguf_weights(path, lazy=True))  # no cache yet
+    whole = dict(gguf_file.iter_gguf_weights(path, lazy=False))  # a whole pass writes the float cache
+    name = "model.layers.0.mlp.down_proj.weight"
+    for n, w in gguf_file.iter_gguf_weights(path, lazy=True):  # used while the cache file is open
+        if n == name:
+            assert isinstance(w, SafetensorsSlice) and torch.equal(w.narrow(1, 64, 64), whole[name][:, 64:])
