@@ -262,13 +262,12 @@ def _resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
     return requested
 
 
-# Schemes whose packed weights are not sharded across tensor-parallel ranks (fp8's are).
-_UNSHARDED_SCHEMES = ("gguf", "gptq", "awq")
+# Schemes whose packed weights are not sharded across tensor-parallel ranks (fp8's and gguf's are).
+_UNSHARDED_SCHEMES = ("gptq", "awq")
 
 
 def _check_quantization_under_tp(quant_config, parallel_config: ParallelConfig) -> None:
     """Refuse, at start-up, a packed scheme that the tensor-parallel layers cannot shard."""
     name = getattr(quant_config, "name", None)
     if name in _UNSHARDED_SCHEMES and parallel_config.tensor_parallel_size > 1:
-        hint = " (load_format='gguf_dequantized' serves a GGUF file as float weights)" if name == "gguf" else ""
-        raise ValueError(f"quantization={name!r} with tensor_parallel_size > 1 is not supported yet{hint}")
+        raise ValueError(f"quantization={name!r} with tensor_parallel_size > 1 is not supported yet")

@@ -44,14 +44,19 @@ class VocabEmbedding(CustomOp):
         return "quantized" if self.quant_method is not None else super().choose_impl(plan)
 
     def forward_quantized(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.embedding(self, input_ids)
+        return self._vocab_parallel(input_ids, lambda ids: self.quant_method.embedding(self, ids))
 
     def forward_native(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self._vocab_parallel(input_ids, lambda ids: F.embedding(ids, self.weight))
+
+    def _vocab_parallel(self, input_ids: torch.Tensor, gather) -> torch.Tensor:
+        """``gather(ids)`` of the local table; with several ranks, ids outside this rank's rows give
+        zeros and the ranks' rows are summed."""
         if self.tp.size == 1:
-            return F.embedding(input_ids, self.weight)
+            return gather(input_ids)
         local = input_ids - self.vocab_start
-        outside = (local < 0) | (local >= self.weight.shape[0])
-        rows = F.embedding(local.masked_fill(outside, 0), self.weight)
+        outside = (local < 0) | (local >= self.vocab_size // self.tp.size)
+        rows = gather(local.masked_fill(outside, 0))
         return self.tp.all_reduce(rows.masked_fill_(outside.unsqueeze(-1), 0))
 
 

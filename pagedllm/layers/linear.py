@@ -90,7 +90,13 @@ class Linear(CustomOp):
         self._impl_without_lora: str | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
-        default_weight_loader(param, loaded_weight)
+        default_weight_loader(param, self.checkpoint_slice(loaded_weight, shard_id))
+
+    def checkpoint_slice(self, loaded_weight: torch.Tensor, shard_id: object = None) -> torch.Tensor:
+        """This rank's part of a checkpoint tensor (of shard ``shard_id``, for a merged layer), taken
+        with ``loaded_weight.narrow`` only, so a lazy checkpoint tensor reads just that part (the
+        loaders of quantized schemes call it too). Here the whole tensor: the layer is replicated."""
+        return loaded_weight
 
     def choose_impl(self, plan: KernelPlan) -> str:
         """``cuda`` or ``cublas`` on CUDA (with or without the Triton GEMV), ``cpu`` on the CPU (the
@@ -223,8 +229,8 @@ class ColumnParallelLinear(Linear):
         self.output_start, local = shard_range(out_features, self.tp.rank, self.tp.size, "output features")
         super().__init__(in_features, local, bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
-        default_weight_loader(param, loaded_weight.narrow(0, self.output_start, param.shape[0]))
+    def checkpoint_slice(self, loaded_weight: torch.Tensor, shard_id: object = None) -> torch.Tensor:
+        return loaded_weight.narrow(0, self.output_start, self.out_features)
 
 
 class RowParallelLinear(Linear):
@@ -244,12 +250,16 @@ class RowParallelLinear(Linear):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         if param.dim() == 2:
-            default_weight_loader(param, loaded_weight.narrow(1, self.input_start, param.shape[1]))
+            default_weight_loader(param, self.checkpoint_slice(loaded_weight))
         elif self.tp.rank == 0:
             default_weight_loader(param, loaded_weight)
         else:
             with torch.no_grad():
                 param.zero_()
+
+    def checkpoint_slice(self, loaded_weight: torch.Tensor, shard_id: object = None) -> torch.Tensor:
+        """The weight's columns of this rank (a bias is not split: rank 0 loads it whole)."""
+        return loaded_weight.narrow(1, self.input_start, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self._forward(x))
@@ -312,7 +322,12 @@ class MergedLinear(ColumnParallelLinear):
             raise ValueError(f"weight shape {tuple(loaded_weight.shape)} does not match parameter shard "
                              f"of {self.checkpoint_sizes[i]} rows")
         default_weight_loader(param.narrow(0, self.offsets[i], self.output_sizes[i]),
-                              loaded_weight.narrow(0, self.shard_starts[i], self.output_sizes[i]))
+                              self.checkpoint_slice(loaded_weight, self.shard_names[i]))
+
+    def checkpoint_slice(self, loaded_weight: torch.Tensor, shard_id: object = None) -> torch.Tensor:
+        """This rank's rows of shard ``shard_id`` (a name from ``shard_names``, or an index)."""
+        i = self.shard_names.index(shard_id)
+        return loaded_weight.narrow(0, self.shard_starts[i], self.output_sizes[i])
 
 
 class QKVLinear(MergedLinear):

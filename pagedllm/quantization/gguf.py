@@ -48,8 +48,8 @@ from torch import nn
 
 from pagedllm import envs
 from pagedllm.layers.embedding import LMHead, VocabEmbedding
-from pagedllm.layers.linear import Linear, MergedLinear
-from pagedllm.loader.gguf_file import GGUFTensor
+from pagedllm.layers.linear import ColumnParallelLinear, Linear, MergedLinear, RowParallelLinear
+from pagedllm.loader.gguf_file import GGUFSlice, GGUFTensor
 from pagedllm.native import kernels as native
 from pagedllm.quantization.base import QuantizationConfig, QuantizeMethodBase
 
@@ -152,8 +152,11 @@ def keeps_packed(device: torch.device, packed_on_gpu: bool) -> bool:
     return has_packed_kernel(device) and (device.type != "cuda" or packed_on_gpu)
 
 
-def as_gguf_tensor(loaded: GGUFTensor | torch.Tensor) -> GGUFTensor:
-    """A checkpoint tensor as a ``GGUFTensor``: a float one (F32 in the file) becomes F32 rows."""
+def as_gguf_tensor(loaded: GGUFTensor | GGUFSlice | torch.Tensor) -> GGUFTensor:
+    """A checkpoint tensor as a ``GGUFTensor``: a float one (F32 in the file) becomes F32 rows; a
+    ``GGUFSlice`` not narrowed is read whole."""
+    if isinstance(loaded, GGUFSlice):
+        loaded = loaded.materialize()
     if isinstance(loaded, GGUFTensor):
         return loaded
     if loaded.dim() != 2:
@@ -245,9 +248,16 @@ def gguf_linear(weight: nn.Parameter, x: torch.Tensor, out_features: int, bias: 
     return out.reshape(*x.shape[:-1], out_features)
 
 
+def _check_shape(loaded: GGUFTensor | GGUFSlice | torch.Tensor, expected: tuple[int, int]) -> None:
+    """A checkpoint matrix must have the whole layer's shape (before any rank takes its slice)."""
+    if tuple(loaded.shape) != expected:
+        raise ValueError(f"weight shape {tuple(loaded.shape)} does not match parameter {expected}")
+
+
 class GGUFLinearMethod(QuantizeMethodBase):
     """A ``Linear`` whose weight stays in GGUF blocks (module doc). Each checkpoint shard (q, k, v;
-    gate, up) arrives as a ``GGUFTensor`` and waits in ``layer.gguf_shards`` until
+    gate, up) arrives as a ``GGUFTensor`` (under tensor parallelism a ``GGUFSlice``, of which this
+    rank reads its ``checkpoint_slice`` only) and waits in ``layer.gguf_shards`` until
     ``process_weights_after_loading`` packs them into segments. Cost per call: one kernel per
     segment; the weight is read once."""
 
@@ -266,14 +276,26 @@ class GGUFLinearMethod(QuantizeMethodBase):
 
     @staticmethod
     def _loader(layer: Linear):
-        def load(param: nn.Parameter, loaded: GGUFTensor | torch.Tensor, shard_id: object = None) -> None:
-            t = as_gguf_tensor(loaded)
-            merged = isinstance(layer, MergedLinear) and shard_id is not None
+        """Checks a checkpoint matrix against the layer's whole (all ranks') shape, then keeps this
+        rank's slice of it (``layer.checkpoint_slice``: a ``GGUFSlice`` reads only those blocks)."""
+        tp_size = getattr(getattr(layer, "tp", None), "size", 1)
+        whole_out = layer.out_features * (tp_size if isinstance(layer, ColumnParallelLinear) else 1)
+        whole_in = layer.in_features * (tp_size if isinstance(layer, RowParallelLinear) else 1)
+
+        def load(param: nn.Parameter, loaded: GGUFTensor | GGUFSlice | torch.Tensor, shard_id: object = None) -> None:
+            if isinstance(layer, MergedLinear) and shard_id is None:  # the file stores the merged matrix
+                expected = (sum(layer.checkpoint_sizes), whole_in)
+                _check_shape(loaded, expected)
+                start = 0
+                for name, rows in zip(layer.shard_names, layer.checkpoint_sizes):
+                    load(param, loaded.narrow(0, start, rows), name)
+                    start += rows
+                return
+            merged = isinstance(layer, MergedLinear)
             index = layer.shard_names.index(shard_id) if merged else 0
-            rows = layer.checkpoint_sizes[index] if merged else layer.out_features
-            if t.shape != (rows, layer.in_features):
-                raise ValueError(f"weight shape {t.shape} does not match parameter {(rows, layer.in_features)}")
-            layer.gguf_shards[index] = t
+            rows = layer.checkpoint_sizes[index] if merged else whole_out
+            _check_shape(loaded, (rows, whole_in))
+            layer.gguf_shards[index] = as_gguf_tensor(layer.checkpoint_slice(loaded, shard_id))
 
         return load
 
@@ -305,10 +327,10 @@ class GGUFEmbeddingMethod(QuantizeMethodBase):
         param.gguf_shape, param.gguf_dtype = tuple(param.shape), param.dtype
         param.data = torch.empty(0, dtype=torch.uint8, device=param.device)
 
-        def load(p: nn.Parameter, loaded: GGUFTensor | torch.Tensor, shard_id: object = None) -> None:
-            t = as_gguf_tensor(loaded)
-            if t.shape != p.gguf_shape:
-                raise ValueError(f"weight shape {t.shape} does not match parameter {p.gguf_shape}")
+        def load(p: nn.Parameter, loaded: GGUFTensor | GGUFSlice | torch.Tensor, shard_id: object = None) -> None:
+            rows, cols = p.gguf_shape  # this rank's slice of the vocabulary
+            _check_shape(loaded, (rows * layer.tp.size, cols))
+            t = as_gguf_tensor(loaded.narrow(0, layer.vocab_start, rows))
             pack_segments(p, [t], keeps_packed(p.device, self.packed_on_gpu))
 
         param.weight_loader = load

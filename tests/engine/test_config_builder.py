@@ -50,9 +50,10 @@ def test_explicit_budget_wins_and_cpu_default_applies(tmp_path):
     assert cfg.scheduler_config.max_num_batched_tokens == 512
 
 
-def test_packed_gguf_under_tensor_parallel_is_refused_naming_quantization():
-    """The embedded SmolLM2 (9 heads, 3 KV heads) divides by 3, so the refusal is the scheme's."""
-    with pytest.raises(ValueError, match=r"^quantization='gguf' with tensor_parallel_size > 1 .*gguf_dequantized"):
-        create_engine_config(EngineArgs(tensor_parallel_size=3))
+def test_packed_gguf_under_tensor_parallel_is_planned():
+    """The embedded SmolLM2 (9 heads, 3 KV heads) divides by 3, and each rank keeps its slice of the
+    packed blocks (loader/gguf_file.GGUFSlice): packed and dequantized alike are planned."""
+    config = create_engine_config(EngineArgs(tensor_parallel_size=3))
+    assert config.parallel_config.tensor_parallel_size == 3 and config.model_config.quant_config.name == "gguf"
     config = create_engine_config(EngineArgs(tensor_parallel_size=3, load_format="gguf_dequantized"))
-    assert config.parallel_config.tensor_parallel_size == 3
+    assert config.parallel_config.tensor_parallel_size == 3 and config.model_config.quant_config is None

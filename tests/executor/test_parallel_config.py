@@ -22,7 +22,6 @@ def test_smollm2_refuses_tensor_parallel_2():
 
 
 def test_smollm2_tensor_parallel_3_is_planned_on_the_multiprocess_executor():
-    # Packed GGUF blocks are not sharded: tensor parallel serves the file as float weights.
     config = create_engine_config(EngineArgs(tensor_parallel_size=3, device="cpu", load_format="gguf_dequantized"))
     assert config.parallel_config.world_size == 3
     assert config.parallel_config.distributed_executor_backend == "mp"
