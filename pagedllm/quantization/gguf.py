@@ -289,6 +289,28 @@ class GGUFLinearMethod(QuantizeMethodBase):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return gguf_linear(layer.weight, x, layer.out_features, bias)
 
+    def apply_norm_prologue(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
+                            norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(apply(norm(x + residual)), x + residual)`` (``Linear.forward_norm_prologue``) on the CPU:
+        the C RMSNorm (with the add) straight into the packed product, without the norm module's
+        dispatch (two C calls). None elsewhere (no GGUF prologue kernel on CUDA) or where the C norm
+        does not take the inputs (not 2-D float32)."""
+        if x.dim() != 2 or not native.applies(x, norm.weight, *(() if residual is None else (residual,))):
+            return None
+        if residual is None:
+            normed, summed = native.rms_norm(x, norm.weight, norm.eps), x
+        else:
+            normed, summed = native.rms_norm(x, norm.weight, norm.eps, residual)
+        return gguf_linear(layer.weight, normed, layer.out_features, layer.bias), summed
+
+    def apply_act_prologue(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """``apply(silu(gate) * up)`` for ``x = [gate | up]`` (``Linear.forward_act_prologue``) on the
+        CPU: the C activation straight into the packed product; None where it does not apply (as
+        ``apply_norm_prologue``)."""
+        if x.dim() != 2 or x.shape[-1] % 2 or not native.applies(x):
+            return None
+        return gguf_linear(layer.weight, native.silu_and_mul(x), layer.out_features, layer.bias)
+
 
 class GGUFEmbeddingMethod(QuantizeMethodBase):
     """The token embedding (``embedding``: gather rows, dequantize them) and the LM head (``apply``)
