@@ -69,7 +69,8 @@ class CpuBackend(TorchRefBackend):
             return super().forward(query, key, value, kv_cache, meta, scale, kv_stored, sliding_window,
                                    logits_soft_cap)
         n = meta.num_actual_tokens
-        if kv_cache.dtype == torch.float32 and key.stride(-1) == 1 and value.stride(-1) == 1:
+        if (kv_cache.dtype == torch.float32 and key.stride(-1) == value.stride(-1) == 1
+                and key.stride(-2) == value.stride(-2) == key.shape[-1]):
             cpu_kernels.store_kv_cache(key[:n], value[:n], kv_cache, meta.slot_mapping[:n])
         else:  # a float8 cache: the reference's saturating cast
             store_kv_cache(key[:n], value[:n], kv_cache, meta.slot_mapping[:n])

@@ -187,19 +187,22 @@ def store_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
     num_blocks, block_size, num_kv_heads, head_dim]``; slots < 0 (padding) are skipped, a slot past
     the cache raises IndexError. The torch reference (``attention.torch_ref.store_kv_cache``): two
     ``index_copy_`` plus a check for padding, ~10x the cost of this one call at a decode row."""
-    tokens = key.shape[0]
-    token_elems = kv_cache.shape[-2] * kv_cache.shape[-1]
-    for name, t in (("key", key), ("value", value)):
-        if t.dtype != torch.float32 or t.shape[0] != tokens or t[0].numel() != token_elems or (
-                tokens and not t[0].is_contiguous()):
-            raise ValueError(f"{name} must be float32 [{tokens}, {token_elems} contiguous], got {tuple(t.shape)}")
+    tokens, heads, head_dim = key.shape[0], kv_cache.shape[-2], kv_cache.shape[-1]
+    for name, t in (("key", key), ("value", value)):  # shapes and strides only: indexing makes tensors
+        if (t.dtype != torch.float32 or t.shape != (tokens, heads, head_dim) or t.stride(2) != 1
+                or t.stride(1) != head_dim):
+            raise ValueError(f"{name} must be float32 [{tokens}, {heads}, {head_dim}] with each token's heads "
+                             f"contiguous, got {t.dtype} {tuple(t.shape)} strides {t.stride()}")
     if kv_cache.dtype != torch.float32 or not kv_cache.is_contiguous() or slots.dtype != torch.int64:
         raise ValueError("kv_cache must be contiguous float32 and slots int64")
+    if slots.shape != (tokens,):
+        raise ValueError(f"slots must hold one slot per token ({tokens}), got {tuple(slots.shape)}")
     slots = slots.contiguous()
-    num_slots = kv_cache[0].numel() // token_elems
+    half = kv_cache.stride(0)  # the values' offset in the cache, in elements
     if load().store_kv_f32(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), slots.data_ptr(), tokens,
-                           kv_cache.data_ptr(), kv_cache[1].data_ptr(), num_slots, token_elems):
-        raise IndexError(f"slots must lie below {num_slots} (the cache's slots)")
+                           kv_cache.data_ptr(), kv_cache.data_ptr() + 4 * half, half // (heads * head_dim),
+                           heads * head_dim):
+        raise IndexError(f"slots must lie below {half // (heads * head_dim)} (the cache's slots)")
 
 
 _DECODE_CACHE_DTYPES = (torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)
@@ -237,7 +240,7 @@ def paged_decode_attention(
                            ("block_tables", block_tables, torch.int32),
                            ("query_rows", query_rows, torch.int64), ("table_rows", table_rows, torch.int64),
                            ("seq_lens", seq_lens, torch.int64)):
-        if t.dtype != dtype or t.device.type != "cpu":
+        if t.dtype != dtype or not t.is_cpu:
             raise ValueError(f"{name} must be a CPU {dtype} tensor, got {t.dtype} on {t.device}")
     if not (query.is_contiguous() and out.is_contiguous() and kv_cache.is_contiguous()):
         raise ValueError("query, out and kv_cache must be contiguous")
@@ -300,6 +303,27 @@ def gguf_dequantize_gather(packed: torch.Tensor, qtype: int, k: int, ids: torch.
     load().gguf_dequantize_gather(qtype, packed.data_ptr(), row_bytes, ids.data_ptr(), ids.numel(), k,
                                   out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def gguf_matmul_segments(x: torch.Tensor, segments: tuple[tuple[int, torch.Tensor, int], ...],
+                         out: torch.Tensor) -> None:
+    """``gguf_matmul`` of each ``(qtype, packed, first_column)`` segment of one layer into ``out[:,
+    first_column:first_column + N]``, with float activations: the decode path of a packed layer,
+    one C call per segment and no per-call checks but the row size (the layer checked the
+    segments' types and shapes once, at load). ``x`` float32 ``[M, K]``, ``out`` float32 ``[M,
+    >= last column]``, both with a unit inner stride (the caller's precondition); a packed row
+    that does not hold ``K`` weights raises ValueError."""
+    lib, threads = load(), torch.get_num_threads()
+    m, k = x.shape
+    x_ptr, ldx, out_ptr, ldy = x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0)
+    for qtype, packed, first_column in segments:
+        elems, nbytes = GGUF_BLOCK_SHAPES[qtype]
+        row_bytes = packed.shape[1]
+        if row_bytes * elems != k * nbytes:
+            raise ValueError(f"packed rows of {row_bytes} bytes do not hold {k} weights of GGUF type {qtype}")
+        if lib.gguf_matmul(qtype, packed.data_ptr(), row_bytes, packed.shape[0], k, x_ptr, ldx, m,
+                           out_ptr + 4 * first_column, ldy, threads):
+            raise MemoryError("gguf_matmul could not allocate its scratch buffer")
 
 
 def gguf_q8_supported(qtype: int) -> bool:

@@ -193,6 +193,11 @@ def pack_segments(param: nn.Parameter, parts: list[GGUFTensor], keep_packed: boo
     param.gguf_segments = tuple(segments)
     param.gguf_rows = tuple(seg.rows(param.data) for seg in segments)  # views, made once
     param.gguf_int8_activations = envs.PAGEDLLM_GGUF_INT8_ACTIVATIONS  # read once, at load (CPU only)
+    # The CPU decode path's arguments (native.gguf_matmul_segments), where no segment is F32 rows.
+    param.gguf_cpu_segments = None
+    if param.device.type == "cpu" and all(seg.qtype != F32 for seg in segments):
+        param.gguf_cpu_segments = tuple((seg.qtype, rows, seg.row_start)
+                                        for seg, rows in zip(segments, param.gguf_rows))
     param.gguf_dense = None
 
 
@@ -201,6 +206,7 @@ def _pack_dense(param: nn.Parameter, parts: list[GGUFTensor]) -> None:
     dense = torch.cat([dequantized(p).data.view(torch.float32) for p in parts])
     param.data = torch.empty(0, dtype=torch.uint8, device=param.device)
     param.gguf_segments = param.gguf_rows = ()
+    param.gguf_cpu_segments = None
     param.gguf_dense = dense.to(param.device, param.gguf_dtype)
 
 
@@ -224,6 +230,15 @@ def gguf_linear(weight: nn.Parameter, x: torch.Tensor, out_features: int, bias: 
     result in ``x``'s dtype. The CPU kernels take float32 x; the CUDA ones x as it is."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
+    fast = getattr(weight, "gguf_cpu_segments", None)
+    if (fast is not None and x2.shape[0] < PREFILL_MIN_ROWS and x2.dtype == torch.float32 and x2.is_cpu
+            and x2.stride(-1) == 1 and not weight.gguf_int8_activations):
+        # The CPU decode path (one C call per segment): what the loop below does, with less Python.
+        out = torch.empty((x2.shape[0], out_features), dtype=torch.float32)
+        native.gguf_matmul_segments(x2, fast, out)
+        if bias is not None:
+            out += bias
+        return out.reshape(*x.shape[:-1], out_features)
     if x.is_cuda:  # every segment is a Triton-packed one there (pack_segments)
         xf = x2 if x2.stride(-1) == 1 else x2.contiguous()
     else:
