@@ -19,7 +19,12 @@ A tied LM head shares the embedding's Parameter, so the packed table is held onc
 Products: ``apply`` picks the kernel of the input's device from ``PACKED_KERNELS`` (the CPU: the C
 library's ``gguf_matmul``, which decodes blocks in registers, and from ``PREFILL_MIN_ROWS`` rows a
 tile of weight rows dequantized exactly for the float GEMM; CUDA: the Triton GEMV / tiled GEMM of
-``kernels/gguf_gemm.py`` on bf16 / fp16 activations, captured in the CUDA graphs). On the CPU the
+``kernels/gguf_gemm.py`` on bf16 / fp16 activations, captured in the CUDA graphs). Below
+``PREFILL_MIN_ROWS`` rows on the CPU a layer goes straight to ``native.gguf_matmul_segments`` with
+the arguments made at load (``weight.gguf_cpu_segments``): at batch 1 the embedded model's step
+is as much Python as product, so every call's overhead counts. Under the engine's CPU kernel plan
+the linear layer's norm and activation prologues (``apply_norm_prologue``, ``apply_act_prologue``)
+run the C RMSNorm / SiLU straight into that product, skipping the norm and activation modules. On the CPU the
 packed products equal the dequantized model's to float rounding; opt-in
 (``PAGEDLLM_GGUF_INT8_ACTIVATIONS=1``, read at load), Q4_0 / Q4_1 / Q8_0 layers round the
 activations to int8 blocks and take integer dot products (llama.cpp's scheme: the logits move by a
