@@ -160,7 +160,8 @@ def llama_cffi_worker(library: str, model: str, threads: int, input_len: int, ou
     """In a child process: llama.cpp's batch-1 decode step through the llama-cpp-cffi library (the C
     API: one llama_decode per token after a prompt of ``input_len``), printed as JSON."""
     lib, ffi = load_cffi(library)
-    lib.llama_log_set(ffi.NULL, ffi.NULL)
+    quiet = ffi.callback("ggml_log_callback", lambda level, text, data: None)  # NULL would mean stderr
+    lib.llama_log_set(quiet, ffi.NULL)
     lib.llama_backend_init()
     llama_model = lib.llama_model_load_from_file(model.encode(), lib.llama_model_default_params())
     rng = random.Random(0)
