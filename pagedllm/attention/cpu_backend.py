@@ -69,12 +69,18 @@ class CpuBackend(TorchRefBackend):
             return super().forward(query, key, value, kv_cache, meta, scale, kv_stored, sliding_window,
                                    logits_soft_cap)
         n = meta.num_actual_tokens
-        store_kv_cache(key[:n], value[:n], kv_cache, meta.slot_mapping[:n])
+        if (kv_cache.dtype == torch.float32 and key.stride(-1) == value.stride(-1) == 1
+                and key.stride(-2) == value.stride(-2) == key.shape[-1]):
+            cpu_kernels.store_kv_cache(key[:n], value[:n], kv_cache, meta.slot_mapping[:n])
+        else:  # a float8 cache: the reference's saturating cast
+            store_kv_cache(key[:n], value[:n], kv_cache, meta.slot_mapping[:n])
         if self._rows_meta is not meta:
             self._rows_meta, self._rows = meta, DecodeRows(meta)
         rows = self._rows
         query = query.contiguous()
-        out = torch.zeros_like(query)
+        # Rows past the actual tokens (padding) stay zero; when the kernel writes every row, no fill.
+        every_row = not rows.has_prefill and rows.num_decodes == query.shape[0]
+        out = torch.empty_like(query) if every_row else torch.zeros_like(query)
         if rows.num_decodes:
             cpu_kernels.paged_decode_attention(query, kv_cache, out, meta.block_tables, rows.query_rows,
                                                rows.table_rows, rows.seq_lens, scale)

@@ -82,7 +82,7 @@ class Linear(CustomOp):
         # oneDNN-blocked copy of ``weight`` for the CPU (``pack_cpu_weight``); None: not packed.
         self.cpu_packed_weight: torch.Tensor | None = None
         self.gemms: GemmLibrary | None = None  # the plan's cuBLAS / cuBLASLt table (CUDA)
-        self.quantized_fusions = False  # a quantized layer's fused methods may run (CUDA, fused kernels on)
+        self.quantized_fusions = False  # a quantized layer's fused methods may run (fused / C kernels on)
         # A ``pagedllm.quantization`` ``QuantizeMethodBase`` (not imported: quantization sits above
         # layers and imports them), or None: the plain layer.
         self.quant_method = None
@@ -102,8 +102,9 @@ class Linear(CustomOp):
         """``cuda`` or ``cublas`` on CUDA (with or without the Triton GEMV), ``cpu`` on the CPU (the
         oneDNN GEMM is no C kernel of ours: ``KernelConfig.cpu_kernels`` does not turn it off);
         ``quantized`` on every device for a quantized layer."""
-        if self.quant_method is not None:
-            self.quantized_fusions = plan.device.type == "cuda" and plan.fused_kernels
+        if self.quant_method is not None:  # fused methods: CUDA's Triton kernels, or the CPU's C kernels
+            self.quantized_fusions = (plan.fused_kernels if plan.device.type == "cuda"
+                                      else plan.device.type == "cpu" and plan.config.cpu_kernels)
             return "quantized"
         if plan.device.type == "cuda":
             self.gemms = plan.gemms

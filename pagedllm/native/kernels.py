@@ -3,8 +3,9 @@
 - ``paged_decode_attention`` reads keys and values in place from the paged cache; the torch path
   has to gather them into a contiguous copy first, which moves every key three times instead of
   once (``csrc/paged_decode_attention.c``).
-- ``rms_norm`` (with the residual add), ``silu_and_mul`` and ``rotary_embedding``: one pass over
-  memory and one call each, where the torch reference takes 3-6 ops (``csrc/elementwise.c``).
+- ``rms_norm`` (with the residual add), ``silu_and_mul``, ``rotary_embedding`` and
+  ``store_kv_cache`` (float32 cache): one pass over memory and one call each, where the torch
+  reference takes 2-6 ops (``csrc/elementwise.c``).
 - ``gguf_matmul``, ``gguf_dequantize_rows``, ``gguf_dequantize_gather``: GGUF block formats kept
   packed (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, F16, F32 rows), multiplied in place or dequantized
   exactly (``csrc/gguf_matmul.c``); Q4_0 / Q4_1 / Q8_0 also with int8 activations and integer dot
@@ -107,8 +108,10 @@ def load() -> ctypes.CDLL | None:
     lib.rms_norm.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, f32, i32]
     lib.silu_and_mul.restype = None
     lib.silu_and_mul.argtypes = [ptr, ptr, i64, i64, i32]
-    lib.rotary_embedding.restype = None
-    lib.rotary_embedding.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32]
+    lib.rotary_embedding.restype = ctypes.c_int
+    lib.rotary_embedding.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i32]
+    lib.store_kv_f32.restype = ctypes.c_int
+    lib.store_kv_f32.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64]
     lib.gguf_dequantize_rows.restype = ctypes.c_int
     lib.gguf_dequantize_rows.argtypes = [i32, ptr, i64, i64, i64, ptr, i32]
     lib.gguf_dequantize_gather.restype = ctypes.c_int
@@ -126,9 +129,13 @@ def load() -> ctypes.CDLL | None:
 
 def applies(*tensors: torch.Tensor) -> bool:
     """Whether these tensors can go to the native kernels: float32, on the CPU, unit inner stride,
-    and the library built. (Inference only: the kernels record nothing for autograd.)"""
-    return (all(t.dtype == torch.float32 and t.device.type == "cpu" and t.stride(-1) == 1 for t in tensors)
-            and load() is not None)
+    and the library built. (Inference only: the kernels record nothing for autograd.) Called for
+    every op of every layer on the CPU: a plain loop over cheap attributes (``is_cpu``, not
+    ``device.type``, which builds a device object)."""
+    for t in tensors:
+        if t.dtype is not torch.float32 or not t.is_cpu or t.stride(-1) != 1:
+            return False
+    return load() is not None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -164,14 +171,38 @@ def rotary_embedding(x: torch.Tensor, positions: torch.Tensor, cos_cache: torch.
     the tables raises IndexError (as indexing the tables would)."""
     tokens, heads, head_dim = x.shape
     out = torch.empty((tokens, heads, head_dim), dtype=x.dtype)
-    positions = positions.to(torch.int64).contiguous()
-    if tokens and not (0 <= int(positions.min()) and int(positions.max()) < cos_cache.shape[0]):
-        raise IndexError(f"positions must lie in [0, {cos_cache.shape[0]}) (the rotary table's length)")
+    if positions.dtype != torch.int64 or not positions.is_contiguous():
+        positions = positions.to(torch.int64).contiguous()
     cos_cache, sin_cache = cos_cache.contiguous(), sin_cache.contiguous()
-    load().rotary_embedding(x.data_ptr(), x.stride(0), x.stride(1), out.data_ptr(), positions.data_ptr(),
-                            cos_cache.data_ptr(), sin_cache.data_ptr(), tokens, heads, head_dim,
-                            2 * cos_cache.shape[-1], torch.get_num_threads())
+    if load().rotary_embedding(x.data_ptr(), x.stride(0), x.stride(1), out.data_ptr(), positions.data_ptr(),
+                               cos_cache.data_ptr(), sin_cache.data_ptr(), cos_cache.shape[0], tokens, heads,
+                               head_dim, 2 * cos_cache.shape[-1], torch.get_num_threads()):
+        raise IndexError(f"positions must lie in [0, {cos_cache.shape[0]}) (the rotary table's length)")
     return out
+
+
+def store_kv_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """Row ``t`` of ``key`` / ``value`` (float32 ``[T, num_kv_heads, head_dim]``, strided tokens, each
+    token's heads contiguous) into slot ``slots[t]`` (int64) of the float32 ``kv_cache`` ``[2,
+    num_blocks, block_size, num_kv_heads, head_dim]``; slots < 0 (padding) are skipped, a slot past
+    the cache raises IndexError. The torch reference (``attention.torch_ref.store_kv_cache``): two
+    ``index_copy_`` plus a check for padding: about 4x the time of this one call at a decode row."""
+    tokens, heads, head_dim = key.shape[0], kv_cache.shape[-2], kv_cache.shape[-1]
+    for name, t in (("key", key), ("value", value)):  # shapes and strides only: indexing makes tensors
+        if (t.dtype != torch.float32 or t.shape != (tokens, heads, head_dim) or t.stride(2) != 1
+                or t.stride(1) != head_dim):
+            raise ValueError(f"{name} must be float32 [{tokens}, {heads}, {head_dim}] with each token's heads "
+                             f"contiguous, got {t.dtype} {tuple(t.shape)} strides {t.stride()}")
+    if kv_cache.dtype != torch.float32 or not kv_cache.is_contiguous() or slots.dtype != torch.int64:
+        raise ValueError("kv_cache must be contiguous float32 and slots int64")
+    if slots.shape != (tokens,):
+        raise ValueError(f"slots must hold one slot per token ({tokens}), got {tuple(slots.shape)}")
+    slots = slots.contiguous()
+    half = kv_cache.stride(0)  # the values' offset in the cache, in elements
+    if load().store_kv_f32(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), slots.data_ptr(), tokens,
+                           kv_cache.data_ptr(), kv_cache.data_ptr() + 4 * half, half // (heads * head_dim),
+                           heads * head_dim):
+        raise IndexError(f"slots must lie below {half // (heads * head_dim)} (the cache's slots)")
 
 
 _DECODE_CACHE_DTYPES = (torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)
@@ -209,7 +240,7 @@ def paged_decode_attention(
                            ("block_tables", block_tables, torch.int32),
                            ("query_rows", query_rows, torch.int64), ("table_rows", table_rows, torch.int64),
                            ("seq_lens", seq_lens, torch.int64)):
-        if t.dtype != dtype or t.device.type != "cpu":
+        if t.dtype != dtype or not t.is_cpu:
             raise ValueError(f"{name} must be a CPU {dtype} tensor, got {t.dtype} on {t.device}")
     if not (query.is_contiguous() and out.is_contiguous() and kv_cache.is_contiguous()):
         raise ValueError("query, out and kv_cache must be contiguous")
@@ -272,6 +303,27 @@ def gguf_dequantize_gather(packed: torch.Tensor, qtype: int, k: int, ids: torch.
     load().gguf_dequantize_gather(qtype, packed.data_ptr(), row_bytes, ids.data_ptr(), ids.numel(), k,
                                   out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def gguf_matmul_segments(x: torch.Tensor, segments: tuple[tuple[int, torch.Tensor, int], ...],
+                         out: torch.Tensor) -> None:
+    """``gguf_matmul`` of each ``(qtype, packed, first_column)`` segment of one layer into ``out[:,
+    first_column:first_column + N]``, with float activations: the decode path of a packed layer,
+    one C call per segment and no per-call checks but the row size (the layer checked the
+    segments' types and shapes once, at load). ``x`` float32 ``[M, K]``, ``out`` float32 ``[M,
+    >= last column]``, both with a unit inner stride (the caller's precondition); a packed row
+    that does not hold ``K`` weights raises ValueError."""
+    lib, threads = load(), torch.get_num_threads()
+    m, k = x.shape
+    x_ptr, ldx, out_ptr, ldy = x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0)
+    for qtype, packed, first_column in segments:
+        elems, nbytes = GGUF_BLOCK_SHAPES[qtype]
+        row_bytes = packed.shape[1]
+        if row_bytes * elems != k * nbytes:
+            raise ValueError(f"packed rows of {row_bytes} bytes do not hold {k} weights of GGUF type {qtype}")
+        if lib.gguf_matmul(qtype, packed.data_ptr(), row_bytes, packed.shape[0], k, x_ptr, ldx, m,
+                           out_ptr + 4 * first_column, ldy, threads):
+            raise MemoryError("gguf_matmul could not allocate its scratch buffer")
 
 
 def gguf_q8_supported(qtype: int) -> bool:

@@ -19,7 +19,12 @@ A tied LM head shares the embedding's Parameter, so the packed table is held onc
 Products: ``apply`` picks the kernel of the input's device from ``PACKED_KERNELS`` (the CPU: the C
 library's ``gguf_matmul``, which decodes blocks in registers, and from ``PREFILL_MIN_ROWS`` rows a
 tile of weight rows dequantized exactly for the float GEMM; CUDA: the Triton GEMV / tiled GEMM of
-``kernels/gguf_gemm.py`` on bf16 / fp16 activations, captured in the CUDA graphs). On the CPU the
+``kernels/gguf_gemm.py`` on bf16 / fp16 activations, captured in the CUDA graphs). Below
+``PREFILL_MIN_ROWS`` rows on the CPU a layer goes straight to ``native.gguf_matmul_segments`` with
+the arguments made at load (``weight.gguf_cpu_segments``): at batch 1 the embedded model's step
+is as much Python as product, so every call's overhead counts. Under the engine's CPU kernel plan
+the linear layer's norm and activation prologues (``apply_norm_prologue``, ``apply_act_prologue``)
+run the C RMSNorm / SiLU straight into that product, skipping the norm and activation modules. On the CPU the
 packed products equal the dequantized model's to float rounding; opt-in
 (``PAGEDLLM_GGUF_INT8_ACTIVATIONS=1``, read at load), Q4_0 / Q4_1 / Q8_0 layers round the
 activations to int8 blocks and take integer dot products (llama.cpp's scheme: the logits move by a
@@ -196,6 +201,11 @@ def pack_segments(param: nn.Parameter, parts: list[GGUFTensor], keep_packed: boo
     param.gguf_segments = tuple(segments)
     param.gguf_rows = tuple(seg.rows(param.data) for seg in segments)  # views, made once
     param.gguf_int8_activations = envs.PAGEDLLM_GGUF_INT8_ACTIVATIONS  # read once, at load (CPU only)
+    # The CPU decode path's arguments (native.gguf_matmul_segments), where no segment is F32 rows.
+    param.gguf_cpu_segments = None
+    if param.device.type == "cpu" and all(seg.qtype != F32 for seg in segments):
+        param.gguf_cpu_segments = tuple((seg.qtype, rows, seg.row_start)
+                                        for seg, rows in zip(segments, param.gguf_rows))
     param.gguf_dense = None
 
 
@@ -204,6 +214,7 @@ def _pack_dense(param: nn.Parameter, parts: list[GGUFTensor]) -> None:
     dense = torch.cat([dequantized(p).data.view(torch.float32) for p in parts])
     param.data = torch.empty(0, dtype=torch.uint8, device=param.device)
     param.gguf_segments = param.gguf_rows = ()
+    param.gguf_cpu_segments = None
     param.gguf_dense = dense.to(param.device, param.gguf_dtype)
 
 
@@ -227,6 +238,15 @@ def gguf_linear(weight: nn.Parameter, x: torch.Tensor, out_features: int, bias: 
     result in ``x``'s dtype. The CPU kernels take float32 x; the CUDA ones x as it is."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
+    fast = getattr(weight, "gguf_cpu_segments", None)
+    if (fast is not None and x2.shape[0] < PREFILL_MIN_ROWS and x2.dtype == torch.float32 and x2.is_cpu
+            and x2.stride(-1) == 1 and not weight.gguf_int8_activations):
+        # The CPU decode path (one C call per segment): what the loop below does, with less Python.
+        out = torch.empty((x2.shape[0], out_features), dtype=torch.float32)
+        native.gguf_matmul_segments(x2, fast, out)
+        if bias is not None:
+            out += bias
+        return out.reshape(*x.shape[:-1], out_features)
     if x.is_cuda:  # every segment is a Triton-packed one there (pack_segments)
         xf = x2 if x2.stride(-1) == 1 else x2.contiguous()
     else:
@@ -310,6 +330,28 @@ class GGUFLinearMethod(QuantizeMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return gguf_linear(layer.weight, x, layer.out_features, bias)
+
+    def apply_norm_prologue(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
+                            norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(apply(norm(x + residual)), x + residual)`` (``Linear.forward_norm_prologue``) on the CPU:
+        the C RMSNorm (with the add) straight into the packed product, without the norm module's
+        dispatch (two C calls). None elsewhere (no GGUF prologue kernel on CUDA) or where the C norm
+        does not take the inputs (not 2-D float32)."""
+        if x.dim() != 2 or not native.applies(x, norm.weight, *(() if residual is None else (residual,))):
+            return None
+        if residual is None:
+            normed, summed = native.rms_norm(x, norm.weight, norm.eps), x
+        else:
+            normed, summed = native.rms_norm(x, norm.weight, norm.eps, residual)
+        return gguf_linear(layer.weight, normed, layer.out_features, layer.bias), summed
+
+    def apply_act_prologue(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """``apply(silu(gate) * up)`` for ``x = [gate | up]`` (``Linear.forward_act_prologue``) on the
+        CPU: the C activation straight into the packed product; None where it does not apply (as
+        ``apply_norm_prologue``)."""
+        if x.dim() != 2 or x.shape[-1] % 2 or not native.applies(x):
+            return None
+        return gguf_linear(layer.weight, native.silu_and_mul(x), layer.out_features, layer.bias)
 
 
 class GGUFEmbeddingMethod(QuantizeMethodBase):

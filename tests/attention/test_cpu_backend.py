@@ -135,3 +135,21 @@ def test_sliding_window_and_soft_cap_layers_take_the_reference(window, soft_cap)
     n = meta.num_actual_tokens
     torch.testing.assert_close(out[:n], ref[:n], rtol=1e-6, atol=1e-6)
     assert not torch.allclose(out[:n], plain[:n], atol=1e-3)  # the options change the answer
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_one_request_splits_its_kv_groups_over_the_threads(threads):
+    """One decode request with 3 KV heads: 3 items of one KV group each on 2 threads (or 1 item on 1);
+    the result is the same whichever thread attends which group."""
+    gen = torch.Generator().manual_seed(6)
+    q, k, v, cache, meta = make_inputs([(170, 1)], block_size=16, num_kv_heads=3, qpk=3, head_dim=64,
+                                       dtype=torch.float32, device="cpu", gen=gen, num_pad_tokens=0)
+    ref = attend(TorchRefBackend(), q, k, v, cache.clone(), meta, 0.125)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = attend(CpuBackend(), q, k, v, cache, meta, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-5)

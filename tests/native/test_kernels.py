@@ -126,3 +126,29 @@ def test_build_is_cached_per_source_and_cpu(monkeypatch, tmp_path):
         assert built[0].stat().st_mtime_ns == mtime  # reused, not rebuilt
     finally:
         native.load.cache_clear()
+
+
+@needs_kernels
+def test_store_kv_cache_equals_the_torch_store():
+    """Strided tokens (k and v split from one projection), a padding slot (-1) skipped."""
+    from pagedllm.attention.torch_ref import store_kv_cache as torch_store
+
+    gen = torch.Generator().manual_seed(9)
+    qkv = torch.randn(4, 3 * 2 * 8, generator=gen)
+    k, v = qkv[:, 16:32].view(4, 2, 8), qkv[:, 32:].view(4, 2, 8)
+    slots = torch.tensor([5, -1, 0, 23])
+    cache, ref = torch.zeros(2, 3, 8, 2, 8), torch.zeros(2, 3, 8, 2, 8)
+    native.store_kv_cache(k, v, cache, slots)
+    torch_store(k, v, ref, slots)
+    assert torch.equal(cache, ref) and cache[0, 0, 5].equal(k[0]) and cache[1, 2, 7].equal(v[3])
+
+
+@needs_kernels
+def test_store_kv_cache_refuses_bad_slots_and_shapes():
+    k, cache = torch.randn(2, 2, 8), torch.zeros(2, 3, 8, 2, 8)
+    with pytest.raises(IndexError, match="slots must lie below 24"):
+        native.store_kv_cache(k, k, cache, torch.tensor([0, 24]))
+    with pytest.raises(ValueError, match="key must be float32"):
+        native.store_kv_cache(k[:, :1], k, cache, torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="one slot per token"):
+        native.store_kv_cache(k, k, cache, torch.tensor([0]))

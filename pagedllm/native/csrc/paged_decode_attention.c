@@ -14,8 +14,8 @@
  * converted once per query head instead of once per KV head).
  *
  * Work: one item per (decode request, slice of its query heads). A slice holds all heads unless
- * there are fewer requests than threads; whole-token rows (all KV heads, contiguous) stream from
- * memory best. Items are shared by OpenMP threads (torch's libgomp, so torch's pool). Scratch per
+ * there are fewer requests than threads (then whole KV groups); whole-token rows (all KV heads,
+ * contiguous) stream from memory best. Items are shared by OpenMP threads (torch's libgomp, so torch's pool). Scratch per
  * thread: heads * max_seq_len scores + heads * head_dim sums. Head sizes 64 and 128 get code with
  * the size fixed at compile time (unrolled dot products); a float8 cache takes the generic code.
  */
@@ -120,9 +120,18 @@ int paged_decode_attention(
     const Problem p = {query, kv_cache, (const char *)kv_cache + num_blocks * block_stride * elem_bytes, lut, out,
                        block_tables, block_table_stride, block_stride, token_stride, block_size, num_heads,
                        num_heads / num_kv_heads, scale};
-    /* Split each request's heads into whole KV groups when there are too few requests to share. */
+    /* Split each request's heads into whole KV groups when there are too few requests to share
+     * (any divisor of the KV heads: 3 KV heads on 2 threads make 3 items); never more threads than
+     * items (an idle thread still costs its wake-up and the barrier). */
     int64_t slices = 1;
-    while (num_reqs * slices < num_threads && slices < num_kv_heads && num_kv_heads % (slices * 2) == 0) slices *= 2;
+    while (num_reqs * slices < num_threads) {
+        int64_t next = slices + 1;
+        while (next <= num_kv_heads && num_kv_heads % next) ++next;
+        if (next > num_kv_heads) break;
+        slices = next;
+    }
+    if (num_reqs * slices < num_threads) num_threads = (int)(num_reqs * slices);
+    if (num_threads < 1) num_threads = 1;
     const int64_t slice_heads = num_heads / slices;
     int64_t max_len = 1;
     for (int64_t r = 0; r < num_reqs; ++r)
