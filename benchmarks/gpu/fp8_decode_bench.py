@@ -30,7 +30,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.gpu.int4_decode_bench import graph_time_us, print_engine_table, run_child  # noqa: E402
+from benchmarks.gpu.int4_decode_bench import (  # noqa: E402
+    graph_time_us,
+    print_engine_table,
+    profile_decode,
+    run_child,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "benchmarks/configs/llama-3.1-8b/config.json"
@@ -45,10 +50,51 @@ SWEEP = {
     16: [(32, 256, 4, True), (128, 128, 4, True)],
     64: [(64, 128, 4, True), (128, 128, 4, True), (128, 256, 8, True)],
 }
-VARIANTS = {"bf16": {}, "fp8": {"quantization": "fp8"}, "fp8-kv-fp8": {"quantization": "fp8", "kv_cache_dtype": "fp8"}}
+# Engine variants: LLM arguments, and the batch-row GEMM of fp8 weights (``fp8_ops.BATCH_GEMM``) where set.
+VARIANTS = {"bf16": {}, "fp8": {"quantization": "fp8"}, "fp8-kv-fp8": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
+            "fp8-kv-fp8-mm": {"quantization": "fp8", "kv_cache_dtype": "fp8", "batch_gemm": "fp8_mm"},
+            "fp8-kv-fp8-w8a16": {"quantization": "fp8", "kv_cache_dtype": "fp8", "batch_gemm": "w8a16"},
+            "fp8-mm": {"quantization": "fp8", "batch_gemm": "fp8_mm"},
+            "fp8-w8a16": {"quantization": "fp8", "batch_gemm": "w8a16"}}
+DEFAULT_VARIANTS = ["bf16", "fp8", "fp8-kv-fp8"]
 
 
-def time_shape(name: str, n: int, k: int) -> list[dict]:
+def time_batch_gemms(name: str, n: int, k: int, m: int, weight, wq, w_scale, bf16_us: float) -> list[dict]:
+    """At batch rows: cuBLASLt on codes made beforehand (the GEMM alone), and the Triton tensor-core
+    GEMM (``kernels/fp8_mm.py``) on codes (alone and with the act-quant launch) and on the bf16
+    activations (W8A16), each at its default launch sizes; the weight bytes read per second."""
+    import torch
+
+    from pagedllm.quantization import fp8_ops
+    from pagedllm.quantization.kernels import fp8_mm
+
+    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+    xq, x_scale = fp8_ops.quantize_activations(x, None)
+    ref = (xq.float() * x_scale) @ fp8_ops.dequantize_rows(wq, w_scale).t()
+    ref16 = x.float() @ fp8_ops.dequantize_rows(wq, w_scale).t()
+    runs = {
+        "scaled_mm(codes)": (lambda: fp8_ops.fp8_linear_scaled_mm(xq, x_scale, wq, w_scale, torch.bfloat16), ref),
+        "fp8_mm(codes)": (lambda: fp8_mm.fp8_mm(xq, x_scale, wq, w_scale), ref),
+        "quant+fp8_mm": (lambda: fp8_mm.fp8_mm(*fp8_ops.quantize_activations(x, None), wq, w_scale), ref),
+        "w8a16_mm": (lambda: fp8_mm.fp8_mm(x, None, wq, w_scale), ref16),
+    }
+    rows = []
+    for kernel, (fn, want) in runs.items():
+        row = {"layer": name, "m": m, "kernel": kernel, "config": list(fp8_mm.mm_config(m, n, k, fp8_mm._device_sms(x)))}
+        try:
+            err = float((fn().float() - want).abs().max() / want.abs().max())
+            us = graph_time_us(fn)
+            row.update({"us": us, "gb_per_s": n * k / us / 1e3, "vs_bf16": us / bf16_us, "rel_err": err})
+            print(f"{name:8} {m:>3} {kernel:18} {us:>7.1f} us {n * k / us / 1e3:>6.0f} GB/s {us / bf16_us:>5.2f}x bf16 "
+                  f"err {err:.1e}", flush=True)
+        except Exception as e:  # a kernel that fails to build is recorded; the table goes on
+            row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+            print(f"{name:8} {m:>3} {kernel:18} {row['error']}", flush=True)
+        rows.append(row)
+    return rows
+
+
+def time_shape(name: str, n: int, k: int, rows_to_time: tuple[int, ...] = ROWS) -> list[dict]:
     """bf16 ``F.linear``, the FP8 cuBLASLt path and the FP8 GEMV (default and, on ``SWEEP_SHAPES``,
     swept launch sizes) for one ``[n, k]`` weight."""
     import torch
@@ -61,7 +107,7 @@ def time_shape(name: str, n: int, k: int) -> list[dict]:
     wq, w_scale = fp8_ops.quantize_rows(weight)
     sms = fp8_gemv.num_sms(torch.cuda.current_device())
     rows = []
-    for m in ROWS:
+    for m in rows_to_time:
         x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
         ref = (x.float() @ fp8_ops.dequantize_rows(wq, w_scale).t())
 
@@ -86,10 +132,12 @@ def time_shape(name: str, n: int, k: int) -> list[dict]:
                 row["error"] = f"{type(e).__name__}: {str(e)[:120]}"
             print_kernel_row(row)
             rows.append(row)
+        if m > fp8_gemv.GEMV_MAX_ROWS // 2:
+            rows.extend(time_batch_gemms(name, n, k, m, weight, wq, w_scale, base["bf16_us"]))
     return rows
 
 
-def kernels_part() -> dict:
+def kernels_part(rows: tuple[int, ...] = ROWS) -> dict:
     import torch
 
     from pagedllm.entrypoints.bench_roofline import measure_copy_bandwidth
@@ -98,10 +146,10 @@ def kernels_part() -> dict:
     print(f"copy bandwidth {copy / 1e9:.0f} GB/s", flush=True)
     print_kernel_header()
     return {"copy_bytes_per_s": copy,
-            "kernels": [row for name, (n, k) in SHAPES.items() for row in time_shape(name, n, k)]}
+            "kernels": [row for name, (n, k) in SHAPES.items() for row in time_shape(name, n, k, rows)]}
 
 
-def engine_part(variant: str, batch_sizes: list[int], input_len: int, output_len: int) -> dict:
+def engine_part(variant: str, batch_sizes: list[int], input_len: int, output_len: int, profile: bool) -> dict:
     import random
 
     import torch
@@ -109,10 +157,12 @@ def engine_part(variant: str, batch_sizes: list[int], input_len: int, output_len
     from pagedllm import LLM
     from pagedllm.entrypoints.bench_latency import decode_step_seconds
     from pagedllm.entrypoints.bench_roofline import device_name, measure_copy_bandwidth
+    from pagedllm.quantization import fp8_ops
 
     config = json.loads(CONFIG.read_text())
-    llm = LLM(str(CONFIG.parent), load_format="dummy", skip_tokenizer_init=True, max_model_len=4096,
-              **VARIANTS[variant])
+    args = dict(VARIANTS[variant])
+    fp8_ops.BATCH_GEMM = args.pop("batch_gemm", fp8_ops.BATCH_GEMM)
+    llm = LLM(str(CONFIG.parent), load_format="dummy", skip_tokenizer_init=True, max_model_len=4096, **args)
     runner = llm.llm_engine.engine_core.runner
     model = runner.model
     embed = model.model.embed_tokens.weight
@@ -131,8 +181,12 @@ def engine_part(variant: str, batch_sizes: list[int], input_len: int, output_len
         runs.append({"batch_size": bs, "decode_step_ms": step * 1e3, "floor_ms": floor * 1e3,
                      "step_over_floor": step / floor})
         print(f"{variant} batch {bs}: {step * 1e3:.3f} ms (floor {floor * 1e3:.3f} ms)", flush=True)
-    return {"variant": variant, "device": device_name(runner.device), "weight_bytes": weight_bytes,
-            "kv_bytes_per_element": kv_bytes, "copy_bytes_per_s": bandwidth, "torch": torch.__version__, "runs": runs}
+    result = {"variant": variant, "device": device_name(runner.device), "weight_bytes": weight_bytes,
+              "kv_bytes_per_element": kv_bytes, "batch_gemm": fp8_ops.BATCH_GEMM, "copy_bytes_per_s": bandwidth,
+              "torch": torch.__version__, "runs": runs}
+    if profile:
+        result["profile"] = {bs: profile_decode(llm, bs, input_len) for bs in batch_sizes}
+    return result
 
 
 def print_kernel_header() -> None:
@@ -158,20 +212,23 @@ def main() -> int:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS))
+    p.add_argument("--rows", type=int, nargs="+", default=list(ROWS), help="row counts of the kernel table")
+    p.add_argument("--profile", action="store_true", help="also the CUDA kernels of 10 decode steps per batch size")
     p.add_argument("--skip-kernels", action="store_true")
     p.add_argument("--skip-engine", action="store_true", help="only the kernel tables")
     p.add_argument("--child", choices=["kernels", *VARIANTS], help=argparse.SUPPRESS)
     p.add_argument("--child-json", help=argparse.SUPPRESS)
     ns = p.parse_args()
     if ns.child:
-        out = kernels_part() if ns.child == "kernels" else engine_part(ns.child, ns.batch_sizes, ns.input_len,
-                                                                         ns.output_len)
+        out = (kernels_part(tuple(ns.rows)) if ns.child == "kernels"
+               else engine_part(ns.child, ns.batch_sizes, ns.input_len, ns.output_len, ns.profile))
         Path(ns.child_json).write_text(json.dumps(out))
         return 0
     sizes = ["--batch-sizes", *map(str, ns.batch_sizes), "--input-len", str(ns.input_len),
-             "--output-len", str(ns.output_len)]
-    result = {"kernels": {} if ns.skip_kernels else run_child(["--child", "kernels"], __file__),
+             "--output-len", str(ns.output_len)] + ["--profile"] * ns.profile
+    result = {"kernels": {} if ns.skip_kernels else run_child(["--child", "kernels", "--rows", *map(str, ns.rows)],
+                                                             __file__),
               "engine": {} if ns.skip_engine else {v: run_child(["--child", v, *sizes], __file__) for v in ns.variants}}
     print_engine_table(result["engine"], width=12)
     os.makedirs(os.path.dirname(ns.out) or ".", exist_ok=True)

@@ -14,6 +14,13 @@ float one), with the residual add + RMSNorm or the SiLU-and-mul before it in its
 layer's fused methods ask (``rms_norm_fp8_gemv``, ``silu_and_mul_fp8_gemv``); above, the activations
 are quantized and cuBLASLt multiplies.
 
+Batch rows (``batch_gemm``: CUDA, ``GEMV_MAX_ROWS`` + 1 to ``BATCH_MAX_ROWS`` rows, a batched decode
+step): the GEMM that ``BATCH_GEMM`` names: "scaled_mm" (per-token activation codes + cuBLASLt),
+"fp8_mm" (the codes + the Triton FP8 MMA with the operands swapped, ``kernels/fp8_mm.py``) or
+"w8a16" (that kernel on the bf16 activations: no codes). With codes, the op before the projection
+(residual add + RMSNorm, SiLU-and-mul) writes them in its own launch where the layer's fused methods
+ask (``rms_norm_quant``, ``silu_and_mul_quant``): one launch fewer per projection.
+
 Constraints of ``torch._scaled_mm`` (checked by ``scaled_mm_fits``): CUDA with compute capability
 >= 8.9, K and N multiples of 16, row-wise scales (torch >= 2.5), which take a bfloat16 output only.
 Elsewhere (the CPU, float16 or float32 models, odd shapes) the tiled path runs.
@@ -38,6 +45,10 @@ MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 # Weight elements per float32 tile of the tiled GEMM (8 MiB).
 TILE_ELEMENTS = 1 << 21
+# The GEMM of batch rows (module doc) and the most rows it takes (above: act-quant + cuBLASLt).
+BATCH_GEMMS = ("scaled_mm", "fp8_mm", "w8a16")
+BATCH_GEMM = "scaled_mm"
+BATCH_MAX_ROWS = 128
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,6 +144,59 @@ def gemv_fits(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor) -> bool:
     from pagedllm.quantization.kernels import fp8_gemv
 
     return x.shape[0] <= fp8_gemv.GEMV_MAX_ROWS and fp8_gemv.fits(x, wq, w_scale)
+
+
+def batch_gemm(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor) -> str | None:
+    """The GEMM that multiplies ``x`` at batch rows (``BATCH_GEMM``, module doc), or None: not
+    batch rows (or not CUDA), or a product that GEMM does not take."""
+    if not (HAS_TRITON and x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)):
+        return None
+    from pagedllm.quantization.kernels import fp8_gemv, fp8_mm
+
+    if not fp8_gemv.GEMV_MAX_ROWS < x.shape[0] <= BATCH_MAX_ROWS:
+        return None
+    if BATCH_GEMM == "scaled_mm":
+        return BATCH_GEMM if scaled_mm_fits(x, wq) else None
+    return BATCH_GEMM if fp8_mm.fits(x, wq, w_scale) else None
+
+
+def batch_product(kind: str, x: torch.Tensor, x_scale: torch.Tensor | None, wq: torch.Tensor, w_scale: torch.Tensor,
+                  bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """``[M, N]`` by the batch GEMM ``kind`` (``batch_gemm``'s answer): ``x`` the activation codes
+    with ``x_scale`` for "scaled_mm" / "fp8_mm", the float activations (``x_scale`` None) for "w8a16"."""
+    if kind == "scaled_mm":
+        y = fp8_linear_scaled_mm(x, x_scale, wq, w_scale, out_dtype)
+        return y if bias is None else y + bias
+    from pagedllm.quantization.kernels import fp8_mm
+
+    return fp8_mm.fp8_mm(x, x_scale, wq, w_scale, bias, out_dtype)
+
+
+def rms_norm_quant(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``(codes, scales [M, 1], x + residual)`` of ``rmsnorm(x + residual) * g`` per token in one launch
+    (``kernels/fp8_act_quant.rms_norm_quant``), or None where that kernel does not take it."""
+    if not (HAS_TRITON and x.is_cuda):
+        return None
+    from pagedllm.quantization.kernels import fp8_act_quant
+
+    if not (fp8_act_quant.fused_fits(x, x.shape[-1]) and norm_weight.dtype == x.dtype and norm_weight.is_contiguous()
+            and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
+                                      and residual.stride(-1) == 1))):
+        return None
+    return fp8_act_quant.rms_norm_quant(x, residual, norm_weight, eps, FP8_MAX, MIN_SCALE)
+
+
+def silu_and_mul_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(codes, scales [M, 1])`` of ``silu(gate) * up`` per token in one launch, or None where that
+    kernel does not take ``x``."""
+    if not (HAS_TRITON and x.is_cuda and x.dim() == 2 and x.shape[-1] % 2 == 0):
+        return None
+    from pagedllm.quantization.kernels import fp8_act_quant
+
+    if not fp8_act_quant.fused_fits(x, x.shape[-1] // 2):
+        return None
+    return fp8_act_quant.silu_and_mul_quant(x, FP8_MAX, MIN_SCALE)
 
 
 def fp8_gemv(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
