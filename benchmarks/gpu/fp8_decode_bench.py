@@ -44,6 +44,13 @@ ROWS = (1, 2, 4, 8, 16, 32, 64)
 # GEMV launch sizes (block_n, block_k, num_warps, dot) swept on SWEEP_SHAPES at SWEEP rows (the
 # round-2 H100 figures chose gemv_config's defaults among them).
 SWEEP_SHAPES = ("o", "gate_up")
+# The batch-row Triton GEMM's launch sizes (block_n, block_k, num_warps, num_stages; block_m: the rows
+# rounded up, split: kernels/fp8_mm.py's rule) swept at 64 rows with ``--mm-sweep``, for each operand form.
+MM_SWEEP = {
+    "fp8_mm(codes)": [(64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 4), (128, 128, 8, 4), (128, 256, 8, 3),
+                      (64, 128, 4, 6)],
+    "w8a16_mm": [(64, 128, 4, 4), (128, 64, 8, 4), (64, 64, 4, 5)],
+}
 SWEEP = {
     1: [(4, 1024, 4, False), (16, 512, 4, False), (8, 2048, 8, False), (16, 1024, 8, False), (32, 256, 4, True)],
     4: [(16, 512, 4, False), (16, 512, 4, True), (64, 256, 4, True)],
@@ -59,10 +66,11 @@ VARIANTS = {"bf16": {}, "fp8": {"quantization": "fp8"}, "fp8-kv-fp8": {"quantiza
 DEFAULT_VARIANTS = ["bf16", "fp8", "fp8-kv-fp8"]
 
 
-def time_batch_gemms(name: str, n: int, k: int, m: int, weight, wq, w_scale, bf16_us: float) -> list[dict]:
+def time_batch_gemms(name: str, n: int, k: int, m: int, wq, w_scale, bf16_us: float, sweep: bool) -> list[dict]:
     """At batch rows: cuBLASLt on codes made beforehand (the GEMM alone), and the Triton tensor-core
     GEMM (``kernels/fp8_mm.py``) on codes (alone and with the act-quant launch) and on the bf16
-    activations (W8A16), each at its default launch sizes; the weight bytes read per second."""
+    activations (W8A16), each at its default launch sizes (and with ``sweep`` at 64 rows, at
+    ``MM_SWEEP``'s); the weight bytes read per second."""
     import torch
 
     from pagedllm.quantization import fp8_ops
@@ -72,21 +80,31 @@ def time_batch_gemms(name: str, n: int, k: int, m: int, weight, wq, w_scale, bf1
     xq, x_scale = fp8_ops.quantize_activations(x, None)
     ref = (xq.float() * x_scale) @ fp8_ops.dequantize_rows(wq, w_scale).t()
     ref16 = x.float() @ fp8_ops.dequantize_rows(wq, w_scale).t()
-    runs = {
-        "scaled_mm(codes)": (lambda: fp8_ops.fp8_linear_scaled_mm(xq, x_scale, wq, w_scale, torch.bfloat16), ref),
-        "fp8_mm(codes)": (lambda: fp8_mm.fp8_mm(xq, x_scale, wq, w_scale), ref),
-        "quant+fp8_mm": (lambda: fp8_mm.fp8_mm(*fp8_ops.quantize_activations(x, None), wq, w_scale), ref),
-        "w8a16_mm": (lambda: fp8_mm.fp8_mm(x, None, wq, w_scale), ref16),
-    }
+    sms = fp8_mm._device_sms(x)
+    runs = [
+        ("scaled_mm(codes)", None, lambda: fp8_ops.fp8_linear_scaled_mm(xq, x_scale, wq, w_scale, torch.bfloat16), ref),
+        ("fp8_mm(codes)", None, lambda: fp8_mm.fp8_mm(xq, x_scale, wq, w_scale), ref),
+        ("quant+fp8_mm", None, lambda: fp8_mm.fp8_mm(*fp8_ops.quantize_activations(x, None), wq, w_scale), ref),
+        ("w8a16_mm", None, lambda: fp8_mm.fp8_mm(x, None, wq, w_scale), ref16),
+    ]
+    block_m = fp8_mm.mm_config(m, n, k, sms)[0]
+    for kernel, configs in MM_SWEEP.items() if sweep and m == 64 else ():
+        for bn, bk, warps, stages in configs:
+            c = (block_m, bn, bk, warps, stages, fp8_gemv_split(n, k, bn, bk, sms))
+            if kernel == "w8a16_mm":
+                runs.append((kernel, c, lambda c=c: fp8_mm.fp8_mm(x, None, wq, w_scale, config=c), ref16))
+            else:
+                runs.append((kernel, c, lambda c=c: fp8_mm.fp8_mm(xq, x_scale, wq, w_scale, config=c), ref))
     rows = []
-    for kernel, (fn, want) in runs.items():
-        row = {"layer": name, "m": m, "kernel": kernel, "config": list(fp8_mm.mm_config(m, n, k, fp8_mm._device_sms(x)))}
+    for kernel, config, fn, want in runs:
+        used = config or (() if kernel.startswith("scaled_mm") else fp8_mm.mm_config(m, n, k, sms))
+        row = {"layer": name, "m": m, "kernel": kernel, "config": list(used), "default": config is None}
         try:
             err = float((fn().float() - want).abs().max() / want.abs().max())
             us = graph_time_us(fn)
             row.update({"us": us, "gb_per_s": n * k / us / 1e3, "vs_bf16": us / bf16_us, "rel_err": err})
-            print(f"{name:8} {m:>3} {kernel:18} {us:>7.1f} us {n * k / us / 1e3:>6.0f} GB/s {us / bf16_us:>5.2f}x bf16 "
-                  f"err {err:.1e}", flush=True)
+            print(f"{name:8} {m:>3} {kernel:18} {','.join(map(str, used)):>20} {us:>7.1f} us "
+                  f"{n * k / us / 1e3:>6.0f} GB/s {us / bf16_us:>5.2f}x bf16 err {err:.1e}", flush=True)
         except Exception as e:  # a kernel that fails to build is recorded; the table goes on
             row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
             print(f"{name:8} {m:>3} {kernel:18} {row['error']}", flush=True)
@@ -94,7 +112,14 @@ def time_batch_gemms(name: str, n: int, k: int, m: int, weight, wq, w_scale, bf1
     return rows
 
 
-def time_shape(name: str, n: int, k: int, rows_to_time: tuple[int, ...] = ROWS) -> list[dict]:
+def fp8_gemv_split(n: int, k: int, block_n: int, block_k: int, sms: int) -> int:
+    from pagedllm.quantization.kernels import fp8_gemv
+
+    return fp8_gemv.split_k(n, k, block_n, block_k, sms)
+
+
+def time_shape(name: str, n: int, k: int, rows_to_time: tuple[int, ...] = ROWS, gemv_sweep: bool = True,
+               mm_sweep: bool = False) -> list[dict]:
     """bf16 ``F.linear``, the FP8 cuBLASLt path and the FP8 GEMV (default and, on ``SWEEP_SHAPES``,
     swept launch sizes) for one ``[n, k]`` weight."""
     import torch
@@ -118,7 +143,7 @@ def time_shape(name: str, n: int, k: int, rows_to_time: tuple[int, ...] = ROWS) 
         base = {"layer": name, "n": n, "k": k, "m": m, "bf16_us": graph_time_us(lambda x=x: F.linear(x, weight)),
                 "scaled_mm_us": graph_time_us(scaled_mm)}
         configs = [None] + ([(*c, fp8_gemv.split_k(n, k, c[0], c[1], sms)) for c in SWEEP.get(m, [])]
-                            if name in SWEEP_SHAPES else [])
+                            if name in SWEEP_SHAPES and gemv_sweep else [])
         for config in configs:
             used = config or fp8_gemv.gemv_config(m, n, k, sms)
             row = {**base, "config": list(used), "default": config is None}
@@ -133,11 +158,11 @@ def time_shape(name: str, n: int, k: int, rows_to_time: tuple[int, ...] = ROWS) 
             print_kernel_row(row)
             rows.append(row)
         if m > fp8_gemv.GEMV_MAX_ROWS // 2:
-            rows.extend(time_batch_gemms(name, n, k, m, weight, wq, w_scale, base["bf16_us"]))
+            rows.extend(time_batch_gemms(name, n, k, m, wq, w_scale, base["bf16_us"], mm_sweep))
     return rows
 
 
-def kernels_part(rows: tuple[int, ...] = ROWS) -> dict:
+def kernels_part(rows: tuple[int, ...] = ROWS, gemv_sweep: bool = True, mm_sweep: bool = False) -> dict:
     import torch
 
     from pagedllm.entrypoints.bench_roofline import measure_copy_bandwidth
@@ -146,7 +171,7 @@ def kernels_part(rows: tuple[int, ...] = ROWS) -> dict:
     print(f"copy bandwidth {copy / 1e9:.0f} GB/s", flush=True)
     print_kernel_header()
     return {"copy_bytes_per_s": copy,
-            "kernels": [row for name, (n, k) in SHAPES.items() for row in time_shape(name, n, k, rows)]}
+            "kernels": [row for name, (n, k) in SHAPES.items() for row in time_shape(name, n, k, rows, gemv_sweep, mm_sweep)]}
 
 
 def engine_part(variant: str, batch_sizes: list[int], input_len: int, output_len: int, profile: bool) -> dict:
@@ -215,20 +240,23 @@ def main() -> int:
     p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS))
     p.add_argument("--rows", type=int, nargs="+", default=list(ROWS), help="row counts of the kernel table")
     p.add_argument("--profile", action="store_true", help="also the CUDA kernels of 10 decode steps per batch size")
+    p.add_argument("--no-gemv-sweep", action="store_true", help="the GEMV at its default launch sizes only")
+    p.add_argument("--mm-sweep", action="store_true", help="also the batch-row GEMM's launch sizes at 64 rows")
     p.add_argument("--skip-kernels", action="store_true")
     p.add_argument("--skip-engine", action="store_true", help="only the kernel tables")
     p.add_argument("--child", choices=["kernels", *VARIANTS], help=argparse.SUPPRESS)
     p.add_argument("--child-json", help=argparse.SUPPRESS)
     ns = p.parse_args()
     if ns.child:
-        out = (kernels_part(tuple(ns.rows)) if ns.child == "kernels"
+        out = (kernels_part(tuple(ns.rows), not ns.no_gemv_sweep, ns.mm_sweep) if ns.child == "kernels"
                else engine_part(ns.child, ns.batch_sizes, ns.input_len, ns.output_len, ns.profile))
         Path(ns.child_json).write_text(json.dumps(out))
         return 0
     sizes = ["--batch-sizes", *map(str, ns.batch_sizes), "--input-len", str(ns.input_len),
              "--output-len", str(ns.output_len)] + ["--profile"] * ns.profile
-    result = {"kernels": {} if ns.skip_kernels else run_child(["--child", "kernels", "--rows", *map(str, ns.rows)],
-                                                             __file__),
+    result = {"kernels": {} if ns.skip_kernels else run_child(
+        ["--child", "kernels", "--rows", *map(str, ns.rows)] + ["--no-gemv-sweep"] * ns.no_gemv_sweep
+        + ["--mm-sweep"] * ns.mm_sweep, __file__),
               "engine": {} if ns.skip_engine else {v: run_child(["--child", v, *sizes], __file__) for v in ns.variants}}
     print_engine_table(result["engine"], width=12)
     os.makedirs(os.path.dirname(ns.out) or ".", exist_ok=True)
