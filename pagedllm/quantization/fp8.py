@@ -123,8 +123,10 @@ def _new_param(layer: Linear, name: str, tensor: torch.Tensor, loader: Any) -> N
 
 class Fp8LinearMethod(QuantizeMethodBase):
     """FP8 weights of one ``Linear`` (module doc). Cost per call: at decode rows on CUDA one GEMV
-    launch (two with split K); else one activation quantization pass (unless weight-only) and one
-    FP8 GEMM; on the CPU a float32 tile of weight rows at a time."""
+    launch (two with split K); at batch rows the ``fp8_ops.BATCH_GEMM`` (with the activation codes
+    from the op before where the fused methods run); else one activation quantization pass (unless
+    weight-only) and one FP8 GEMM; on the CPU a float32 tile of weight rows at a time. Fused methods
+    (``Linear``'s): ``apply_norm_prologue``, ``apply_act_prologue``, ``apply_norm_qkv_rope_store``."""
 
     def __init__(self, scheme: Fp8Scheme) -> None:
         self.scheme = scheme
@@ -192,6 +194,19 @@ class Fp8LinearMethod(QuantizeMethodBase):
         if not fp8_ops.prologue_fits(x, layer.weight, layer.weight_scale, "act"):
             return None
         return fp8_ops.silu_and_mul_fp8_gemv(x, layer.weight, layer.weight_scale, layer.bias)
+
+    def apply_norm_qkv_rope_store(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
+                                  norm: nn.Module, positions: torch.Tensor, cos_cache: torch.Tensor,
+                                  sin_cache: torch.Tensor, kv_cache: torch.Tensor,
+                                  slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``QKVLinear.forward_norm_rope_store`` for FP8 weights: residual add + RMSNorm + this qkv
+        projection + RoPE + the K/V store of one token row in one launch, or None where that kernel
+        does not apply (block-wise scales, not CUDA, shapes it does not take)."""
+        if self.scheme.block is not None:
+            return None
+        return fp8_ops.norm_qkv_rope_store(x, residual, norm.weight, norm.eps, layer.weight, layer.weight_scale,
+                                           layer.bias, positions, cos_cache, sin_cache, layer.num_heads,
+                                           layer.num_kv_heads, kv_cache, slot_mapping)
 
     def _batch_codes_gemm(self, layer: nn.Module, x: torch.Tensor) -> str | None:
         """The batch GEMM (``fp8_ops.batch_gemm``) where it multiplies per-token activation codes

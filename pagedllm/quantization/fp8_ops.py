@@ -234,6 +234,23 @@ def silu_and_mul_fp8_gemv(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tens
     return kernel.silu_and_mul_fp8_gemv(x, wq, w_scale, bias)
 
 
+def norm_qkv_rope_store(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                        wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
+                        cos_cache: torch.Tensor, sin_cache: torch.Tensor, num_q_heads: int, num_kv_heads: int,
+                        kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(q rotated, x + residual)`` with k and v stored: residual add + RMSNorm + the qkv GEMV + RoPE +
+    the K/V store for one token row in one launch (``kernels/fp8_qkv_rope.py``), or None where that
+    kernel does not take the call (not CUDA, shapes or dtypes it does not take)."""
+    if not (HAS_TRITON and x.is_cuda):
+        return None
+    from pagedllm.quantization.kernels import fp8_qkv_rope
+
+    if not fp8_qkv_rope.fits(x, residual, norm_weight, wq, w_scale, cos_cache, kv_cache, num_q_heads, num_kv_heads):
+        return None
+    return fp8_qkv_rope.fp8_qkv_rope(x, residual, norm_weight, eps, wq, w_scale, bias, positions, cos_cache,
+                                     sin_cache, num_q_heads, num_kv_heads, kv_cache, slot_mapping)
+
+
 def fp8_linear_scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
                          out_dtype: torch.dtype) -> torch.Tensor:
     """``[M, N]`` through cuBLASLt: ``xq [M, K]`` row-major, ``wq [N, K]`` (passed transposed: the
