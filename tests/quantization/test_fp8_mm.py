@@ -38,17 +38,18 @@ def check_mm_case(case, device: str, seed: int = 0) -> float:
 
     m, n, k, codes, with_bias, config = case
     gen = torch.Generator().manual_seed(seed)
-    wq, w_scale = fp8_ops.quantize_rows(torch.randn(n, k, generator=gen) * 0.05)
-    x = torch.randn(m, k, generator=gen).to(torch.float16 if device == "cpu" else torch.bfloat16)
-    bias = torch.randn(n, generator=gen).to(x.dtype) if with_bias else None
+    dtype = torch.float16 if device == "cpu" else torch.bfloat16
+    # Made on the CPU (the seed), quantized and multiplied on ``device`` (float64 there: the 8B shapes).
+    wq, w_scale = fp8_ops.quantize_rows((torch.randn(n, k, generator=gen) * 0.05).to(device))
+    x = torch.randn(m, k, generator=gen).to(dtype).to(device)
+    bias = torch.randn(n, generator=gen).to(dtype).to(device) if with_bias else None
     xq, x_scale = fp8_ops.quantize_activations(x, None) if codes else (x, None)
     inputs = xq.double() * x_scale.double() if codes else x.double()
-    want = inputs @ fp8_ops.dequantize_rows(wq, w_scale).double().t() + (0 if bias is None else bias.double())
-    to = lambda t: None if t is None else t.to(device)  # noqa: E731
-    assert fp8_mm.fits(to(xq), to(wq), to(w_scale))
-    got = fp8_mm.fp8_mm(to(xq), to(x_scale), to(wq), to(w_scale), to(bias), x.dtype, config)
+    want = inputs @ fp8_ops.dequantize_rows(wq, w_scale, torch.float64).t() + (0 if bias is None else bias.double())
+    assert fp8_mm.fits(xq, wq, w_scale)
+    got = fp8_mm.fp8_mm(xq, x_scale, wq, w_scale, bias, x.dtype, config)
     assert got.dtype == x.dtype and got.shape == (m, n)
-    return float((got.double().cpu() - want).abs().max() / want.abs().max())
+    return float((got.double() - want).abs().max() / want.abs().max())
 
 
 def unfused_codes(x: torch.Tensor, residual: torch.Tensor | None, g: torch.Tensor | None, eps: float = 1e-6):
@@ -173,13 +174,23 @@ def test_fp8_mm_matches_the_reference_on_cuda(shape):
 @needs_cuda
 @pytest.mark.parametrize("kind", ["norm", "norm-no-residual", "act"])
 @pytest.mark.parametrize("rows", [33, 64])
-def test_fused_codes_equal_the_unfused_ops_on_cuda(kind, rows):
+def test_fused_codes_equal_the_unfused_cuda_ops(kind, rows):
+    """Bit for bit the two launches the engine ran before: the Triton RMSNorm / SiLU-and-mul, then the
+    per-token quantization."""
+    from pagedllm.layers import triton_ops
+
     gen = torch.Generator().manual_seed(rows)
     k = 14336 if kind == "act" else 4096
     x = torch.randn(rows, 2 * k if kind == "act" else k, generator=gen).bfloat16().cuda()
     residual = torch.randn(rows, k, generator=gen).bfloat16().cuda() if kind == "norm" else None
     g = None if kind == "act" else (torch.rand(k, generator=gen) + 0.5).bfloat16().cuda()
-    got, want = fused_codes(x, residual, g), unfused_codes(x, residual, g)
+    if g is None:
+        want = (*fp8_ops.quantize_activations(triton_ops.silu_and_mul(x), None), None)
+    else:
+        out = triton_ops.rms_norm(x, g, 1e-6, residual)
+        normed, new_residual = out if residual is not None else (out, x)
+        want = (*fp8_ops.quantize_activations(normed, None), new_residual)
+    got = fused_codes(x, residual, g)
     assert torch.equal(got[1], want[1]) and torch.equal(got[0].float(), want[0].float()), kind
     if g is not None:
         assert torch.equal(got[2], want[2])

@@ -109,7 +109,8 @@ def _outputs(m: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.
 
 
 def _warps(block: int) -> int:
-    return min(max(block // 512, 1), 16)
+    """The Triton RMSNorm's warps for a row of ``block`` (the same reduction tree: the same rstd)."""
+    return min(max(block // 256, 1), 16)
 
 
 def rms_norm_quant(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
