@@ -44,13 +44,14 @@ ROWS = (1, 2, 4, 8, 16, 32, 64)
 # GEMV launch sizes (block_n, block_k, num_warps, dot) swept on SWEEP_SHAPES at SWEEP rows (the
 # round-2 H100 figures chose gemv_config's defaults among them).
 SWEEP_SHAPES = ("o", "gate_up")
-# The batch-row Triton GEMM's launch sizes (block_n, block_k, num_warps, num_stages[, split]; block_m:
-# the rows rounded up; split by kernels/fp8_mm.py's rule unless given) swept at 64 rows with
-# ``--mm-sweep``, for each operand form.
+# The batch-row Triton GEMM's launch sizes (block_n, block_k, num_warps, num_stages, split, tma; block_m:
+# the rows rounded up; split None: kernels/fp8_mm.py's rule) swept at 64 rows with ``--mm-sweep``, for
+# each operand form.
 MM_SWEEP = {
-    "fp8_mm(codes)": [(64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 4), (128, 128, 8, 4), (128, 256, 8, 3),
-                      (64, 128, 4, 6), (64, 128, 4, 6, 1), (64, 256, 4, 4, 1)],
-    "w8a16_mm": [(64, 128, 4, 4), (128, 64, 8, 4), (128, 128, 8, 4), (64, 64, 4, 5)],
+    "fp8_mm(codes)": [(64, 256, 4, 3, None, False), (128, 128, 4, 4, None, False), (128, 128, 8, 4, None, False),
+                      (64, 128, 4, 6, None, False), (64, 128, 4, 6, 1, False), (64, 128, 4, 4, None, True),
+                      (128, 128, 4, 4, None, True), (64, 128, 4, 6, 1, True)],
+    "w8a16_mm": [(128, 64, 8, 4, None, False), (128, 128, 8, 4, None, False), (128, 128, 8, 4, None, True)],
 }
 SWEEP = {
     1: [(4, 1024, 4, False), (16, 512, 4, False), (8, 2048, 8, False), (16, 1024, 8, False), (32, 256, 4, True)],
@@ -90,8 +91,8 @@ def time_batch_gemms(name: str, n: int, k: int, m: int, wq, w_scale, bf16_us: fl
     ]
     block_m = fp8_mm.mm_config(m, n, k, sms)[0]
     for kernel, configs in MM_SWEEP.items() if sweep and m == 64 else ():
-        for bn, bk, warps, stages, *split in configs:
-            c = (block_m, bn, bk, warps, stages, split[0] if split else fp8_gemv_split(n, k, bn, bk, sms))
+        for bn, bk, warps, stages, split, tma in configs:
+            c = (block_m, bn, bk, warps, stages, split or fp8_gemv_split(n, k, bn, bk, sms), tma)
             if kernel == "w8a16_mm":
                 runs.append((kernel, c, lambda c=c: fp8_mm.fp8_mm(x, None, wq, w_scale, config=c), ref16))
             else:

@@ -41,18 +41,17 @@ def check_case(case, device: str, seed: int = 0) -> float:
 
     m, n, k, dtype, with_bias, *config = case
     gen = torch.Generator().manual_seed(seed)
-    wq, w_scale = fp8_ops.quantize_rows(torch.randn(n, k, generator=gen) * 0.05)
-    x = torch.randn(m, k, generator=gen).to(dtype)
-    bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
-    want = x.double() @ fp8_ops.dequantize_rows(wq, w_scale).double().t()
+    # Made on the CPU (the seed), quantized and multiplied on ``device`` (float64 there: the 8B shapes).
+    wq, w_scale = fp8_ops.quantize_rows((torch.randn(n, k, generator=gen) * 0.05).to(device))
+    x = torch.randn(m, k, generator=gen).to(dtype).to(device)
+    bias = torch.randn(n, generator=gen).to(dtype).to(device) if with_bias else None
+    want = x.double() @ fp8_ops.dequantize_rows(wq, w_scale, torch.float64).t()
     if bias is not None:
         want += bias.double()
-    wq, w_scale, x = wq.to(device), w_scale.to(device), x.to(device)
-    bias = None if bias is None else bias.to(device)
     assert fp8_gemv.fits(x, wq, w_scale)
     got = fp8_gemv.fp8_gemv(x, wq, w_scale, bias, config[0] if config else None)
     assert got.dtype == dtype and got.shape == (m, n)
-    return float((got.double().cpu() - want).abs().max() / want.abs().max())
+    return float((got.double() - want).abs().max() / want.abs().max())
 
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}

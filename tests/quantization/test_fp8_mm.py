@@ -21,13 +21,16 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_cuda = pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs Triton and CUDA")
 
 # (rows M, outputs N, inputs K, codes (FP8 x FP8) or W8A16, bias, config
-# (block_m, block_n, block_k, num_warps, num_stages, split) or None): ragged M / N / K tails, two row
-# blocks, split K with an uneven split. fp16 activations (the interpreter's bf16 tl.dot is wrong).
+# (block_m, block_n, block_k, num_warps, num_stages, split, tma) or None): ragged M / N / K tails, two
+# row blocks, split K with an uneven split, TMA loads. fp16 activations (the interpreter's bf16 tl.dot
+# is wrong).
 MM_CASES = [
     (40, 72, 200, True, True, None),
     (33, 64, 256, False, False, None),
-    (20, 96, 256, True, False, (16, 64, 64, 4, 2, 3)),
-    (70, 64, 128, False, True, (32, 64, 32, 4, 2, 2)),
+    (20, 96, 256, True, False, (16, 64, 64, 4, 2, 3, False)),
+    (70, 64, 128, False, True, (32, 64, 32, 4, 2, 2, False)),
+    (40, 72, 192, True, True, (32, 64, 64, 4, 2, 2, True)),
+    (33, 64, 256, False, False, (64, 64, 64, 4, 2, 3, True)),
 ]
 
 
@@ -164,10 +167,14 @@ def test_batch_gemm_is_none_on_the_cpu():
 @needs_cuda
 @pytest.mark.parametrize("shape", [(6144, 4096), (4096, 14336), (28672, 4096)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_fp8_mm_matches_the_reference_on_cuda(shape):
+    from pagedllm.quantization.kernels import fp8_mm
+
     n, k = shape
-    for m, codes in ((33, True), (64, True), (64, False), (100, True), (128, False)):
-        err = check_mm_case((m, n, k, codes, m == 100, None), "cuda")
-        assert err < 1e-2, (m, codes, err)
+    for m, codes, tma in ((33, True, False), (64, True, False), (64, False, False), (100, True, False),
+                          (128, False, False), (64, True, True), (64, False, True)):
+        config = fp8_mm.mm_config(m, n, k, 132)[:-1] + (True,) if tma else None
+        err = check_mm_case((m, n, k, codes, m == 100, config), "cuda")
+        assert err < 1e-2, (m, codes, tma, err)
 
 
 @pytest.mark.gpu
