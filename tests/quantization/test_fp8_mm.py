@@ -240,3 +240,84 @@ def test_layer_batch_rows_on_cuda_replay_in_a_cuda_graph(monkeypatch, kind):
     graph.replay()
     torch.cuda.synchronize()
     check(*out)
+
+
+def _compile_for_hopper(fn, signature: dict, constants: dict, aligned: tuple = (), **options):
+    """``fn`` built for sm_90 with Triton's bundled ptxas (no GPU needed); its PTX."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        pytest.skip("Triton without its bundled ptxas")
+    signature = {**signature, **dict.fromkeys(constants, "constexpr")}
+    attrs = {(list(signature).index(name),): [["tt.divisibility", 16]] for name in aligned}
+    kernel = triton.compile(ASTSource(fn, signature, constants, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                            options=options)
+    return kernel.asm["ptx"]
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
+@pytest.mark.parametrize("codes", [True, False], ids=["fp8-codes", "w8a16"])
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+def test_fp8_mm_compiles_to_hopper_tensor_core_dots(codes, tma):
+    """The batch-row GEMM built for sm_90: its dot is a wgmma (e4m3 x e4m3 on codes, bf16 with the
+    converted weight in registers for W8A16), loads by cp.async or the TMA, nothing in local memory."""
+    from pagedllm.quantization.kernels import fp8_mm
+
+    x_type = "fp8e4nv" if codes else "bf16"
+    block_m, block_n, block_k = 64, 64, 128
+    ints = ("M", "N", "K", "K_PER_SPLIT", "stride_xm", "stride_wn", "stride_om")
+    signature = {"x_ptr": f"*{x_type}", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "b_ptr": "*bf16",
+                 "out_ptr": "*bf16", **dict.fromkeys(ints, "i32")}
+    if tma:
+        signature.update(x_ptr=f"tensordesc<{x_type}[{block_m}, {block_k}]>",
+                         w_ptr=f"tensordesc<fp8e4nv[{block_n}, {block_k}]>")
+    constants = {"HAS_BIAS": True, "X_FP8": codes, "SPLIT_K": False, "BLOCK_M": block_m, "BLOCK_N": block_n,
+                 "BLOCK_K": block_k, "TMA": tma}
+    aligned = ("xs_ptr", "ws_ptr", "b_ptr", "out_ptr", "N", "K", "K_PER_SPLIT", "stride_xm", "stride_wn", "stride_om")
+    ptx = _compile_for_hopper(fp8_mm._fp8_mm_kernel, signature, constants,
+                              aligned + (() if tma else ("x_ptr", "w_ptr")), num_warps=4, num_stages=4)
+    dots = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
+    assert dots and all(("e4m3.e4m3" if codes else "bf16.bf16") in line for line in dots)
+    assert ("cp.async.bulk.tensor" if tma else "cp.async.cg.shared.global") in ptx
+    assert "ld.local" not in ptx
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
+def test_fused_code_kernels_compile_for_hopper_without_local_memory():
+    """The norm / SiLU-and-mul + codes kernels at the 8B rows (4096 and 14336 columns, 16 warps) keep
+    their row in registers."""
+    from pagedllm.quantization.kernels import fp8_act_quant
+
+    floats = dict.fromkeys(("fp8_max", "min_scale"), "fp32")
+    norm = {"x_ptr": "*bf16", "res_ptr": "*bf16", "res_out_ptr": "*bf16", "g_ptr": "*bf16", "xq_ptr": "*fp8e4nv",
+            "scale_ptr": "*fp32", "K": "i32", "eps": "fp32", **floats, "stride_x": "i32", "stride_res": "i32",
+            "stride_res_out": "i32"}
+    ptx = _compile_for_hopper(fp8_act_quant._rms_norm_quant_kernel, norm, {"HAS_RESIDUAL": True, "BLOCK": 4096},
+                              num_warps=fp8_act_quant._warps(4096))
+    assert "ld.local" not in ptx
+    act = {"x_ptr": "*bf16", "xq_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "K": "i32", "stride_x": "i32", **floats}
+    ptx = _compile_for_hopper(fp8_act_quant._silu_and_mul_quant_kernel, act, {"BLOCK": 16384},
+                              num_warps=fp8_act_quant._warps(16384))
+    assert "ld.local" not in ptx
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
+@pytest.mark.parametrize("cache", ["bf16", "fp8e4nv"])
+def test_batch1_qkv_rope_kernel_compiles_for_hopper_without_local_memory(cache):
+    """The one-launch norm + FP8 qkv GEMV + RoPE + K/V store (kernels/fp8_qkv_rope.py) for the 8B
+    shapes, under PDL, with a float or float8 cache."""
+    from pagedllm.quantization.kernels import fp8_qkv_rope
+
+    pointers = {"x_ptr": "*bf16", "res_ptr": "*bf16", "g_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",
+                "b_ptr": "*fp32", "q_out_ptr": "*bf16", "res_out_ptr": "*bf16", "pos_ptr": "*i64", "cos_ptr": "*fp32",
+                "sin_ptr": "*fp32", "k_cache_ptr": f"*{cache}", "v_cache_ptr": f"*{cache}", "slot_ptr": "*i64"}
+    ints = ("stride_wn", "stride_cache", "stride_c_blk", "stride_c_slot", "stride_c_head")
+    signature = {**pointers, "K": "i32", "eps": "fp32", **dict.fromkeys(ints, "i32")}
+    constants = {"NUM_Q_HEADS": 32, "NUM_KV_HEADS": 8, "HEAD_DIM": 128, "HAS_RESIDUAL": True, "HAS_BIAS": False,
+                 "SATURATE_AT": 448.0 if cache == "fp8e4nv" else 0.0, "BLOCK_P": fp8_qkv_rope.BLOCK_P,
+                 "BLOCK_K": fp8_qkv_rope.BLOCK_K, "BLOCK_SIZE": 16, "USE_PDL": True}
+    ptx = _compile_for_hopper(fp8_qkv_rope._fp8_qkv_rope_kernel, signature, constants, num_warps=fp8_qkv_rope.NUM_WARPS)
+    assert "griddepcontrol.wait" in ptx and "ld.local" not in ptx
