@@ -146,9 +146,11 @@ def time_shape(name: str, n: int, k: int, rows_to_time: tuple[int, ...] = ROWS, 
                 "scaled_mm_us": graph_time_us(scaled_mm)}
         configs = [None] + ([(*c, fp8_gemv.split_k(n, k, c[0], c[1], sms)) for c in SWEEP.get(m, [])]
                             if name in SWEEP_SHAPES and gemv_sweep else [])
-        for config in configs:
+        # At one row also the GEMV without PREFETCH (its default launch sizes, "-" in the table).
+        for config, prefetch in [(c, True) for c in configs] + ([(None, False)] if m == 1 else []):
+            fp8_gemv.PREFETCH = prefetch
             used = config or fp8_gemv.gemv_config(m, n, k, sms)
-            row = {**base, "config": list(used), "default": config is None}
+            row = {**base, "config": list(used), "default": config is None and prefetch, "prefetch": prefetch}
             try:
                 y = fp8_gemv.fp8_gemv(x, wq, w_scale, None, config)
                 err = float((y.float() - ref).abs().max() / ref.abs().max())
@@ -159,6 +161,7 @@ def time_shape(name: str, n: int, k: int, rows_to_time: tuple[int, ...] = ROWS, 
                 row["error"] = f"{type(e).__name__}: {str(e)[:120]}"
             print_kernel_row(row)
             rows.append(row)
+        fp8_gemv.PREFETCH = True
         if m > fp8_gemv.GEMV_MAX_ROWS // 2:
             rows.extend(time_batch_gemms(name, n, k, m, wq, w_scale, base["bf16_us"], mm_sweep))
     return rows
@@ -224,7 +227,8 @@ def print_kernel_header() -> None:
 
 
 def print_kernel_row(r: dict) -> None:
-    config = ("* " if r["default"] else "") + ",".join(str(int(v)) for v in r["config"])
+    config = ("* " if r["default"] else "- " if not r.get("prefetch", True) else "") + ",".join(
+        str(int(v)) for v in r["config"])
     head = f"{r['layer']:8} {r['m']:>3} {config:>22} {r['bf16_us']:>7.1f} {r['scaled_mm_us']:>7.1f} "
     if "error" in r:
         print(head + r["error"], flush=True)

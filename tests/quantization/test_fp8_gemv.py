@@ -101,14 +101,18 @@ def check_prologue_case(case, device: str, seed: int = 0) -> float:
 
 
 def _interpreter_main() -> None:
-    for case in INTERPRETER_CASES:
-        err = check_case(case, "cpu")
-        assert err < TOLERANCE[case[3]], (case, err)
-        print("ok", case, err)
-    for case in PROLOGUE_CASES:
-        err = check_prologue_case(case, "cpu")
-        assert err < TOLERANCE[case[3]], (case, err)
-        print("ok", case, err)
+    from pagedllm.quantization.kernels import fp8_gemv
+
+    for prefetch in (True, False):  # the CUDA-core form with and without the next chunk asked for early
+        fp8_gemv.PREFETCH = prefetch
+        for case in INTERPRETER_CASES:
+            err = check_case(case, "cpu")
+            assert err < TOLERANCE[case[3]], (case, err)
+            print("ok", case, err)
+        for case in PROLOGUE_CASES:
+            err = check_prologue_case(case, "cpu")
+            assert err < TOLERANCE[case[3]], (case, err)
+            print("ok", case, err)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
@@ -117,7 +121,7 @@ def test_gemv_matches_the_reference_in_the_triton_interpreter():
     code = f"import runpy; runpy.run_path({__file__!r})['_interpreter_main']()"
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("ok") == len(INTERPRETER_CASES) + len(PROLOGUE_CASES)
+    assert proc.stdout.count("ok") == 2 * (len(INTERPRETER_CASES) + len(PROLOGUE_CASES))
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")

@@ -318,6 +318,6 @@ def test_batch1_qkv_rope_kernel_compiles_for_hopper_without_local_memory(cache):
     signature = {**pointers, "K": "i32", "eps": "fp32", **dict.fromkeys(ints, "i32")}
     constants = {"NUM_Q_HEADS": 32, "NUM_KV_HEADS": 8, "HEAD_DIM": 128, "HAS_RESIDUAL": True, "HAS_BIAS": False,
                  "SATURATE_AT": 448.0 if cache == "fp8e4nv" else 0.0, "BLOCK_P": fp8_qkv_rope.BLOCK_P,
-                 "BLOCK_K": fp8_qkv_rope.BLOCK_K, "BLOCK_SIZE": 16, "USE_PDL": True}
+                 "BLOCK_K": fp8_qkv_rope.BLOCK_K, "BLOCK_SIZE": 16, "USE_PDL": True, "PREFETCH": True}
     ptx = _compile_for_hopper(fp8_qkv_rope._fp8_qkv_rope_kernel, signature, constants, num_warps=fp8_qkv_rope.NUM_WARPS)
     assert "griddepcontrol.wait" in ptx and "ld.local" not in ptx

@@ -10,7 +10,8 @@ launches more per layer of the batch-1 step.
 
 Each program owns ``BLOCK_P`` dim pairs ``(d, d + D/2)`` of one head (so it can rotate what it
 computed) and streams their ``2 * BLOCK_P`` weight rows in ``BLOCK_K`` chunks on the CUDA cores, as
-the one-row FP8 GEMV does (float32 products per element, reduced once at the end); the norm in one
+the one-row FP8 GEMV does (float32 products per element, reduced once at the end; the next chunk
+asked for before this one is multiplied where ``fp8_gemv.PREFETCH``); the norm in one
 pass (each program sums the squares of its chunks and scales by ``rstd`` at the end; program 0
 writes the new residual). Roundings: the projection rounded to x's dtype, then the RoPE products and
 sums as the two-launch path rounds them (``rotary._rotate``). PDL as the GEMV (``pagedllm/pdl.py``):
@@ -28,6 +29,8 @@ from pagedllm.attention.triton_kernels.kv_store import slot_offset
 from pagedllm.layers.kernels.rms_norm import _load_sum
 from pagedllm.layers.kernels.rotary import _rotate, _rounded
 from pagedllm.pdl import launch_kwargs
+from pagedllm.quantization.kernels import fp8_gemv
+from pagedllm.quantization.kernels.fp8_gemv import _weight_chunk
 from pagedllm.triton_pdl import allow_dependents, wait_for_inputs
 
 # Launch sizes: 4 pairs (8 weight rows) x 1024 columns a chunk, the one-row GEMV's measured best.
@@ -49,7 +52,8 @@ def _fp8_qkv_rope_kernel(x_ptr, res_ptr, g_ptr, w_ptr, s_ptr, b_ptr, q_out_ptr, 
                          stride_c_blk, stride_c_slot, stride_c_head, NUM_Q_HEADS: tl.constexpr,
                          NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                          HAS_BIAS: tl.constexpr, SATURATE_AT: tl.constexpr, BLOCK_P: tl.constexpr,
-                         BLOCK_K: tl.constexpr, BLOCK_SIZE: tl.constexpr, USE_PDL: tl.constexpr):
+                         BLOCK_K: tl.constexpr, BLOCK_SIZE: tl.constexpr, USE_PDL: tl.constexpr,
+                         PREFETCH: tl.constexpr):
     HALF: tl.constexpr = HEAD_DIM // 2
     pid = tl.program_id(0)
     io_dtype = x_ptr.dtype.element_ty
@@ -69,11 +73,20 @@ def _fp8_qkv_rope_kernel(x_ptr, res_ptr, g_ptr, w_ptr, s_ptr, b_ptr, q_out_ptr, 
     acc_a = tl.zeros((BLOCK_P, BLOCK_K), tl.float32)
     acc_b = tl.zeros((BLOCK_P, BLOCK_K), tl.float32)
     ss = tl.zeros((BLOCK_K,), tl.float32)
+    n_mask = d < HALF  # all true: the pairs' rows (a full-shaped mask for _weight_chunk)
+    if PREFETCH:
+        wa_next = _weight_chunk(w_a, n_mask, tl.arange(0, BLOCK_K), K)
+        wb_next = _weight_chunk(w_b, n_mask, tl.arange(0, BLOCK_K), K)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         k_mask = rk < K
-        wa = tl.load(w_a + rk[None, :], mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
-        wb = tl.load(w_b + rk[None, :], mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
+        if PREFETCH:  # as the GEMV: the next chunk asked for before this one is multiplied
+            wa, wb = wa_next, wb_next
+            wa_next = _weight_chunk(w_a, n_mask, rk + BLOCK_K, K)
+            wb_next = _weight_chunk(w_b, n_mask, rk + BLOCK_K, K)
+        else:
+            wa = _weight_chunk(w_a, n_mask, rk, K)
+            wb = _weight_chunk(w_b, n_mask, rk, K)
         s = _load_sum(x_ptr, res_ptr, res_out_ptr, rk, k_mask, k_mask & (rk * 0 + pid == 0), HAS_RESIDUAL, True)
         ss += s * s
         xg = s * tl.load(g_ptr + rk, mask=k_mask, other=0.0).to(tl.float32)
@@ -150,5 +163,5 @@ def fp8_qkv_rope(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: to
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
         SATURATE_AT=float(torch.finfo(kv_cache.dtype).max) if kv_cache.element_size() == 1 else 0.0,
         BLOCK_P=BLOCK_P, BLOCK_K=min(BLOCK_K, triton.next_power_of_2(k)), BLOCK_SIZE=kv_cache.shape[2],
-        num_warps=NUM_WARPS, **launch_kwargs(x.device))
+        PREFETCH=fp8_gemv.PREFETCH, num_warps=NUM_WARPS, **launch_kwargs(x.device))
     return q_out, residual_out
