@@ -209,10 +209,11 @@ class Fp8LinearMethod(QuantizeMethodBase):
                                            layer.num_kv_heads, kv_cache, slot_mapping)
 
     def _batch_codes_gemm(self, layer: nn.Module, x: torch.Tensor) -> str | None:
-        """The batch GEMM (``fp8_ops.batch_gemm``) where it multiplies per-token activation codes
-        (dynamic per-token scheme), else None."""
-        kind = fp8_ops.batch_gemm(x, layer.weight, layer.weight_scale)
-        return kind if kind != "w8a16" and self.scheme.activations == "token" else None
+        """The batch GEMM (``fp8_ops.batch_gemm``) at ``x``'s rows for the dynamic per-token scheme
+        (the codes it multiplies), else None."""
+        if self.scheme.activations != "token":
+            return None
+        return fp8_ops.batch_gemm(x, layer.weight, layer.weight_scale)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
@@ -223,10 +224,11 @@ class Fp8LinearMethod(QuantizeMethodBase):
         w_scale = layer.weight_scale
         if fp8_ops.gemv_fits(x2, wq, w_scale):  # decode rows: weight-only, the bias inside
             return fp8_ops.fp8_gemv(x2, wq, w_scale, bias).reshape(*x.shape[:-1], wq.shape[0])
-        kind = fp8_ops.batch_gemm(x2, wq, w_scale)
-        if kind == "w8a16" or (kind is not None and self.scheme.activations == "token"):
-            codes = (x2, None) if kind == "w8a16" else fp8_ops.quantize_activations(x2, None)
-            return fp8_ops.batch_product(kind, *codes, wq, w_scale, bias, x.dtype).reshape(*x.shape[:-1], wq.shape[0])
+        kind = self._batch_codes_gemm(layer, x2)
+        if kind is not None:  # batch rows: per-token codes, then the batch GEMM
+            xq, x_scale = fp8_ops.quantize_activations(x2, None)
+            y = fp8_ops.batch_product(kind, xq, x_scale, wq, w_scale, bias, x.dtype)
+            return y.reshape(*x.shape[:-1], wq.shape[0])
         if self.scheme.activations is None:
             y = fp8_ops.fp8_linear_tiled(x2, None, wq, w_scale, x.dtype)
         else:

@@ -54,8 +54,9 @@ from pagedllm.triton_pdl import allow_dependents, wait_for_inputs
 GEMV_MAX_ROWS = 32
 # K is split until there are this many programs per SM (or the splits would be shorter than a chunk).
 PROGRAMS_PER_SM = 2
-# The CUDA-core form loads the next weight chunk before multiplying the current one (module doc).
-PREFETCH = True
+# The CUDA-core form loads the next weight chunk before multiplying the current one (module doc):
+# off by default until the H100 figures say otherwise (benchmarks/gpu/fp8_decode_bench.py).
+PREFETCH = False
 
 
 # What runs in the GEMV's prologue (``PROLOGUE``): nothing, residual add + RMSNorm, SiLU-and-mul.
