@@ -53,10 +53,10 @@ SWEEP_SHAPES = ("o", "gate_up")
 # split K and 128-row tiles lost everywhere; benchmarks/results/h100-fp8-decode-*.json).
 MM_SWEEP = [(64, 64, 128, 4, 6, False), (32, 64, 128, 4, 6, True), (64, 64, 128, 4, 8, True),
             (64, 64, 256, 4, 4, True), (32, 64, 256, 4, 4, True)]
-# One-row GEMV launch sizes (block_n, block_k, num_warps, prefetch) timed with ``--gemv1-sweep`` on
-# cold weights, each projection behind the prologue the engine gives it.
-GEMV1_SWEEP = [(8, 1024, 4, False), (8, 1024, 4, True), (16, 512, 4, False), (16, 1024, 8, False),
-               (32, 512, 8, False), (8, 2048, 8, False)]
+# One-row GEMV launch sizes (block_n, block_k, num_warps, prefetch, chunk_sums) timed with
+# ``--gemv1-sweep`` on cold weights, each projection behind the prologue the engine gives it.
+GEMV1_SWEEP = [(8, 1024, 4, False, False), (8, 1024, 4, True, False), (16, 512, 4, False, False),
+               (16, 1024, 4, False, True), (32, 512, 4, False, True), (32, 1024, 8, False, True)]
 SWEEP = {
     "fp8_mm(codes)": [(64, 256, 4, 3, None, False), (128, 128, 4, 4, None, False), (128, 128, 8, 4, None, False),
                       (64, 128, 4, 6, None, False), (64, 128, 4, 6, 1, False), (64, 128, 4, 4, None, True),
@@ -135,14 +135,14 @@ def time_gemv1(name: str, n: int, k: int) -> list[dict]:
     from pagedllm.quantization import fp8_ops
     from pagedllm.quantization.kernels import fp8_gemv, fp8_qkv_rope
 
-    default_prefetch = fp8_gemv.PREFETCH
+    default_prefetch, default_chunk_sums = fp8_gemv.PREFETCH, fp8_gemv.CHUNK_SUMS
     copies = [fp8_ops.quantize_rows(torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02)
               for _ in range(max(2, -(-120_000_000 // (n * k))))]
     prologue = {"qkv": "norm", "gate_up": "norm", "down": "act", "o": None}[name]
     x = torch.randn(1, 2 * k if prologue == "act" else k, dtype=torch.bfloat16, device="cuda")
     residual, g = torch.randn(1, k, dtype=torch.bfloat16, device="cuda"), torch.rand(k, device="cuda").bfloat16()
     rows = []
-    for block_n, block_k, warps, prefetch in GEMV1_SWEEP:
+    for block_n, block_k, warps, prefetch, chunk_sums in GEMV1_SWEEP:
         cycle = itertools.cycle(copies)
         config = (block_n, block_k, warps, False, fp8_gemv.split_k(n, k, block_n, block_k, fp8_gemv.num_sms(0)))
 
@@ -154,11 +154,11 @@ def time_gemv1(name: str, n: int, k: int) -> list[dict]:
                 return fp8_gemv.silu_and_mul_fp8_gemv(x, wq, w_scale, None, config)
             return fp8_gemv.fp8_gemv(x, wq, w_scale, None, config)
 
-        fp8_gemv.PREFETCH = prefetch
-        row = {"layer": name, "m": 1, "kernel": f"gemv1-{prologue or 'plain'}" + ("-pf" if prefetch else ""),
-               "config": [block_n, block_k, warps, config[-1]]}
+        fp8_gemv.PREFETCH, fp8_gemv.CHUNK_SUMS = prefetch, chunk_sums
+        kernel = f"gemv1-{prologue or 'plain'}" + ("-pf" if prefetch else "") + ("-cs" if chunk_sums else "")
+        row = {"layer": name, "m": 1, "kernel": kernel, "config": [block_n, block_k, warps, config[-1]]}
         rows.append(_timed(row, call, None, n * k))  # correctness: tests/quantization/test_fp8_gemv.py
-    fp8_gemv.PREFETCH = default_prefetch
+    fp8_gemv.PREFETCH, fp8_gemv.CHUNK_SUMS = default_prefetch, default_chunk_sums
     if name == "qkv":
         heads = n // 128 - 16  # 32 q + 8 k + 8 v heads of 128
         cache = torch.zeros(2, 64, 16, 8, 128, dtype=torch.bfloat16, device="cuda")
@@ -251,17 +251,22 @@ def kernels_part(rows: tuple[int, ...] = ROWS, gemv_sweep: bool = True, mm_sweep
     return {"copy_bytes_per_s": copy, "kernels": kernels}
 
 
-def fastest_gemv1(kernels: dict) -> tuple[dict, bool]:
+def fastest_gemv1(kernels: dict) -> tuple[dict, bool, bool]:
     """From a ``--gemv1-sweep`` table: ``{(n, k): gemv_config}`` of the fastest one-row GEMV per
-    projection, and the PREFETCH of gate_up's fastest (the most bytes; one switch for all)."""
+    projection, and the PREFETCH and CHUNK_SUMS of gate_up's fastest (the most bytes; one switch for
+    all: the projections whose fastest differs take their fastest config under gate_up's switches)."""
     best: dict = {}
+    gate_up = [r for r in kernels.get("kernels", []) if r.get("kernel", "").startswith("gemv1-") and "us" in r
+               and r["layer"] == "gate_up"]
+    switches = min(gate_up, key=lambda r: r["us"]) if gate_up else None
+    prefetch, chunk_sums = ("-pf" in switches["kernel"], "-cs" in switches["kernel"]) if switches else (False, False)
     for r in kernels.get("kernels", []):
-        if r.get("kernel", "").startswith("gemv1-") and "us" in r:
+        if (r.get("kernel", "").startswith("gemv1-") and "us" in r
+                and ("-pf" in r["kernel"], "-cs" in r["kernel"]) == (prefetch, chunk_sums)):
             n, k = SHAPES[r["layer"]]
             if (n, k) not in best or r["us"] < best[(n, k)]["us"]:
                 best[(n, k)] = r
-    prefetch = best[SHAPES["gate_up"]]["kernel"].endswith("-pf") if SHAPES["gate_up"] in best else False
-    return {shape: (*r["config"][:3], False, r["config"][3]) for shape, r in best.items()}, prefetch
+    return {shape: (*r["config"][:3], False, r["config"][3]) for shape, r in best.items()}, prefetch, chunk_sums
 
 
 def engine_part(variant: str, batch_sizes: list[int], input_len: int, output_len: int, profile: bool,
@@ -283,11 +288,12 @@ def engine_part(variant: str, batch_sizes: list[int], input_len: int, output_len
     fp8_gemv.PREFETCH = args.pop("prefetch", fp8_gemv.PREFETCH)
     tuned = {}
     if gemv1_from and "quantization" in args:
-        tuned, fp8_gemv.PREFETCH = fastest_gemv1(json.loads(Path(gemv1_from).read_text()))
+        tuned, fp8_gemv.PREFETCH, fp8_gemv.CHUNK_SUMS = fastest_gemv1(json.loads(Path(gemv1_from).read_text()))
         default_config = fp8_gemv.gemv_config
         fp8_gemv.gemv_config = lambda m, n, k, sms: tuned[(n, k)] if m == 1 and (n, k) in tuned else default_config(
             m, n, k, sms)
-        print(f"{variant}: one-row GEMV configs {tuned}, PREFETCH {fp8_gemv.PREFETCH}", flush=True)
+        print(f"{variant}: one-row GEMV configs {tuned}, PREFETCH {fp8_gemv.PREFETCH}, "
+              f"CHUNK_SUMS {fp8_gemv.CHUNK_SUMS}", flush=True)
     llm = LLM(str(CONFIG.parent), load_format="dummy", skip_tokenizer_init=True, max_model_len=4096, **args)
     runner = llm.llm_engine.engine_core.runner
     model = runner.model
@@ -309,7 +315,7 @@ def engine_part(variant: str, batch_sizes: list[int], input_len: int, output_len
         print(f"{variant} batch {bs}: {step * 1e3:.3f} ms (floor {floor * 1e3:.3f} ms)", flush=True)
     result = {"variant": variant, "device": device_name(runner.device), "weight_bytes": weight_bytes,
               "kv_bytes_per_element": kv_bytes, "batch_gemm": fp8_ops.BATCH_GEMM, "prefetch": fp8_gemv.PREFETCH,
-              "gemv1_configs": {f"{n}x{k}": c for (n, k), c in tuned.items()},
+              "chunk_sums": fp8_gemv.CHUNK_SUMS, "gemv1_configs": {f"{n}x{k}": c for (n, k), c in tuned.items()},
               "copy_bytes_per_s": bandwidth,
               "torch": torch.__version__, "runs": runs}
     if profile:

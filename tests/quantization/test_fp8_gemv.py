@@ -103,8 +103,9 @@ def check_prologue_case(case, device: str, seed: int = 0) -> float:
 def _interpreter_main() -> None:
     from pagedllm.quantization.kernels import fp8_gemv
 
-    for prefetch in (True, False):  # the CUDA-core form with and without the next chunk asked for early
-        fp8_gemv.PREFETCH = prefetch
+    # The CUDA-core form with and without the next chunk asked for early, one-row sums per element
+    # or per chunk.
+    for fp8_gemv.PREFETCH, fp8_gemv.CHUNK_SUMS in ((False, False), (True, False), (False, True), (True, True)):
         for case in INTERPRETER_CASES:
             err = check_case(case, "cpu")
             assert err < TOLERANCE[case[3]], (case, err)
@@ -121,7 +122,7 @@ def test_gemv_matches_the_reference_in_the_triton_interpreter():
     code = f"import runpy; runpy.run_path({__file__!r})['_interpreter_main']()"
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("ok") == 2 * (len(INTERPRETER_CASES) + len(PROLOGUE_CASES))
+    assert proc.stdout.count("ok") == 4 * (len(INTERPRETER_CASES) + len(PROLOGUE_CASES))
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
@@ -208,7 +209,12 @@ GPU_SHAPES = [(6144, 4096), (4096, 14336), (28672, 4096)]
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_gemv_matches_the_reference_on_cuda(shape):
+@pytest.mark.parametrize("flags", [(False, False), (True, False), (False, True)], ids=["-", "prefetch", "chunk-sums"])
+def test_gemv_matches_the_reference_on_cuda(monkeypatch, shape, flags):
+    from pagedllm.quantization.kernels import fp8_gemv
+
+    monkeypatch.setattr(fp8_gemv, "PREFETCH", flags[0])
+    monkeypatch.setattr(fp8_gemv, "CHUNK_SUMS", flags[1])
     n, k = shape
     for m in (1, 2, 3, 4, 8, 16, 33, 64):
         err = check_case((m, n, k, torch.bfloat16, m == 3), "cuda")
