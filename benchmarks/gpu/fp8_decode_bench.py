@@ -50,7 +50,7 @@ ROWS = (1, 2, 4, 8, 16, 32, 64)
 SWEEP_SHAPES = ("o", "gate_up")
 # The batch-row Triton GEMM's launch sizes (block_m, block_n, block_k, num_warps, num_stages, tma) timed
 # at 64 rows with ``--mm-sweep`` besides its default (round 1 chose the default among a wider sweep:
-# split K and 128-row tiles lost everywhere; benchmarks/results/h100-fp8-decode-*.json).
+# split K and 128-row tiles lost everywhere; benchmarks/results/h100-80gb-hbm3-fp8-decode-*.json).
 MM_SWEEP = [(64, 64, 128, 4, 6, False), (32, 64, 128, 4, 6, True), (64, 64, 128, 4, 8, True),
             (64, 64, 256, 4, 4, True), (32, 64, 256, 4, 4, True)]
 # One-row GEMV launch sizes (block_n, block_k, num_warps, prefetch, chunk_sums) timed with
