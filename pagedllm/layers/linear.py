@@ -56,8 +56,9 @@ class Linear(CustomOp):
     product (``apply``); the layer then runs the ``quantized`` implementation on every device, says
     ``fuses_kernels = False`` and ``gemm_tunable = False`` (instance attributes: its weight is no
     float matrix for the fused kernels or the cuBLAS table) and is neither prepacked nor folded; its
-    ``forward_norm_prologue`` / ``forward_act_prologue`` run the method's own fused kernels where it
-    has them (``apply_norm_prologue`` / ``apply_act_prologue``) and the plan allows fused kernels.
+    ``forward_norm_prologue`` / ``forward_act_prologue`` (and ``QKVLinear.forward_norm_rope_store``)
+    run the method's own fused kernels where it has them (``apply_norm_prologue`` /
+    ``apply_act_prologue`` / ``apply_norm_qkv_rope_store``) and the plan allows fused kernels.
     ``quant_method`` None: the plain layer above, unchanged.
 
     LoRA (``pagedllm.lora``): ``lora`` is None (no LoRA: nothing allocated) or the layer's stacked
@@ -364,6 +365,10 @@ class QKVLinear(MergedLinear):
         slot ``slot_mapping[0]``, in one launch (no q/k norm: the caller's check); None where that
         kernel does not apply (not one row on the fused GEMV path, a RoPE table not over the whole
         head, or a cache it does not take)."""
+        quantized = self._quantized_fusion("apply_norm_qkv_rope_store")
+        if quantized is not None:
+            return quantized(self, x, residual, norm, positions, cos_cache, sin_cache, kv_cache,
+                             slot_mapping) if norm.fuses_kernels else None
         if not (self._fused() and norm.fuses_kernels and triton_ops.norm_qkv_rope_fits(
                 x, residual, norm.weight, self.weight, cos_cache, kv_cache, self.tuning)):
             return None

@@ -123,8 +123,10 @@ def _new_param(layer: Linear, name: str, tensor: torch.Tensor, loader: Any) -> N
 
 class Fp8LinearMethod(QuantizeMethodBase):
     """FP8 weights of one ``Linear`` (module doc). Cost per call: at decode rows on CUDA one GEMV
-    launch (two with split K); else one activation quantization pass (unless weight-only) and one
-    FP8 GEMM; on the CPU a float32 tile of weight rows at a time."""
+    launch (two with split K); at batch rows the ``fp8_ops.BATCH_GEMM`` (with the activation codes
+    from the op before where the fused methods run); else one activation quantization pass (unless
+    weight-only) and one FP8 GEMM; on the CPU a float32 tile of weight rows at a time. Fused methods
+    (``Linear``'s): ``apply_norm_prologue``, ``apply_act_prologue``, ``apply_norm_qkv_rope_store``."""
 
     def __init__(self, scheme: Fp8Scheme) -> None:
         self.scheme = scheme
@@ -155,10 +157,21 @@ class Fp8LinearMethod(QuantizeMethodBase):
 
     def apply_norm_prologue(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
                             norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(apply(norm(x + residual)), x + residual)`` in one launch (``Linear.forward_norm_prologue``),
-        or None where the GEMV does not take the norm (not CUDA, too many rows, block-wise scales,
-        a norm weight or residual unlike ``x``)."""
-        if not (self.scheme.block is None and fp8_ops.prologue_fits(x, layer.weight, layer.weight_scale, "norm")
+        """``(apply(norm(x + residual)), x + residual)`` in one launch at decode rows (the GEMV's
+        prologue), or two at batch rows with activation codes (norm + codes, then the GEMM:
+        ``Linear.forward_norm_prologue``); None where neither applies (not CUDA, block-wise scales,
+        a norm weight or residual unlike ``x``, a scheme without per-token codes at batch rows)."""
+        if self.scheme.block is not None:
+            return None
+        kind = self._batch_codes_gemm(layer, x)
+        if kind is not None:
+            fused = fp8_ops.rms_norm_quant(x, residual, norm.weight, norm.eps)
+            if fused is None:
+                return None
+            xq, x_scale, residual_out = fused
+            return fp8_ops.batch_product(kind, xq, x_scale, layer.weight, layer.weight_scale, layer.bias,
+                                         x.dtype), residual_out
+        if not (fp8_ops.prologue_fits(x, layer.weight, layer.weight_scale, "norm")
                 and norm.weight.dtype == x.dtype and norm.weight.is_contiguous()
                 and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
                                           and residual.stride(-1) == 1))):
@@ -167,11 +180,40 @@ class Fp8LinearMethod(QuantizeMethodBase):
                                          layer.bias)
 
     def apply_act_prologue(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-        """``apply(silu(gate) * up)`` for ``x = [gate | up]`` in one launch (``Linear.forward_act_prologue``),
-        or None where the GEMV does not take it."""
-        if not (self.scheme.block is None and fp8_ops.prologue_fits(x, layer.weight, layer.weight_scale, "act")):
+        """``apply(silu(gate) * up)`` for ``x = [gate | up]`` in one launch at decode rows, two at batch
+        rows with activation codes (``Linear.forward_act_prologue``), or None where neither applies."""
+        if self.scheme.block is not None:
+            return None
+        if x.dim() == 2 and x.shape[-1] == 2 * layer.weight.shape[1]:
+            kind = self._batch_codes_gemm(layer, x[:, : layer.weight.shape[1]])
+            if kind is not None:
+                codes = fp8_ops.silu_and_mul_quant(x)
+                if codes is None:
+                    return None
+                return fp8_ops.batch_product(kind, *codes, layer.weight, layer.weight_scale, layer.bias, x.dtype)
+        if not fp8_ops.prologue_fits(x, layer.weight, layer.weight_scale, "act"):
             return None
         return fp8_ops.silu_and_mul_fp8_gemv(x, layer.weight, layer.weight_scale, layer.bias)
+
+    def apply_norm_qkv_rope_store(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
+                                  norm: nn.Module, positions: torch.Tensor, cos_cache: torch.Tensor,
+                                  sin_cache: torch.Tensor, kv_cache: torch.Tensor,
+                                  slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``QKVLinear.forward_norm_rope_store`` for FP8 weights: residual add + RMSNorm + this qkv
+        projection + RoPE + the K/V store of one token row in one launch, or None where that kernel
+        does not apply (block-wise scales, not CUDA, shapes it does not take)."""
+        if self.scheme.block is not None:
+            return None
+        return fp8_ops.norm_qkv_rope_store(x, residual, norm.weight, norm.eps, layer.weight, layer.weight_scale,
+                                           layer.bias, positions, cos_cache, sin_cache, layer.num_heads,
+                                           layer.num_kv_heads, kv_cache, slot_mapping)
+
+    def _batch_codes_gemm(self, layer: nn.Module, x: torch.Tensor) -> str | None:
+        """The batch GEMM (``fp8_ops.batch_gemm``) at ``x``'s rows for the dynamic per-token scheme
+        (the codes it multiplies), else None."""
+        if self.scheme.activations != "token":
+            return None
+        return fp8_ops.batch_gemm(x, layer.weight, layer.weight_scale)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
@@ -182,6 +224,11 @@ class Fp8LinearMethod(QuantizeMethodBase):
         w_scale = layer.weight_scale
         if fp8_ops.gemv_fits(x2, wq, w_scale):  # decode rows: weight-only, the bias inside
             return fp8_ops.fp8_gemv(x2, wq, w_scale, bias).reshape(*x.shape[:-1], wq.shape[0])
+        kind = self._batch_codes_gemm(layer, x2)
+        if kind is not None:  # batch rows: per-token codes, then the batch GEMM
+            xq, x_scale = fp8_ops.quantize_activations(x2, None)
+            y = fp8_ops.batch_product(kind, xq, x_scale, wq, w_scale, bias, x.dtype)
+            return y.reshape(*x.shape[:-1], wq.shape[0])
         if self.scheme.activations is None:
             y = fp8_ops.fp8_linear_tiled(x2, None, wq, w_scale, x.dtype)
         else:

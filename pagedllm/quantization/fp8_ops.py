@@ -14,6 +14,13 @@ float one), with the residual add + RMSNorm or the SiLU-and-mul before it in its
 layer's fused methods ask (``rms_norm_fp8_gemv``, ``silu_and_mul_fp8_gemv``); above, the activations
 are quantized and cuBLASLt multiplies.
 
+Batch rows (``batch_gemm``: CUDA, ``GEMV_MAX_ROWS`` + 1 to ``BATCH_MAX_ROWS`` rows, a batched decode
+step): per-token activation codes, then the GEMM that ``BATCH_GEMM`` names: "fp8_mm" (the Triton
+FP8 MMA with the operands swapped, ``kernels/fp8_mm.py``: 0.76x cuBLASLt's time summed over the 8B
+projections at 64 rows on an H100) or "scaled_mm" (cuBLASLt). The op before the projection
+(residual add + RMSNorm, SiLU-and-mul) writes the codes in its own launch where the layer's fused
+methods ask (``rms_norm_quant``, ``silu_and_mul_quant``): one launch fewer per projection.
+
 Constraints of ``torch._scaled_mm`` (checked by ``scaled_mm_fits``): CUDA with compute capability
 >= 8.9, K and N multiples of 16, row-wise scales (torch >= 2.5), which take a bfloat16 output only.
 Elsewhere (the CPU, float16 or float32 models, odd shapes) the tiled path runs.
@@ -38,6 +45,10 @@ MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 # Weight elements per float32 tile of the tiled GEMM (8 MiB).
 TILE_ELEMENTS = 1 << 21
+# The GEMM of batch rows (module doc) and the most rows it takes (above: act-quant + cuBLASLt).
+BATCH_GEMMS = ("fp8_mm", "scaled_mm")
+BATCH_GEMM = "fp8_mm"
+BATCH_MAX_ROWS = 128
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,6 +146,61 @@ def gemv_fits(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor) -> bool:
     return x.shape[0] <= fp8_gemv.GEMV_MAX_ROWS and fp8_gemv.fits(x, wq, w_scale)
 
 
+def batch_gemm(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor) -> str | None:
+    """The GEMM that multiplies the codes of ``x`` at batch rows (``BATCH_GEMM``, module doc), or None:
+    not batch rows (or not CUDA), or a product that GEMM does not take."""
+    if not (HAS_TRITON and x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)):
+        return None
+    from pagedllm.quantization.kernels import fp8_gemv
+
+    if not fp8_gemv.GEMV_MAX_ROWS < x.shape[0] <= BATCH_MAX_ROWS:
+        return None
+    if BATCH_GEMM == "scaled_mm":
+        return BATCH_GEMM if scaled_mm_fits(x, wq) else None
+    fits = (wq.dim() == 2 and wq.is_contiguous() and wq.dtype == FP8_DTYPE and x.shape[1] == wq.shape[1]
+            and w_scale.numel() == wq.shape[0] and w_scale.is_contiguous())
+    return BATCH_GEMM if fits else None
+
+
+def batch_product(kind: str, xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+                  bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """``[M, N]`` by the batch GEMM ``kind`` (``batch_gemm``'s answer) on the activation codes ``xq``
+    with their ``x_scale [M, 1]``."""
+    if kind == "scaled_mm":
+        y = fp8_linear_scaled_mm(xq, x_scale, wq, w_scale, out_dtype)
+        return y if bias is None else y + bias
+    from pagedllm.quantization.kernels import fp8_mm
+
+    return fp8_mm.fp8_mm(xq, x_scale, wq, w_scale, bias, out_dtype)
+
+
+def rms_norm_quant(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``(codes, scales [M, 1], x + residual)`` of ``rmsnorm(x + residual) * g`` per token in one launch
+    (``kernels/fp8_act_quant.rms_norm_quant``), or None where that kernel does not take it."""
+    if not (HAS_TRITON and x.is_cuda):
+        return None
+    from pagedllm.quantization.kernels import fp8_act_quant
+
+    if not (fp8_act_quant.fused_fits(x, x.shape[-1]) and norm_weight.dtype == x.dtype and norm_weight.is_contiguous()
+            and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
+                                      and residual.stride(-1) == 1))):
+        return None
+    return fp8_act_quant.rms_norm_quant(x, residual, norm_weight, eps, FP8_MAX, MIN_SCALE)
+
+
+def silu_and_mul_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(codes, scales [M, 1])`` of ``silu(gate) * up`` per token in one launch, or None where that
+    kernel does not take ``x``."""
+    if not (HAS_TRITON and x.is_cuda and x.dim() == 2 and x.shape[-1] % 2 == 0):
+        return None
+    from pagedllm.quantization.kernels import fp8_act_quant
+
+    if not fp8_act_quant.fused_fits(x, x.shape[-1] // 2):
+        return None
+    return fp8_act_quant.silu_and_mul_quant(x, FP8_MAX, MIN_SCALE)
+
+
 def fp8_gemv(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``[M, N]`` in x's dtype: ``x @ (Wq * w_scale)^T (+ bias)`` by the Triton GEMV (precondition: ``gemv_fits``)."""
     from pagedllm.quantization.kernels import fp8_gemv as kernel
@@ -168,6 +234,23 @@ def silu_and_mul_fp8_gemv(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tens
     from pagedllm.quantization.kernels import fp8_gemv as kernel
 
     return kernel.silu_and_mul_fp8_gemv(x, wq, w_scale, bias)
+
+
+def norm_qkv_rope_store(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                        wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
+                        cos_cache: torch.Tensor, sin_cache: torch.Tensor, num_q_heads: int, num_kv_heads: int,
+                        kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(q rotated, x + residual)`` with k and v stored: residual add + RMSNorm + the qkv GEMV + RoPE +
+    the K/V store for one token row in one launch (``kernels/fp8_qkv_rope.py``), or None where that
+    kernel does not take the call (not CUDA, shapes or dtypes it does not take)."""
+    if not (HAS_TRITON and x.is_cuda):
+        return None
+    from pagedllm.quantization.kernels import fp8_qkv_rope
+
+    if not fp8_qkv_rope.fits(x, residual, norm_weight, wq, w_scale, cos_cache, kv_cache, num_q_heads, num_kv_heads):
+        return None
+    return fp8_qkv_rope.fp8_qkv_rope(x, residual, norm_weight, eps, wq, w_scale, bias, positions, cos_cache,
+                                     sin_cache, num_q_heads, num_kv_heads, kv_cache, slot_mapping)
 
 
 def fp8_linear_scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,

@@ -16,14 +16,15 @@ from pagedllm.models import build_model, init_dummy_weights
 from pagedllm.quantization.fp8 import Fp8Config, Fp8LinearMethod
 from tests.helpers import PagedTestRunner, tiny_config
 
-# layer name -> products by Fp8LinearMethod: ``apply`` calls, and the fused prologue GEMVs it ran
-# (``apply_norm_prologue`` / ``apply_act_prologue`` calls that did not decline with None).
+# layer name -> products by Fp8LinearMethod: ``apply`` calls, and the fused kernels it ran
+# (``apply_norm_prologue`` / ``apply_act_prologue`` / ``apply_norm_qkv_rope_store`` calls that did not
+# decline with None).
 CALLS: Counter = Counter()
 
 
 @pytest.fixture(autouse=True)
 def count_apply_calls(monkeypatch):
-    for name in ("apply", "apply_norm_prologue", "apply_act_prologue"):
+    for name in ("apply", "apply_norm_prologue", "apply_act_prologue", "apply_norm_qkv_rope_store"):
         method = getattr(Fp8LinearMethod, name)
 
         def counted(self, layer, *args, method=method):
@@ -46,10 +47,12 @@ def fp8_model(arch: str, dtype: torch.dtype, device: str, quant_config=None) -> 
 
 
 def run_steps(model, backend=None) -> list[tuple[int, Counter, torch.Tensor]]:
-    """Prefill two prompts (3+ rows), decode one request (1 row), then both (2 rows)."""
+    """Prefill two prompts (3+ rows), decode one request (1 row), then both (2 rows), then prefill two
+    more prompts in one step of 40 rows (FP8's batch rows on CUDA)."""
     runner = PagedTestRunner(model, num_blocks=64, block_size=4, backend=backend)
     steps = []
-    for chunks in ([(0, list(range(3, 14))), (1, list(range(20, 27)))], [(0, [100])], [(0, [101]), (1, [102])]):
+    for chunks in ([(0, list(range(3, 14))), (1, list(range(20, 27)))], [(0, [100])], [(0, [101]), (1, [102])],
+                   [(2, list(range(30, 60))), (3, list(range(5, 15)))]):
         CALLS.clear()
         logits = torch.cat(runner.step(chunks))
         steps.append((sum(len(c[1]) for c in chunks), Counter(CALLS), logits))

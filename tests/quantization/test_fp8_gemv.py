@@ -41,18 +41,17 @@ def check_case(case, device: str, seed: int = 0) -> float:
 
     m, n, k, dtype, with_bias, *config = case
     gen = torch.Generator().manual_seed(seed)
-    wq, w_scale = fp8_ops.quantize_rows(torch.randn(n, k, generator=gen) * 0.05)
-    x = torch.randn(m, k, generator=gen).to(dtype)
-    bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
-    want = x.double() @ fp8_ops.dequantize_rows(wq, w_scale).double().t()
+    # Made on the CPU (the seed), quantized and multiplied on ``device`` (float64 there: the 8B shapes).
+    wq, w_scale = fp8_ops.quantize_rows((torch.randn(n, k, generator=gen) * 0.05).to(device))
+    x = torch.randn(m, k, generator=gen).to(dtype).to(device)
+    bias = torch.randn(n, generator=gen).to(dtype).to(device) if with_bias else None
+    want = x.double() @ fp8_ops.dequantize_rows(wq, w_scale, torch.float64).t()
     if bias is not None:
         want += bias.double()
-    wq, w_scale, x = wq.to(device), w_scale.to(device), x.to(device)
-    bias = None if bias is None else bias.to(device)
     assert fp8_gemv.fits(x, wq, w_scale)
     got = fp8_gemv.fp8_gemv(x, wq, w_scale, bias, config[0] if config else None)
     assert got.dtype == dtype and got.shape == (m, n)
-    return float((got.double().cpu() - want).abs().max() / want.abs().max())
+    return float((got.double() - want).abs().max() / want.abs().max())
 
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -102,14 +101,19 @@ def check_prologue_case(case, device: str, seed: int = 0) -> float:
 
 
 def _interpreter_main() -> None:
-    for case in INTERPRETER_CASES:
-        err = check_case(case, "cpu")
-        assert err < TOLERANCE[case[3]], (case, err)
-        print("ok", case, err)
-    for case in PROLOGUE_CASES:
-        err = check_prologue_case(case, "cpu")
-        assert err < TOLERANCE[case[3]], (case, err)
-        print("ok", case, err)
+    from pagedllm.quantization.kernels import fp8_gemv
+
+    # The CUDA-core form with and without the next chunk asked for early, one-row sums per element
+    # or per chunk.
+    for fp8_gemv.PREFETCH, fp8_gemv.CHUNK_SUMS in ((False, False), (True, False), (False, True), (True, True)):
+        for case in INTERPRETER_CASES:
+            err = check_case(case, "cpu")
+            assert err < TOLERANCE[case[3]], (case, err)
+            print("ok", case, err)
+        for case in PROLOGUE_CASES:
+            err = check_prologue_case(case, "cpu")
+            assert err < TOLERANCE[case[3]], (case, err)
+            print("ok", case, err)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
@@ -118,7 +122,7 @@ def test_gemv_matches_the_reference_in_the_triton_interpreter():
     code = f"import runpy; runpy.run_path({__file__!r})['_interpreter_main']()"
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("ok") == len(INTERPRETER_CASES) + len(PROLOGUE_CASES)
+    assert proc.stdout.count("ok") == 4 * (len(INTERPRETER_CASES) + len(PROLOGUE_CASES))
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
@@ -205,7 +209,12 @@ GPU_SHAPES = [(6144, 4096), (4096, 14336), (28672, 4096)]
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_gemv_matches_the_reference_on_cuda(shape):
+@pytest.mark.parametrize("flags", [(False, False), (True, False), (False, True)], ids=["-", "prefetch", "chunk-sums"])
+def test_gemv_matches_the_reference_on_cuda(monkeypatch, shape, flags):
+    from pagedllm.quantization.kernels import fp8_gemv
+
+    monkeypatch.setattr(fp8_gemv, "PREFETCH", flags[0])
+    monkeypatch.setattr(fp8_gemv, "CHUNK_SUMS", flags[1])
     n, k = shape
     for m in (1, 2, 3, 4, 8, 16, 33, 64):
         err = check_case((m, n, k, torch.bfloat16, m == 3), "cuda")

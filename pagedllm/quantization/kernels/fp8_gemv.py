@@ -54,6 +54,13 @@ from pagedllm.triton_pdl import allow_dependents, wait_for_inputs
 GEMV_MAX_ROWS = 32
 # K is split until there are this many programs per SM (or the splits would be shorter than a chunk).
 PROGRAMS_PER_SM = 2
+# The CUDA-core form loads the next weight chunk before multiplying the current one (module doc):
+# off by default until the H100 figures say otherwise (benchmarks/gpu/fp8_decode_bench.py).
+PREFETCH = False
+# The one-row CUDA-core form sums each chunk's products per output row at once (a [BLOCK_N] float32
+# accumulator, as the bf16 GEMVs do) instead of per element (a [BLOCK_N, BLOCK_K] one, reduced at the
+# end): fewer registers, so larger chunks (module doc).
+CHUNK_SUMS = False
 
 
 # What runs in the GEMV's prologue (``PROLOGUE``): nothing, residual add + RMSNorm, SiLU-and-mul.
@@ -80,11 +87,19 @@ def _input_chunk(x_rows, res_rows, res_out_rows, g_ptr, cols, mask, store_mask, 
 
 
 @triton.jit
+def _weight_chunk(w_rows, n_mask, rk, k_stop):
+    """The ``[BLOCK_N, BLOCK_K]`` codes of ``w_rows`` at columns ``rk`` (zeros at and past ``k_stop``),
+    streamed (evict first: each byte is read once)."""
+    return tl.load(w_rows + rk[None, :], mask=n_mask[:, None] & (rk < k_stop)[None, :], other=0.0,
+                   eviction_policy="evict_first")
+
+
+@triton.jit
 def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, res_ptr, res_out_ptr, g_ptr, M, N, K, K_PER_SPLIT,
                      eps, stride_xm, stride_wn, stride_om, stride_rm, stride_rom, HAS_BIAS: tl.constexpr,
                      SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      DOT: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                     USE_PDL: tl.constexpr):
+                     USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, CHUNK_SUMS: tl.constexpr):
     """Rows ``rn`` of the output over one split of K (module doc). ``BLOCK_M`` >= M (a power of two;
     at least 16 with ``DOT``). With the norm prologue (no split) program 0 writes the new residual
     and the sums are scaled by each row's ``rstd`` at the end."""
@@ -102,25 +117,31 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, res_ptr, res_out_ptr, 
     k_begin = pid_k * K_PER_SPLIT
     wait_for_inputs(USE_PDL)
     ss = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
-    if not DOT and BLOCK_M == 1:
+    if not DOT and BLOCK_M == 1 and not CHUNK_SUMS:
         acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    k_stop = tl.minimum(K, k_begin + K_PER_SPLIT)
+    if PREFETCH:
+        w_next = _weight_chunk(w_rows, n_mask, k_begin + tl.arange(0, BLOCK_K), k_stop)
     for k0 in range(k_begin, k_begin + K_PER_SPLIT, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         k_mask = rk < K
-        w = tl.load(w_rows + rk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0,
-                    eviction_policy="evict_first")
+        if PREFETCH:  # this chunk came with the last iteration; ask for the next one now
+            w = w_next
+            w_next = _weight_chunk(w_rows, n_mask, rk + BLOCK_K, k_stop)
+        else:
+            w = _weight_chunk(w_rows, n_mask, rk, k_stop)
         x, ss = _input_chunk(x_rows, res_rows, res_out_rows, g_ptr, rk[None, :], m_mask[:, None] & k_mask[None, :],
                              store_rows[:, None] & k_mask[None, :], K, ss, PROLOGUE, HAS_RESIDUAL)
         if DOT:
             acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
-        elif BLOCK_M == 1:
+        elif BLOCK_M == 1 and not CHUNK_SUMS:
             acc += w.to(tl.float32) * x.to(tl.float32)
         else:
             acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     allow_dependents(USE_PDL)
-    if not DOT and BLOCK_M == 1:
+    if not DOT and BLOCK_M == 1 and not CHUNK_SUMS:
         y = tl.sum(acc, axis=1)[None, :]
     else:
         y = acc
@@ -217,7 +238,8 @@ def _launch(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torc
         x, wq, w_scale, b, target, res, residual_out, g, m, n, k, k_per_split, eps, x.stride(0), wq.stride(0),
         out.stride(0), res.stride(0), residual_out.stride(0), HAS_BIAS=bias is not None, SPLIT_K=split > 1,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot, PROLOGUE=prologue,
-        HAS_RESIDUAL=residual is not None, num_warps=num_warps, **launch_kwargs(x.device))
+        HAS_RESIDUAL=residual is not None, PREFETCH=PREFETCH and not dot, CHUNK_SUMS=CHUNK_SUMS, num_warps=num_warps,
+        **launch_kwargs(x.device))
     if split > 1:
         block = 1024
         splitk_sum_kernel[(triton.cdiv(m * n, block),)](target, b, out, m, n, out.stride(0), SPLIT=split,
