@@ -200,15 +200,22 @@ def test_word_row_gemv_compiles_for_hopper_without_spills():
     if not os.path.exists(ptxas):
         pytest.skip("Triton without its bundled ptxas")
     target = GPUTarget("cuda", 90, 32)
-    ints = ("M", "N", "K", "GROUP_SIZE", "K_PER_SPLIT", "stride_xm", "stride_sn", "stride_om", "magic")
+    ints = ("M", "N", "K", "GROUP_SIZE", "K_PER_SPLIT", "stride_xm", "stride_sn", "stride_om", "stride_rm",
+            "stride_rom", "magic")
     signature = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16", "b_ptr": "*bf16",
-                 "out_ptr": "*bf16", **dict.fromkeys(ints, "i32"),
-                 **dict.fromkeys(("HAS_BIAS", "SPLIT", "THREADS", "RUN"), "constexpr")}
-    constants = {"HAS_BIAS": True, "SPLIT": 1, "THREADS": 128, "RUN": 32}
-    kernel = triton.compile(ASTSource(int4_gemm._int4_gemv_n8_kernel, signature, constants), target=target,
-                            options={"num_warps": 4})
-    assert "ld.global" in kernel.asm["ptx"] and "ld.local" not in kernel.asm["ptx"]
-    _assert_no_spills(kernel)
+                 "out_ptr": "*bf16", "res_ptr": "*bf16", "res_out_ptr": "*bf16", "g_ptr": "*bf16",
+                 **dict.fromkeys(ints, "i32"), "eps": "fp32",
+                 **dict.fromkeys(("HAS_BIAS", "SPLIT", "THREADS", "RUN", "PROLOGUE", "HAS_RESIDUAL", "USE_PDL"),
+                                 "constexpr")}
+    # Plain, with the norm (and the residual) and with the activation in the prologue; under PDL.
+    for prologue, run in ((0, 32), (1, 32), (2, 16)):
+        constants = {"HAS_BIAS": True, "SPLIT": 1, "THREADS": 128, "RUN": run, "PROLOGUE": prologue,
+                     "HAS_RESIDUAL": True, "USE_PDL": True}
+        kernel = triton.compile(ASTSource(int4_gemm._int4_gemv_n8_kernel, signature, constants), target=target,
+                                options={"num_warps": 4})
+        assert "ld.global" in kernel.asm["ptx"] and "ld.local" not in kernel.asm["ptx"], prologue
+        assert "griddepcontrol.wait" in kernel.asm["ptx"], prologue
+        _assert_no_spills(kernel)
     from pagedllm.quantization.kernels.splitk import splitk_sum_kernel
 
     sum_signature = {"ws_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32",

@@ -57,8 +57,12 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.layers.kernels.fused_gemv import _silu_mul_chunk
+from pagedllm.layers.kernels.rms_norm import _load_sum
+from pagedllm.pdl import launch_kwargs
 from pagedllm.quantization.int4_layout import N8_LAYOUT, PACK, ROWS_LAYOUT, n8_run
 from pagedllm.quantization.kernels.splitk import splitk_sum_kernel
+from pagedllm.triton_pdl import allow_dependents, wait_for_inputs
 
 GEMV_MAX_ROWS = 4
 MAGIC = 0x4B000000  # the bits of the float 2^23, whose mantissa takes a code (``_n8_plane``)
@@ -80,6 +84,8 @@ TILED_PROGRAMS_PER_SM = {16: 6, 32: 4, 64: 2}
 # The tiled GEMM's codes as 16-bit floats ``base + q`` (q in 0..15 in the low mantissa bits of
 # ``base``, whose ulp is 1): (bits of base, base) per input dtype.
 CODE_BASES = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
+# What runs in the word-row GEMV's prologue (``PROLOGUE``): nothing, residual add + RMSNorm, SiLU-and-mul.
+NO_PROLOGUE, NORM_PROLOGUE, ACT_PROLOGUE = 0, 1, 2
 
 
 @triton.jit
@@ -168,11 +174,24 @@ def _int4_dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, GROUP_SIZE, stride_q
 
 
 @triton.jit
-def _n8_x_tile(x_row, cols, K):
-    """``x[row, cols]`` as float32 ``[THREADS, 4]`` (``cols`` ``[THREADS, 4]``: four consecutive
-    columns a thread, one vector load). The mask (``cols < K``, always true) keeps the compiler from
-    hoisting every step's loads together: unmasked the kernel takes 127 registers, not 95 (sm_90)."""
-    return tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
+def _n8_input_tile(x_row, res_row, res_out_row, g_ptr, cols, K, ss, store, PROLOGUE: tl.constexpr,
+                   HAS_RESIDUAL: tl.constexpr):
+    """The GEMV's input at ``cols`` (``[THREADS, 4]``) as float32, and the running sum of squares
+    ``ss``: ``x`` as it is (``PROLOGUE`` 0); ``(x + residual) * g`` (1: the sum rounded to x's dtype,
+    stored to ``res_out`` where ``store``, its squares added to ``ss``; the normed row never rounded);
+    ``silu(gate) * up`` (2: gate = columns ``[0, K)`` of the row, up ``[K, 2K)``, rounded as
+    ``SiluAndMul`` rounds it). The mask (``cols < K``, always true) keeps the compiler from hoisting
+    every step's loads together: unmasked the kernel takes 127 registers, not 95 (sm_90)."""
+    mask = cols < K
+    if PROLOGUE == 1:
+        s = _load_sum(x_row, res_row, res_out_row, cols, mask, store & mask, HAS_RESIDUAL, True)
+        ss += s * s
+        x = s * tl.load(g_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    elif PROLOGUE == 2:
+        x = _silu_mul_chunk(x_row, cols, mask, K)
+    else:
+        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    return x, ss
 
 
 @triton.jit
@@ -207,10 +226,10 @@ def _n8_store(out_ptr, y, col, b_ptr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexp
 
 
 @triton.jit
-def _int4_gemv_n8_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, GROUP_SIZE,
-                         K_PER_SPLIT, stride_xm, stride_sn, stride_om, magic,
-                         HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, THREADS: tl.constexpr,
-                         RUN: tl.constexpr):
+def _int4_gemv_n8_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, res_ptr, res_out_ptr, g_ptr, M, N, K,
+                         GROUP_SIZE, K_PER_SPLIT, stride_xm, stride_sn, stride_om, stride_rm, stride_rom, eps, magic,
+                         HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, THREADS: tl.constexpr, RUN: tl.constexpr,
+                         PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr):
     """One input row ``m`` against one word row (outputs ``8b .. 8b+7``, plane ``j`` = output ``8b +
     j``) over one split of K: ``y[m, 8b+j] = sum_k x[m, k] (q - z) s``. The rows of ``x`` are
     separate programs next to each other in the grid, so a word row's programs run together and
@@ -222,14 +241,21 @@ def _int4_gemv_n8_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, G
     ``RUN`` is). Planes 0-4 read the word, 5-7 the word shifted by 12 (one shift a word).
     ``magic`` (0x4B000000) comes as an argument so that it sits in one register and the nibble
     masks are the logic op's immediates.
+    ``PROLOGUE`` (``_n8_input_tile``): the input computed on the fly from the op before the
+    projection; with the norm (1; no split of K) the program of word row 0 writes row ``m``'s new
+    residual and the sums are scaled by the row's ``rstd`` at the end.
     ``SPLIT`` > 1: float32 partial sums into ``out_ptr`` (``[SPLIT, M, N]``), the bias and the
-    rounding left to ``splitk.splitk_sum_kernel``."""
+    rounding left to ``splitk.splitk_sum_kernel``. ``USE_PDL``: programmatic dependent launch
+    (``pagedllm/pdl.py``): the wait before the first read of x, the release after the loop."""
     pid_m = tl.program_id(0)
     pid_b = tl.program_id(1)
     pid_k = tl.program_id(2)
     t = tl.arange(0, THREADS)
     e = tl.arange(0, 4)
     x_row = x_ptr + pid_m * stride_xm
+    res_row = res_ptr + pid_m * stride_rm
+    res_out_row = res_out_ptr + pid_m * stride_rom
+    store = (t[:, None] * 0 + e[None, :] * 0 + pid_b) == 0  # word row 0 writes the residual (a full-shaped mask)
     row = pid_b * 8
     word_row = qw_ptr + pid_b.to(tl.int64) * K
     acc0 = tl.zeros((THREADS,), tl.float32)
@@ -240,7 +266,9 @@ def _int4_gemv_n8_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, G
     acc5 = tl.zeros_like(acc0)
     acc6 = tl.zeros_like(acc0)
     acc7 = tl.zeros_like(acc0)
+    ss = tl.zeros((THREADS, 4), tl.float32)
     k_begin = pid_k * K_PER_SPLIT
+    wait_for_inputs(USE_PDL)
     for kb in range(k_begin, k_begin + K_PER_SPLIT, THREADS * RUN):
         run0 = kb + t * RUN
         g = run0 // GROUP_SIZE
@@ -264,7 +292,7 @@ def _int4_gemv_n8_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, G
             cols = run0[:, None] + 4 * r + e[None, :]
             stored = kb + (t // 32 * 32 * RUN + 128 * r + 4 * (t % 32))[:, None] + e[None, :]
             words = tl.load(word_row + stored, eviction_policy="evict_first")
-            xv = _n8_x_tile(x_row, cols, K)
+            xv, ss = _n8_input_tile(x_row, res_row, res_out_row, g_ptr, cols, K, ss, store, PROLOGUE, HAS_RESIDUAL)
             p0 = _n8_plane(p0, words, 0, c0, xv, magic)
             p1 = _n8_plane(p1, words, 4, c1, xv, magic)
             p2 = _n8_plane(p2, words, 8, c2, xv, magic)
@@ -282,15 +310,19 @@ def _int4_gemv_n8_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, G
         acc5 += tl.sum(p5, axis=1) * s5
         acc6 += tl.sum(p6, axis=1) * s6
         acc7 += tl.sum(p7, axis=1) * s7
+    allow_dependents(USE_PDL)
+    rstd = 1.0
+    if PROLOGUE == 1:
+        rstd = tl.math.rsqrt(tl.sum(tl.sum(ss, axis=1), axis=0) / K + eps)
     out = out_ptr + pid_m * stride_om if SPLIT == 1 else out_ptr + pid_k * M * N + pid_m * N
-    _n8_store(out, tl.sum(acc0), row, b_ptr, HAS_BIAS, SPLIT)
-    _n8_store(out, tl.sum(acc1), row + 1, b_ptr, HAS_BIAS, SPLIT)
-    _n8_store(out, tl.sum(acc2), row + 2, b_ptr, HAS_BIAS, SPLIT)
-    _n8_store(out, tl.sum(acc3), row + 3, b_ptr, HAS_BIAS, SPLIT)
-    _n8_store(out, tl.sum(acc4), row + 4, b_ptr, HAS_BIAS, SPLIT)
-    _n8_store(out, tl.sum(acc5), row + 5, b_ptr, HAS_BIAS, SPLIT)
-    _n8_store(out, tl.sum(acc6), row + 6, b_ptr, HAS_BIAS, SPLIT)
-    _n8_store(out, tl.sum(acc7), row + 7, b_ptr, HAS_BIAS, SPLIT)
+    _n8_store(out, tl.sum(acc0) * rstd, row, b_ptr, HAS_BIAS, SPLIT)
+    _n8_store(out, tl.sum(acc1) * rstd, row + 1, b_ptr, HAS_BIAS, SPLIT)
+    _n8_store(out, tl.sum(acc2) * rstd, row + 2, b_ptr, HAS_BIAS, SPLIT)
+    _n8_store(out, tl.sum(acc3) * rstd, row + 3, b_ptr, HAS_BIAS, SPLIT)
+    _n8_store(out, tl.sum(acc4) * rstd, row + 4, b_ptr, HAS_BIAS, SPLIT)
+    _n8_store(out, tl.sum(acc5) * rstd, row + 5, b_ptr, HAS_BIAS, SPLIT)
+    _n8_store(out, tl.sum(acc6) * rstd, row + 6, b_ptr, HAS_BIAS, SPLIT)
+    _n8_store(out, tl.sum(acc7) * rstd, row + 7, b_ptr, HAS_BIAS, SPLIT)
 
 
 @triton.jit
@@ -522,7 +554,40 @@ def _splitk_sum(partials: torch.Tensor, bias: torch.Tensor | None, out: torch.Te
     block = 1024
     splitk_sum_kernel[(triton.cdiv(m * n, block),)](partials, bias if bias is not None else out, out, m, n,
                                                      out.stride(0), SPLIT=split, HAS_BIAS=bias is not None,
-                                                     BLOCK=block, USE_PDL=False, num_warps=4)
+                                                     BLOCK=block, num_warps=4, **launch_kwargs(out.device))
+
+
+def _check_gemv_n8_config(k: int, group_size: int, config: tuple[int, int, int], prologue: int) -> None:
+    """ValueError unless ``config`` suits a word-row weight of ``k`` inputs: the layout's run, steps
+    that divide K, and no split of K under the norm prologue (the norm reads the whole row)."""
+    num_warps, run, split = config
+    if run != n8_run(k, group_size) or k % (32 * num_warps * run * split):
+        raise ValueError(f"int4 GEMV config {config}: the run must be the layout's "
+                         f"({n8_run(k, group_size)}) and the steps must divide K={k}")
+    if prologue == NORM_PROLOGUE and split > 1:
+        raise ValueError(f"int4 GEMV config {config}: the norm prologue needs K unsplit")
+
+
+def _launch_gemv_n8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                    group_size: int, bias: torch.Tensor | None, out: torch.Tensor, config: tuple[int, int, int],
+                    prologue: int = NO_PROLOGUE,
+                    norm: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, float] | None = None) -> None:
+    """The word-row GEMV (+ the split-K sum) into ``out`` ``[M, N]``, under programmatic dependent
+    launch where ``pagedllm/pdl.py`` has it on; ``norm``: ``(residual, residual_out, norm weight,
+    eps)`` of the norm prologue. No checks (the callers': ``_check_gemv_n8_config``)."""
+    m = x.shape[0]
+    n, k = qweight.shape[0] * PACK, qweight.shape[1]
+    num_warps, run, split = config
+    target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    residual, residual_out, g, eps = norm if norm is not None else (None, x, scales, 0.0)
+    res = residual if residual is not None else x
+    _int4_gemv_n8_kernel[(m, n // PACK, split)](
+        x, qweight, scales, zeros, bias if bias is not None else out, target, res, residual_out, g, m, n, k,
+        group_size, k // split, x.stride(0), scales.stride(0), out.stride(0), res.stride(0), residual_out.stride(0),
+        eps, MAGIC, HAS_BIAS=bias is not None, SPLIT=split, THREADS=32 * num_warps, RUN=run, PROLOGUE=prologue,
+        HAS_RESIDUAL=residual is not None, num_warps=num_warps, **launch_kwargs(x.device))
+    if split > 1:
+        _splitk_sum(target, bias, out)
 
 
 def int4_gemv_n8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -534,23 +599,58 @@ def int4_gemv_n8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     n = qweight.shape[0] * PACK
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if config is None:
-        config = gemv_n8_config(m, n, k, group_size, _sm_count(x))
-    num_warps, run, split = config
-    threads = 32 * num_warps
-    if run != n8_run(k, group_size) or k % (threads * run * split):
-        raise ValueError(f"int4 GEMV config {(num_warps, run, split)}: the run must be the layout's "
-                         f"({n8_run(k, group_size)}) and the steps must divide K={k}")
-    target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    config = config or gemv_n8_config(m, n, k, group_size, _sm_count(x))
+    _check_gemv_n8_config(k, group_size, config, NO_PROLOGUE)
     # Act-order: the permuted input as one small gather (inside the kernel it would not load as
     # the vector tiles the weight words load as).
     xp = x if perm is None else x.index_select(1, perm)
-    _int4_gemv_n8_kernel[(m, n // PACK, split)](
-        xp, qweight, scales, zeros, bias if bias is not None else out, target, m, n, k, group_size, k // split,
-        xp.stride(0), scales.stride(0), out.stride(0), MAGIC,
-        HAS_BIAS=bias is not None, SPLIT=split, THREADS=threads, RUN=run, num_warps=num_warps)
-    if split > 1:
-        _splitk_sum(target, bias, out)
+    _launch_gemv_n8(xp, qweight, scales, zeros, group_size, bias, out, config)
+    return out
+
+
+def prologue_fits(x: torch.Tensor, qweight: torch.Tensor, perm: torch.Tensor | None, group_size: int,
+                  layout: str, prologue: int) -> bool:
+    """Whether the word-row GEMV takes ``x`` with ``prologue`` in it (``[M, K]``; ``[M, 2K]`` for the
+    activation): a word-row weight without act-order (the prologue's columns are the weight's),
+    ``x``'s rows few enough for the GEMV (``N8_GEMV_MAX_ROWS``), a half-precision or float32
+    ``x`` with contiguous rows, and for the norm K unsplit by ``gemv_n8_config``."""
+    if layout != N8_LAYOUT or perm is not None or x.dim() != 2 or not qweight.is_contiguous():
+        return False
+    n, k = qweight.shape[0] * PACK, qweight.shape[1]
+    if (x.shape[1] != k * (2 if prologue == ACT_PROLOGUE else 1) or x.stride(-1) != 1 or group_size % PACK
+            or x.shape[0] > N8_GEMV_MAX_ROWS or not n8_layout_fits(k, group_size)
+            or x.dtype not in (torch.float16, torch.bfloat16, torch.float32)):
+        return False
+    return prologue != NORM_PROLOGUE or gemv_n8_config(x.shape[0], n, k, group_size, _sm_count(x))[2] == 1
+
+
+def rms_norm_int4_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                       qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                       bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(int4_gemv_n8(rmsnorm(x + residual) * g), x + residual)`` in one launch, as
+    ``layers/kernels/fused_gemv.rms_norm_linear`` computes it for a float weight (the normed row never
+    rounded); without a residual ``(int4_gemv_n8(rmsnorm(x) * g), x)``. Precondition:
+    ``prologue_fits`` (``NORM_PROLOGUE``), ``residual`` like ``x``, ``norm_weight`` ``[K]`` contiguous."""
+    m, k = x.shape
+    out = torch.empty(m, qweight.shape[0] * PACK, dtype=x.dtype, device=x.device)
+    residual_out = torch.empty_like(x) if residual is not None else x
+    config = gemv_n8_config(m, out.shape[1], k, group_size, _sm_count(x))
+    _check_gemv_n8_config(k, group_size, config, NORM_PROLOGUE)
+    _launch_gemv_n8(x, qweight, scales, zeros, group_size, bias, out, config, NORM_PROLOGUE,
+                    (residual, residual_out, norm_weight, eps))
+    return out, residual_out
+
+
+def silu_and_mul_int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                           group_size: int, bias: torch.Tensor | None = None,
+                           config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """``int4_gemv_n8(silu(gate) * up)`` for ``x = [gate | up]`` ``[M, 2K]`` in one launch (the
+    activation rounded as ``SiluAndMul`` rounds it). Precondition: ``prologue_fits`` (``ACT_PROLOGUE``)."""
+    m, k = x.shape[0], qweight.shape[1]
+    out = torch.empty(m, qweight.shape[0] * PACK, dtype=x.dtype, device=x.device)
+    config = config or gemv_n8_config(m, out.shape[1], k, group_size, _sm_count(x))
+    _check_gemv_n8_config(k, group_size, config, ACT_PROLOGUE)
+    _launch_gemv_n8(x, qweight, scales, zeros, group_size, bias, out, config, ACT_PROLOGUE)
     return out
 
 
