@@ -39,7 +39,9 @@ DEVICE, DTYPE = "cuda", "bfloat16"
 CONFIG = ROOT / "benchmarks/configs/llama-3.1-8b/config.json"
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 ROWS = (1, 2, 3, 4, 8, 16, 32, 64, 128, 256)
-SWEEP_ROWS = (16, 64)  # row counts at which --sweep times the tiled GEMM's launch sizes
+COLD_BYTES = 150e6  # bytes of weight copies the GEMV sweep cycles through (``cold_copies``)
+SWEEP_ROWS = (16, 64)
+COPY_BYTES_PER_S = 3.0e12  # an H100's measured copy bandwidth (the GEMV sweep's floor)  # row counts at which --sweep times the tiled GEMM's launch sizes
 VARIANTS = {
     "bf16": None,
     "gptq-g128": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True},
@@ -47,20 +49,24 @@ VARIANTS = {
 }
 
 
-def graph_time_us(fn, calls: int = 20) -> float:
-    """Microseconds per call of ``fn``, replayed ``calls`` at a time from a CUDA graph (no launch gaps)."""
+def graph_time_us(fn, calls: int = 20, copies: int | None = None) -> float:
+    """Microseconds per call of ``fn``, replayed ``calls`` at a time from a CUDA graph (no launch gaps).
+    ``copies``: ``fn(i)`` takes the weight copy ``i`` (call ``c`` uses copy ``c % copies``), so that
+    the weights come from DRAM as in a decode step, not from L2 (``cold_copies``)."""
     import torch
 
+    call = fn if copies is None else None
+    calls = max(calls, copies or 1)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
+        for i in range(3):
+            (call or (lambda i=i: fn(i % copies)))()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
+        for i in range(calls):
+            (call or (lambda i=i: fn(i % copies)))()
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     best = float("inf")
@@ -72,6 +78,11 @@ def graph_time_us(fn, calls: int = 20) -> float:
         end.synchronize()
         best = min(best, start.elapsed_time(end) * 1e3 / (5 * calls))
     return best
+
+
+def cold_copies(nbytes: float) -> int:
+    """Copies of a weight of ``nbytes`` that, taken in turn, overflow an H100's 50 MB L2 three times."""
+    return max(1, -(-int(COLD_BYTES) // int(nbytes)))
 
 
 def time_shape(name: str, n: int, k: int, rows: tuple[int, ...], sweep: bool) -> list[dict]:
@@ -162,6 +173,72 @@ def tiled_sweep(m: int, n: int, k: int, sms: int) -> list[tuple[int, int, int, i
     return list(unique)
 
 
+def gemv_sweep_configs(n: int, k: int) -> list[tuple]:
+    """Word-row GEMV launches (``int4_gemm.GemvN8Config``) around the default for an ``[n, k]``
+    weight at one row: 4 and 2 warps, K unsplit or split in 2, one or two word rows a program, the
+    zero points subtracted per code or per step."""
+    from pagedllm.quantization.int4_layout import n8_run
+
+    run = n8_run(k, 128)
+    configs = [(w, run, split, rows, fold) for w in (4, 2) for split in (1, 2) for rows in (1, 2)
+               for fold in (False, True)]
+    return [c for c in configs if k % (32 * c[0] * run * c[2]) == 0]
+
+
+def time_gemv_sweep(name: str, n: int, k: int) -> list[dict]:
+    """The one-row word-row GEMV of an ``[n, k]`` weight (GPTQ g128) at each ``gemv_sweep_configs``
+    launch, the weights cold (``cold_copies`` of them in turn), against bf16 ``F.linear`` (cold too)
+    and the bytes floor (packed codes + fp16 scales and zeros over ``COPY_BYTES_PER_S``); with the op
+    before the projection (qkv, gate_up: residual add + RMSNorm; down: SiLU-and-mul) as its own
+    launch (``+norm`` / ``+act``) and in the GEMV's prologue (``fused``)."""
+    import torch
+    import torch.nn.functional as F
+
+    from pagedllm.layers.kernels.activation import silu_and_mul
+    from pagedllm.layers.kernels.rms_norm import rms_norm
+    from pagedllm.quantization.kernels import int4_gemm
+
+    dtype = getattr(torch, DTYPE)
+    int4_bytes = n * k / 2 + 4 * n * (k // 128)
+    copies = cold_copies(int4_bytes)
+    words = [torch.randint(-(2**31), 2**31 - 1, (n // 8, k), dtype=torch.int32, device=DEVICE) for _ in range(copies)]
+    scales = [torch.full((n, k // 128), 0.01, dtype=torch.float16, device=DEVICE) for _ in range(copies)]
+    zeros = [torch.full((n, k // 128), 8.0, dtype=torch.float16, device=DEVICE) for _ in range(copies)]
+    bf16 = [torch.randn(n, k, dtype=dtype, device=DEVICE) for _ in range(cold_copies(2 * n * k))]
+    x = torch.randn(1, k, dtype=dtype, device=DEVICE)
+    residual = torch.randn(1, k, dtype=dtype, device=DEVICE)
+    gate_up = torch.randn(1, 2 * k, dtype=dtype, device=DEVICE)
+    g = torch.ones(k, dtype=dtype, device=DEVICE)
+    bf16_us = graph_time_us(lambda i: F.linear(x, bf16[i]), copies=len(bf16))
+    floor_us = int4_bytes / COPY_BYTES_PER_S * 1e6
+    prologue = {"qkv": "norm", "gate_up": "norm", "down": "act"}.get(name)
+    rows = []
+    for config in gemv_sweep_configs(n, k):
+        def gemv(i, config=config):
+            return int4_gemm.int4_gemv_n8(x, words[i], scales[i], zeros[i], None, 128, None, config=config)
+
+        runs = [("gemv", gemv)]
+        if prologue == "norm" and config[2] == 1:
+            runs += [("+norm", lambda i, gemv=gemv: (rms_norm(x, g, 1e-5, residual), gemv(i))),
+                     ("fused", lambda i, c=config: int4_gemm.rms_norm_int4_gemv(
+                         x, residual, g, 1e-5, words[i], scales[i], zeros[i], 128, config=c))]
+        elif prologue == "act":
+            runs += [("+act", lambda i, gemv=gemv: (silu_and_mul(gate_up), gemv(i))),
+                     ("fused", lambda i, c=config: int4_gemm.silu_and_mul_int4_gemv(
+                         gate_up, words[i], scales[i], zeros[i], 128, config=c))]
+        for kind, fn in runs:
+            row = {"layer": name, "n": n, "k": k, "config": list(config), "kind": kind, "bf16_us": bf16_us,
+                   "floor_us": floor_us}
+            try:
+                us = graph_time_us(fn, copies=copies)
+                row.update(int4_us=us, ratio=us / bf16_us, over_floor=us / floor_us,
+                           int4_gb_per_s=int4_bytes / us / 1e3)
+            except Exception as e:  # a launch that does not compile must not end the table
+                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            rows.append(row)
+    return rows
+
+
 def time_gguf(name: str, n: int, k: int) -> list[dict]:
     """The GGUF block kernels (``kernels/gguf_gemm.py``) for one ``[n, k]`` weight at 1 and 64 rows,
     random blocks (timing does not depend on the values), against bf16 ``F.linear``."""
@@ -183,8 +260,9 @@ def time_gguf(name: str, n: int, k: int) -> list[dict]:
     return rows
 
 
-def kernels_part(rows: tuple[int, ...], sweep: bool, gguf: bool, layers: list[str]) -> dict:
+def kernels_part(rows: tuple[int, ...], sweep: bool, gguf: bool, layers: list[str], gemv_sweep: bool) -> dict:
     return {"kernels": [row for name in layers for row in time_shape(name, *SHAPES[name], rows, sweep)],
+            "gemv_sweep": [row for name in layers for row in time_gemv_sweep(name, *SHAPES[name])] if gemv_sweep else [],
             "gguf": [row for name in ("o", "gate_up") for row in time_gguf(name, *SHAPES[name])] if gguf else []}
 
 
@@ -291,6 +369,7 @@ def print_tables(result: dict) -> None:
         print(f"{r['layer']:8} {r['m']:>3} {r['kernel']:14} {config:>15} {r['int4_us']:>8.1f} "
               f"{r['int4_gb_per_s']:>9.0f} {r['bf16_us']:>8.1f} {r['bf16_gb_per_s']:>9.0f} {r['ratio']:>6.2f} "
               f"{r['rel_err']:>8.1e}")
+    print_gemv_sweep(result.get("kernels", {}).get("gemv_sweep", []))
     gguf = result.get("kernels", {}).get("gguf", [])
     if gguf:
         print("\nGGUF block kernels (us per call, CUDA graph; random blocks) vs bf16 F.linear")
@@ -299,6 +378,21 @@ def print_tables(result: dict) -> None:
         print(f"{r['layer']:8} {r['qtype']:6} {r['m']:>3} {r['us']:>9.1f} {r['bf16_us']:>9.1f} {r['ratio']:>6.2f} "
               f"{r['gb_per_s']:>7.0f}")
     print_engine_table(result["engine"], width=22)
+
+
+def print_gemv_sweep(rows: list[dict]) -> None:
+    if not rows:
+        return
+    print("\none-row word-row GEMV, weights cold (us per call; config: warps,run,split,word rows,fold zero)")
+    print(f"{'layer':8} {'config':>18} {'kind':6} {'int4 us':>8} {'floor us':>8} {'/floor':>6} {'GB/s':>6} "
+          f"{'bf16 us':>8} {'ratio':>6}")
+    for r in rows:
+        config = ",".join(str(int(v)) for v in r["config"])
+        if "error" in r:
+            print(f"{r['layer']:8} {config:>18} {r['kind']:6} error: {r['error']}")
+            continue
+        print(f"{r['layer']:8} {config:>18} {r['kind']:6} {r['int4_us']:>8.1f} {r['floor_us']:>8.1f} "
+              f"{r['over_floor']:>6.2f} {r['int4_gb_per_s']:>6.0f} {r['bf16_us']:>8.1f} {r['ratio']:>6.2f}")
 
 
 def print_engine_table(engine: dict, width: int) -> None:
@@ -329,18 +423,21 @@ def main() -> int:
     p.add_argument("--layers", nargs="+", default=list(SHAPES), choices=list(SHAPES), help="projections of the kernel table")
     p.add_argument("--sweep", action="store_true", help=f"also the tiled GEMM's launch sizes at {SWEEP_ROWS} rows")
     p.add_argument("--gguf", action="store_true", help="also the GGUF block kernels")
+    p.add_argument("--gemv-sweep", action="store_true",
+                   help="also the one-row GEMV's launch sizes, weights cold, plain and with its prologue")
     p.add_argument("--profile", action="store_true", help="also the CUDA kernels of 10 decode steps per batch size")
     p.add_argument("--child", choices=["kernels", *VARIANTS], help=argparse.SUPPRESS)
     p.add_argument("--child-json", help=argparse.SUPPRESS)
     ns = p.parse_args()
     if ns.child:
-        out = kernels_part(tuple(ns.rows), ns.sweep, ns.gguf, ns.layers) if ns.child == "kernels" else engine_part(ns.child, ns.batch_sizes, ns.input_len,
+        out = kernels_part(tuple(ns.rows), ns.sweep, ns.gguf, ns.layers, ns.gemv_sweep) if ns.child == "kernels" else engine_part(ns.child, ns.batch_sizes, ns.input_len,
                                                                          ns.output_len, ns.profile)
         Path(ns.child_json).write_text(json.dumps(out))
         return 0
     sizes = ["--batch-sizes", *map(str, ns.batch_sizes), "--input-len", str(ns.input_len),
              "--output-len", str(ns.output_len)] + ["--profile"] * ns.profile
-    kernel_args = ["--rows", *map(str, ns.rows), "--layers", *ns.layers] + ["--sweep"] * ns.sweep + ["--gguf"] * ns.gguf
+    kernel_args = (["--rows", *map(str, ns.rows), "--layers", *ns.layers] + ["--sweep"] * ns.sweep + ["--gguf"] * ns.gguf
+                   + ["--gemv-sweep"] * ns.gemv_sweep)
     result = {"kernels": {} if ns.skip_kernels else run_child(["--child", "kernels", *kernel_args]),
               "engine": {} if ns.skip_engine else {v: run_child(["--child", v, *sizes]) for v in ns.variants}}
     print_tables(result)

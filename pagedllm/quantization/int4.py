@@ -262,10 +262,13 @@ class Int4LinearMethod(QuantizeMethodBase):
         """``(apply(norm(x + residual)), x + residual)`` in one launch (``Linear.forward_norm_prologue``),
         or None where the word-row GEMV does not take the norm (``int4_gemm.prologue_fits``; a norm
         weight or residual unlike ``x``)."""
+        if not HAS_TRITON:
+            return None
         from pagedllm.quantization.kernels import int4_gemm
 
-        if not (_prologue_fits(self, layer, x, int4_gemm.NORM_PROLOGUE) and norm.weight.dtype == x.dtype
-                and norm.weight.is_contiguous()
+        if not (int4_gemm.prologue_fits(x, layer.qweight, layer.perm, self.layer_group_size(layer), layer.int4_layout,
+                                        int4_gemm.NORM_PROLOGUE)
+                and norm.weight.dtype == x.dtype and norm.weight.is_contiguous()
                 and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
                                           and residual.stride(-1) == 1))):
             return None
@@ -275,9 +278,12 @@ class Int4LinearMethod(QuantizeMethodBase):
     def apply_act_prologue(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         """``apply(silu(gate) * up)`` for ``x = [gate | up]`` in one launch (``Linear.forward_act_prologue``),
         or None where the word-row GEMV does not take it."""
+        if not HAS_TRITON:
+            return None
         from pagedllm.quantization.kernels import int4_gemm
 
-        if not _prologue_fits(self, layer, x, int4_gemm.ACT_PROLOGUE):
+        if not int4_gemm.prologue_fits(x, layer.qweight, layer.perm, self.layer_group_size(layer), layer.int4_layout,
+                                       int4_gemm.ACT_PROLOGUE):
             return None
         return int4_gemm.silu_and_mul_int4_gemv(x, layer.qweight, layer.scales, layer.zeros,
                                                 self.layer_group_size(layer), layer.bias)
@@ -287,15 +293,6 @@ class Int4LinearMethod(QuantizeMethodBase):
         y = int4_linear(x2, layer.qweight, layer.scales, layer.zeros, layer.perm, self.layer_group_size(layer), bias,
                         layer.int4_layout)
         return y.reshape(*x.shape[:-1], y.shape[-1])
-
-
-def _prologue_fits(method: Int4LinearMethod, layer: nn.Module, x: torch.Tensor, prologue: int) -> bool:
-    """Whether ``layer``'s word-row GEMV takes ``x`` with ``prologue`` (a CUDA input: the Triton kernel)."""
-    from pagedllm.quantization.kernels import int4_gemm
-
-    return (HAS_TRITON and x.is_cuda
-            and int4_gemm.prologue_fits(x, layer.qweight, layer.perm, method.layer_group_size(layer),
-                                        layer.int4_layout, prologue))
 
 
 def new_param(layer: Linear, name: str, tensor: torch.Tensor, loader, shard_ids: tuple | None) -> None:
