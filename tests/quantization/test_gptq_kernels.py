@@ -561,3 +561,54 @@ def test_word_row_gemv_options_on_cuda(config):
         for dtype in (torch.bfloat16, torch.float16):
             err = check_case((m, 6144, 4096, 128, True, True, dtype, config), "cuda", layout=int4.N8_LAYOUT)
             assert err < 1e-2, (config, m, dtype, err)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("quant_method", ["gptq", "awq"])
+def test_a_word_row_checkpoint_on_cuda_runs_the_prologues_and_gives_the_dequantized_logits(tmp_path, monkeypatch,
+                                                                                           quant_method):
+    """A llama of 128 hidden and 256 intermediate features (the word-row layout takes every
+    projection), no act-order, bf16 with the fused kernels on: at one and two decode rows qkv and
+    gate_up run the norm in the GEMV's prologue and down_proj the activation, and the logits are
+    those of the dequantized float model."""
+    import transformers
+
+    from pagedllm.config import KernelConfig
+    from pagedllm.layers.dispatch import prepare_model_kernels
+    from pagedllm.loader import load_hf_config, resolve_model
+    from pagedllm.models import load_model
+    from pagedllm.quantization import get_quantization_config
+    from pagedllm.quantization.kernels import int4_gemm
+    from tests.helpers import PagedTestRunner, default_tokenizer, tiny_config
+    from tests.quantization.int4_checkpoints import awq_config, gptq_config, write_int4_checkpoint
+
+    cfg = tiny_config("llama").to_dict()
+    cfg.update(hidden_size=128, intermediate_size=256)
+    torch.manual_seed(1)
+    hf_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg))
+    with torch.no_grad():
+        for name, param in hf_model.named_parameters():
+            param.normal_(1.0, 0.1) if "norm" in name else param.normal_(0.0, 0.05)
+    hf_model.save_pretrained(tmp_path / "f")
+    default_tokenizer().save_pretrained(tmp_path / "f")
+    qcfg = gptq_config(32) if quant_method == "gptq" else awq_config(32)
+    quant_dir, float_dir = write_int4_checkpoint(str(tmp_path / "f"), tmp_path, qcfg)
+    calls = []
+    for name in ("rms_norm_int4_gemv", "silu_and_mul_int4_gemv"):
+        monkeypatch.setattr(int4_gemm, name, lambda *a, _f=getattr(int4_gemm, name), _n=name, **k:
+                            calls.append(_n) or _f(*a, **k))
+
+    def logits(folder):
+        source = resolve_model(folder)
+        hf_config = load_hf_config(source)
+        model = load_model(source, hf_config, torch.bfloat16, "cuda", get_quantization_config(None, hf_config))
+        prepare_model_kernels(model, torch.device("cuda"), KernelConfig())
+        runner = PagedTestRunner(model, num_blocks=64, block_size=4)
+        chunks = ([(0, list(range(3, 40))), (1, list(range(50, 59)))], [(0, [100])], [(0, [101]), (1, [102])])
+        return torch.cat([torch.cat(runner.step(c)) for c in chunks]).float()
+
+    got = logits(quant_dir)
+    assert calls.count("rms_norm_int4_gemv") >= 2 * 2 * 3 and calls.count("silu_and_mul_int4_gemv") >= 2 * 3
+    want = logits(float_dir)
+    assert float((got - want).abs().mean()) < 0.05 * float(want.abs().mean())
