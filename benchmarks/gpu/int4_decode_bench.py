@@ -266,11 +266,35 @@ def kernels_part(rows: tuple[int, ...], sweep: bool, gguf: bool, layers: list[st
             "gguf": [row for name in ("o", "gate_up") for row in time_gguf(name, *SHAPES[name])] if gguf else []}
 
 
-def engine_part(variant: str, batch_sizes: list[int], input_len: int, output_len: int, profile: bool) -> dict:
+def apply_int4_options(options: str) -> None:
+    """Sets the int4 GEMV's options for this process before the engine is built: ``options`` is
+    ``default`` or comma-separated ``word_rows=N`` / ``fold_zero=0|1`` (``int4_gemm.N8_WORD_ROWS`` /
+    ``N8_FOLD_ZERO``: the one-row GEMV's defaults) and ``prologues=0`` (no norm / SiLU in the GEMV:
+    the ops as their own launches, as before they were fused)."""
+    from pagedllm.quantization.int4 import Int4LinearMethod
+    from pagedllm.quantization.kernels import int4_gemm
+
+    for item in options.split(",") if options != "default" else []:
+        key, value = item.split("=")
+        if key == "word_rows":
+            int4_gemm.N8_WORD_ROWS = int(value)
+        elif key == "fold_zero":
+            int4_gemm.N8_FOLD_ZERO = bool(int(value))
+        elif key == "prologues" and not int(value):
+            Int4LinearMethod.apply_norm_prologue = lambda *a: None
+            Int4LinearMethod.apply_act_prologue = lambda *a: None
+        else:
+            raise ValueError(f"--int4-options: unknown {item!r}")
+
+
+def engine_part(variant: str, batch_sizes: list[int], input_len: int, output_len: int, profile: bool,
+                int4_options: str = "default") -> dict:
     import random
 
     import torch
 
+    if VARIANTS[variant] is not None:
+        apply_int4_options(int4_options)
     from pagedllm import LLM
     from pagedllm.entrypoints.bench_latency import decode_step_seconds
     from pagedllm.entrypoints.bench_roofline import device_name, measure_copy_bandwidth
@@ -377,7 +401,7 @@ def print_tables(result: dict) -> None:
     for r in gguf:
         print(f"{r['layer']:8} {r['qtype']:6} {r['m']:>3} {r['us']:>9.1f} {r['bf16_us']:>9.1f} {r['ratio']:>6.2f} "
               f"{r['gb_per_s']:>7.0f}")
-    print_engine_table(result["engine"], width=22)
+    print_engine_table(result["engine"], width=max([22, *map(len, result["engine"])]))
 
 
 def print_gemv_sweep(rows: list[dict]) -> None:
@@ -426,20 +450,29 @@ def main() -> int:
     p.add_argument("--gemv-sweep", action="store_true",
                    help="also the one-row GEMV's launch sizes, weights cold, plain and with its prologue")
     p.add_argument("--profile", action="store_true", help="also the CUDA kernels of 10 decode steps per batch size")
+    p.add_argument("--int4-options", nargs="+", default=["default"],
+                   help="int4 engine runs, each 'default' or e.g. 'word_rows=2,fold_zero=1' or 'prologues=0' "
+                        "(apply_int4_options)")
     p.add_argument("--child", choices=["kernels", *VARIANTS], help=argparse.SUPPRESS)
     p.add_argument("--child-json", help=argparse.SUPPRESS)
     ns = p.parse_args()
     if ns.child:
-        out = kernels_part(tuple(ns.rows), ns.sweep, ns.gguf, ns.layers, ns.gemv_sweep) if ns.child == "kernels" else engine_part(ns.child, ns.batch_sizes, ns.input_len,
-                                                                         ns.output_len, ns.profile)
+        if ns.child == "kernels":
+            out = kernels_part(tuple(ns.rows), ns.sweep, ns.gguf, ns.layers, ns.gemv_sweep)
+        else:
+            out = engine_part(ns.child, ns.batch_sizes, ns.input_len, ns.output_len, ns.profile, ns.int4_options[0])
         Path(ns.child_json).write_text(json.dumps(out))
         return 0
     sizes = ["--batch-sizes", *map(str, ns.batch_sizes), "--input-len", str(ns.input_len),
              "--output-len", str(ns.output_len)] + ["--profile"] * ns.profile
     kernel_args = (["--rows", *map(str, ns.rows), "--layers", *ns.layers] + ["--sweep"] * ns.sweep + ["--gguf"] * ns.gguf
                    + ["--gemv-sweep"] * ns.gemv_sweep)
-    result = {"kernels": {} if ns.skip_kernels else run_child(["--child", "kernels", *kernel_args]),
-              "engine": {} if ns.skip_engine else {v: run_child(["--child", v, *sizes]) for v in ns.variants}}
+    engine = {}
+    for variant in [] if ns.skip_engine else ns.variants:
+        for options in ns.int4_options if VARIANTS[variant] is not None else ["default"]:
+            key = variant if options == "default" else f"{variant}[{options}]"
+            engine[key] = run_child(["--child", variant, *sizes, "--int4-options", options])
+    result = {"kernels": {} if ns.skip_kernels else run_child(["--child", "kernels", *kernel_args]), "engine": engine}
     print_tables(result)
     os.makedirs(os.path.dirname(ns.out) or ".", exist_ok=True)
     Path(ns.out).write_text(json.dumps(result, indent=2))

@@ -629,6 +629,15 @@ def _splitk_sum(partials: torch.Tensor, bias: torch.Tensor | None, out: torch.Te
                                                      BLOCK=block, num_warps=4, **launch_kwargs(out.device))
 
 
+def _gemv_n8_launch(x: torch.Tensor, n: int, k: int, group_size: int, config: tuple | None) -> GemvN8Config:
+    """``config`` (or its leading fields) as a ``GemvN8Config``, or the default for ``x``'s rows:
+    ``gemv_n8_config``'s, without folded zero points for a float32 ``x`` (they would cost it 11 bits)."""
+    if config:
+        return GemvN8Config(*config)
+    default = gemv_n8_config(x.shape[0], n, k, group_size, _sm_count(x))
+    return default._replace(fold_zero=False) if x.dtype == torch.float32 else default
+
+
 def _check_gemv_n8_config(n: int, k: int, group_size: int, config: GemvN8Config, prologue: int) -> None:
     """ValueError unless ``config`` suits a word-row weight of ``n`` outputs and ``k`` inputs: the
     layout's run, steps that divide K, word rows that divide N / 8, and no split of K under the norm
@@ -673,7 +682,7 @@ def int4_gemv_n8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     n = qweight.shape[0] * PACK
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    config = GemvN8Config(*config) if config else gemv_n8_config(m, n, k, group_size, _sm_count(x))
+    config = _gemv_n8_launch(x, n, k, group_size, config)
     _check_gemv_n8_config(n, k, group_size, config, NO_PROLOGUE)
     # Act-order: the permuted input as one small gather (inside the kernel it would not load as
     # the vector tiles the weight words load as).
@@ -710,7 +719,7 @@ def rms_norm_int4_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weig
     m, k = x.shape
     out = torch.empty(m, qweight.shape[0] * PACK, dtype=x.dtype, device=x.device)
     residual_out = torch.empty_like(x) if residual is not None else x
-    config = GemvN8Config(*config) if config else gemv_n8_config(m, out.shape[1], k, group_size, _sm_count(x))
+    config = _gemv_n8_launch(x, out.shape[1], k, group_size, config)
     _check_gemv_n8_config(out.shape[1], k, group_size, config, NORM_PROLOGUE)
     _launch_gemv_n8(x, qweight, scales, zeros, group_size, bias, out, config, NORM_PROLOGUE,
                     (residual, residual_out, norm_weight, eps))
@@ -724,7 +733,7 @@ def silu_and_mul_int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch
     activation rounded as ``SiluAndMul`` rounds it). Precondition: ``prologue_fits`` (``ACT_PROLOGUE``)."""
     m, k = x.shape[0], qweight.shape[1]
     out = torch.empty(m, qweight.shape[0] * PACK, dtype=x.dtype, device=x.device)
-    config = GemvN8Config(*config) if config else gemv_n8_config(m, out.shape[1], k, group_size, _sm_count(x))
+    config = _gemv_n8_launch(x, out.shape[1], k, group_size, config)
     _check_gemv_n8_config(out.shape[1], k, group_size, config, ACT_PROLOGUE)
     _launch_gemv_n8(x, qweight, scales, zeros, group_size, bias, out, config, ACT_PROLOGUE)
     return out
