@@ -176,12 +176,13 @@ def tiled_sweep(m: int, n: int, k: int, sms: int) -> list[tuple[int, int, int, i
 def gemv_sweep_configs(n: int, k: int) -> list[tuple]:
     """Word-row GEMV launches (``int4_gemm.GemvN8Config``) around the default for an ``[n, k]``
     weight at one row: 4 and 2 warps, K unsplit or split in 2, one or two word rows a program, the
-    zero points subtracted per code or per step."""
+    zero points subtracted per code or per step; and the step's loads hoisted."""
     from pagedllm.quantization.int4_layout import n8_run
 
     run = n8_run(k, 128)
-    configs = [(w, run, split, rows, fold) for w in (4, 2) for split in (1, 2) for rows in (1, 2)
+    configs = [(w, run, split, rows, fold, False) for w in (4, 2) for split in (1, 2) for rows in (1, 2)
                for fold in (False, True)]
+    configs += [(4, run, 1, 1, fold, True) for fold in (False, True)]
     return [c for c in configs if k % (32 * c[0] * run * c[2]) == 0]
 
 
@@ -268,8 +269,8 @@ def kernels_part(rows: tuple[int, ...], sweep: bool, gguf: bool, layers: list[st
 
 def apply_int4_options(options: str) -> None:
     """Sets the int4 GEMV's options for this process before the engine is built: ``options`` is
-    ``default`` or comma-separated ``word_rows=N`` / ``fold_zero=0|1`` (``int4_gemm.N8_WORD_ROWS`` /
-    ``N8_FOLD_ZERO``: the one-row GEMV's defaults) and ``prologues=0`` (no norm / SiLU in the GEMV:
+    ``default`` or comma-separated ``word_rows=N`` / ``fold_zero=0|1`` / ``hoist=0|1``
+    (``int4_gemm.N8_WORD_ROWS`` / ``N8_FOLD_ZERO`` / ``N8_HOIST``: the one-row GEMV's defaults) and ``prologues=0`` (no norm / SiLU in the GEMV:
     the ops as their own launches, as before they were fused)."""
     from pagedllm.quantization.int4 import Int4LinearMethod
     from pagedllm.quantization.kernels import int4_gemm
@@ -280,6 +281,8 @@ def apply_int4_options(options: str) -> None:
             int4_gemm.N8_WORD_ROWS = int(value)
         elif key == "fold_zero":
             int4_gemm.N8_FOLD_ZERO = bool(int(value))
+        elif key == "hoist":
+            int4_gemm.N8_HOIST = bool(int(value))
         elif key == "prologues" and not int(value):
             Int4LinearMethod.apply_norm_prologue = lambda *a: None
             Int4LinearMethod.apply_act_prologue = lambda *a: None
@@ -407,7 +410,7 @@ def print_tables(result: dict) -> None:
 def print_gemv_sweep(rows: list[dict]) -> None:
     if not rows:
         return
-    print("\none-row word-row GEMV, weights cold (us per call; config: warps,run,split,word rows,fold zero)")
+    print("\none-row word-row GEMV, weights cold (us per call; config: warps,run,split,word rows,fold zero,hoist)")
     print(f"{'layer':8} {'config':>18} {'kind':6} {'int4 us':>8} {'floor us':>8} {'/floor':>6} {'GB/s':>6} "
           f"{'bf16 us':>8} {'ratio':>6}")
     for r in rows:

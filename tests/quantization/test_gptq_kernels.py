@@ -49,6 +49,7 @@ N8_GEMV_CONFIG_CASES = [
     (1, 32, 512, 128, False, True, torch.float32, (4, 4, 1, 2, False)),
     (2, 32, 1024, 32, True, False, torch.float16, (4, 8, 1, 1, True)),
     (1, 48, 1024, 128, False, True, torch.float16, (2, 8, 2, 2, True)),
+    (2, 16, 512, 128, True, True, torch.float32, (4, 4, 1, 1, False, True)),  # all the step's loads at once
 ]
 # The word-row GEMV with the op before the projection in its prologue: (rows, N, K, group size,
 # prologue ("norm", "norm-no-residual", "act"), bias, dtype, launch config).
@@ -206,7 +207,7 @@ def test_gemv_config_fills_the_gpu_and_divides_k():
 
     for m, n, k, gs in [(1, 4096, 4096, 128), (1, 4096, 14336, 128), (1, 28672, 4096, 128), (2, 6144, 4096, 128),
                         (4, 4096, 4096, 32), (1, 1024, 256, 8), (3, 4096, 14336, 14336)]:
-        num_warps, run, split, word_rows, _ = int4_gemm.gemv_n8_config(m, n, k, gs, 132)
+        num_warps, run, split, word_rows, *_ = int4_gemm.gemv_n8_config(m, n, k, gs, 132)
         assert (n // 8) % word_rows == 0, (m, n, k, gs)
         assert run == int4.n8_run(k, gs) and k % (32 * num_warps * run * split) == 0, (m, n, k, gs)
         steps = k // (32 * num_warps * run)
@@ -260,13 +261,15 @@ def test_word_row_gemv_compiles_for_hopper_without_spills():
     signature = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16", "b_ptr": "*bf16",
                  "out_ptr": "*bf16", "res_ptr": "*bf16", "res_out_ptr": "*bf16", "g_ptr": "*bf16",
                  **dict.fromkeys(ints, "i32"), "eps": "fp32",
-                 **dict.fromkeys(("HAS_BIAS", "SPLIT", "THREADS", "RUN", "WORD_ROWS", "FOLD_ZERO", "PROLOGUE",
-                                  "HAS_RESIDUAL", "USE_PDL"), "constexpr")}
+                 **dict.fromkeys(("HAS_BIAS", "SPLIT", "THREADS", "RUN", "WORD_ROWS", "FOLD_ZERO", "HOIST",
+                                  "PROLOGUE", "HAS_RESIDUAL", "USE_PDL"), "constexpr")}
     # Plain, with the norm (and the residual) and with the activation in the prologue, the zero
     # points per code or per step; under PDL.
-    for prologue, run, fold_zero in ((0, 32, False), (1, 32, False), (2, 16, False), (0, 32, True), (1, 32, True)):
+    for prologue, run, fold_zero, hoist in ((0, 32, False, False), (1, 32, False, False), (2, 16, False, False),
+                                            (0, 32, True, False), (1, 32, True, False), (0, 32, False, True)):
         constants = {"HAS_BIAS": True, "SPLIT": 1, "THREADS": 128, "RUN": run, "WORD_ROWS": 1,
-                     "FOLD_ZERO": fold_zero, "PROLOGUE": prologue, "HAS_RESIDUAL": True, "USE_PDL": True}
+                     "FOLD_ZERO": fold_zero, "HOIST": hoist, "PROLOGUE": prologue, "HAS_RESIDUAL": True,
+                     "USE_PDL": True}
         kernel = triton.compile(ASTSource(int4_gemm._int4_gemv_n8_kernel, signature, constants), target=target,
                                 options={"num_warps": 4})
         assert "ld.global" in kernel.asm["ptx"] and "ld.local" not in kernel.asm["ptx"], prologue
@@ -554,9 +557,10 @@ def test_prologue_gemvs_match_the_reference_on_cuda(prologue, config):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("config", [(4, 32, 1, 2, False), (4, 32, 1, 1, True), (2, 32, 2, 2, True)])
+@pytest.mark.parametrize("config", [(4, 32, 1, 2, False), (4, 32, 1, 1, True), (2, 32, 2, 2, True),
+                                    (4, 32, 1, 1, True, True)])
 def test_word_row_gemv_options_on_cuda(config):
-    """Two word rows a program and folded zero points on the qkv shape, float16 and bfloat16."""
+    """Two word rows a program, folded zero points, hoisted loads on the qkv shape, float16 and bfloat16."""
     for m in (1, 2):
         for dtype in (torch.bfloat16, torch.float16):
             err = check_case((m, 6144, 4096, 128, True, True, dtype, config), "cuda", layout=int4.N8_LAYOUT)

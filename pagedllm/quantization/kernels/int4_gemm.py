@@ -82,6 +82,7 @@ N8_PROGRAMS_PER_SM = 2
 # whether it subtracts the zero points once a step (``_n8_plane``: fewer instructions a code).
 N8_WORD_ROWS = 1
 N8_FOLD_ZERO = False
+N8_HOIST = False  # whether the GEMV's loads of a step may all go out at once (``_n8_input_tile``)
 # Word-row layout: rows the GEMV takes (one: its per-row sums cost registers and a second row
 # doubles its arithmetic), and rows the tiled GEMM takes (above: dequantize once + cuBLAS, whose
 # tiles reuse each weight across many rows).
@@ -189,13 +190,14 @@ def _int4_dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, GROUP_SIZE, stride_q
 
 @triton.jit
 def _n8_input_tile(x_row, res_row, res_out_row, g_ptr, cols, K, ss, store, PROLOGUE: tl.constexpr,
-                   HAS_RESIDUAL: tl.constexpr):
+                   HAS_RESIDUAL: tl.constexpr, HOIST: tl.constexpr):
     """The GEMV's input at ``cols`` (``[THREADS, 4]``) as float32, and the running sum of squares
     ``ss``: ``x`` as it is (``PROLOGUE`` 0); ``(x + residual) * g`` (1: the sum rounded to x's dtype,
     stored to ``res_out`` where ``store``, its squares added to ``ss``; the normed row never rounded);
     ``silu(gate) * up`` (2: gate = columns ``[0, K)`` of the row, up ``[K, 2K)``, rounded as
     ``SiluAndMul`` rounds it). The mask (``cols < K``, always true) keeps the compiler from hoisting
-    every step's loads together: unmasked the kernel takes 127 registers, not 95 (sm_90)."""
+    every step's loads together: unmasked (``HOIST``, no prologue) the kernel takes 127 registers,
+    not 95 (sm_90), and has all the step's words in flight at once instead of half."""
     mask = cols < K
     if PROLOGUE == 1:
         s = _load_sum(x_row, res_row, res_out_row, cols, mask, store & mask, HAS_RESIDUAL, True)
@@ -203,6 +205,8 @@ def _n8_input_tile(x_row, res_row, res_out_row, g_ptr, cols, K, ss, store, PROLO
         x = s * tl.load(g_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     elif PROLOGUE == 2:
         x = _silu_mul_chunk(x_row, cols, mask, K)
+    elif HOIST:
+        x = tl.load(x_row + cols).to(tl.float32)
     else:
         x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
     return x, ss
@@ -261,8 +265,8 @@ def _n8_store(out_ptr, acc, rows, b_ptr, rstd, HAS_BIAS: tl.constexpr, SPLIT: tl
 def _int4_gemv_n8_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, res_ptr, res_out_ptr, g_ptr, M, N, K,
                          GROUP_SIZE, K_PER_SPLIT, stride_xm, stride_sn, stride_om, stride_rm, stride_rom, eps, magic,
                          HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, THREADS: tl.constexpr, RUN: tl.constexpr,
-                         WORD_ROWS: tl.constexpr, FOLD_ZERO: tl.constexpr, PROLOGUE: tl.constexpr,
-                         HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr):
+                         WORD_ROWS: tl.constexpr, FOLD_ZERO: tl.constexpr, HOIST: tl.constexpr,
+                         PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr):
     """One input row ``m`` against ``WORD_ROWS`` word rows (word row ``b`` holds outputs ``8b ..
     8b+7``, plane ``j`` = output ``8b + j``) over one split of K: ``y[m, 8b+j] = sum_k x[m, k] (q -
     z) s``. The rows of ``x`` are separate programs next to each other in the grid, so a word row's
@@ -337,7 +341,8 @@ def _int4_gemv_n8_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, res_ptr, r
             cols = run0[:, None] + 4 * r + e[None, :]
             stored = kb + (t // 32 * 32 * RUN + 128 * r + 4 * (t % 32))[:, None] + e[None, :]
             words = tl.load(word_rows + stored[:, None, :], eviction_policy="evict_first")
-            xv, ss = _n8_input_tile(x_row, res_row, res_out_row, g_ptr, cols, K, ss, store, PROLOGUE, HAS_RESIDUAL)
+            xv, ss = _n8_input_tile(x_row, res_row, res_out_row, g_ptr, cols, K, ss, store, PROLOGUE, HAS_RESIDUAL,
+                                    HOIST)
             if FOLD_ZERO:
                 xs += xv
                 lo = words << 12
@@ -520,13 +525,15 @@ def num_sms(device_index: int) -> int:
 class GemvN8Config(NamedTuple):
     """Launch sizes of the word-row GEMV (``_int4_gemv_n8_kernel``): warps a program, the layout's run,
     K splits, word rows a program (dividing N / 8), and whether the zero points are subtracted once
-    a step instead of once a code (``FOLD_ZERO``)."""
+    a step instead of once a code (``FOLD_ZERO``), and whether the step's loads may all be issued
+    at once (``HOIST``: more registers, more bytes in flight)."""
 
     num_warps: int
     run: int
     split: int
     word_rows: int = 1
     fold_zero: bool = False
+    hoist: bool = False
 
 
 def gemv_n8_config(m: int, n: int, k: int, group_size: int, sm_count: int) -> GemvN8Config:
@@ -541,7 +548,7 @@ def gemv_n8_config(m: int, n: int, k: int, group_size: int, sm_count: int) -> Ge
     programs = m * n // PACK // word_rows  # a program per input row and word_rows word rows
     split = next((d for d in range(1, steps + 1) if steps % d == 0 and programs * d >= N8_PROGRAMS_PER_SM * sm_count),
                  steps)
-    return GemvN8Config(num_warps, run, split, word_rows, N8_FOLD_ZERO)
+    return GemvN8Config(num_warps, run, split, word_rows, N8_FOLD_ZERO, N8_HOIST)
 
 
 def tiled_n8_chunk(k: int, group_size: int) -> tuple[int, int] | None:
@@ -642,7 +649,7 @@ def _check_gemv_n8_config(n: int, k: int, group_size: int, config: GemvN8Config,
     """ValueError unless ``config`` suits a word-row weight of ``n`` outputs and ``k`` inputs: the
     layout's run, steps that divide K, word rows that divide N / 8, and no split of K under the norm
     prologue (the norm reads the whole row)."""
-    num_warps, run, split, word_rows, _ = config
+    num_warps, run, split, word_rows, _, _ = config
     if run != n8_run(k, group_size) or k % (32 * num_warps * run * split) or (n // PACK) % word_rows:
         raise ValueError(f"int4 GEMV config {config}: the run must be the layout's ({n8_run(k, group_size)}), "
                          f"the steps must divide K={k} and the word rows N/8={n // PACK}")
@@ -659,7 +666,7 @@ def _launch_gemv_n8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     eps)`` of the norm prologue. No checks (the callers': ``_check_gemv_n8_config``)."""
     m = x.shape[0]
     n, k = qweight.shape[0] * PACK, qweight.shape[1]
-    num_warps, run, split, word_rows, fold_zero = config
+    num_warps, run, split, word_rows, fold_zero, hoist = config
     target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     residual, residual_out, g, eps = norm if norm is not None else (None, x, scales, 0.0)
     res = residual if residual is not None else x
@@ -667,7 +674,7 @@ def _launch_gemv_n8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
         x, qweight, scales, zeros, bias if bias is not None else out, target, res, residual_out, g, m, n, k,
         group_size, k // split, x.stride(0), scales.stride(0), out.stride(0), res.stride(0), residual_out.stride(0),
         eps, MAGIC, HAS_BIAS=bias is not None, SPLIT=split, THREADS=32 * num_warps, RUN=run, WORD_ROWS=word_rows,
-        FOLD_ZERO=fold_zero, PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, num_warps=num_warps, **launch_kwargs(x.device))
+        FOLD_ZERO=fold_zero, HOIST=hoist, PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, num_warps=num_warps, **launch_kwargs(x.device))
     if split > 1:
         _splitk_sum(target, bias, out)
 
