@@ -175,13 +175,14 @@ def tiled_sweep(m: int, n: int, k: int, sms: int) -> list[tuple[int, int, int, i
 
 def gemv_sweep_configs(n: int, k: int) -> list[tuple]:
     """Word-row GEMV launches (``int4_gemm.GemvN8Config``) around the default for an ``[n, k]``
-    weight at one row: 4 and 2 warps, K unsplit or split in 2, one or two word rows a program, the
-    zero points subtracted per code or per step; and the step's loads hoisted."""
+    weight at one row: 4 warps with one or two word rows a program, 2 warps with K unsplit or split
+    in 2, 4 warps with the step's loads hoisted; each with the zero points subtracted per code or per
+    step."""
     from pagedllm.quantization.int4_layout import n8_run
 
     run = n8_run(k, 128)
-    configs = [(w, run, split, rows, fold, False) for w in (4, 2) for split in (1, 2) for rows in (1, 2)
-               for fold in (False, True)]
+    configs = [(4, run, 1, rows, fold, False) for rows in (1, 2) for fold in (False, True)]
+    configs += [(2, run, split, 1, fold, False) for split in (1, 2) for fold in (False, True)]
     configs += [(4, run, 1, 1, fold, True) for fold in (False, True)]
     return [c for c in configs if k % (32 * c[0] * run * c[2]) == 0]
 
@@ -237,6 +238,7 @@ def time_gemv_sweep(name: str, n: int, k: int) -> list[dict]:
             except Exception as e:  # a launch that does not compile must not end the table
                 row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
             rows.append(row)
+            print_gemv_sweep([row], header=not rows[:-1] and name == "qkv")  # as it goes: a timeout keeps the rows
     return rows
 
 
@@ -407,19 +409,20 @@ def print_tables(result: dict) -> None:
     print_engine_table(result["engine"], width=max([22, *map(len, result["engine"])]))
 
 
-def print_gemv_sweep(rows: list[dict]) -> None:
+def print_gemv_sweep(rows: list[dict], header: bool = True) -> None:
     if not rows:
         return
-    print("\none-row word-row GEMV, weights cold (us per call; config: warps,run,split,word rows,fold zero,hoist)")
-    print(f"{'layer':8} {'config':>18} {'kind':6} {'int4 us':>8} {'floor us':>8} {'/floor':>6} {'GB/s':>6} "
-          f"{'bf16 us':>8} {'ratio':>6}")
+    if header:
+        print("\none-row word-row GEMV, weights cold (us per call; config: warps,run,split,word rows,fold zero,hoist)")
+        print(f"{'layer':8} {'config':>18} {'kind':6} {'int4 us':>8} {'floor us':>8} {'/floor':>6} {'GB/s':>6} "
+              f"{'bf16 us':>8} {'ratio':>6}")
     for r in rows:
         config = ",".join(str(int(v)) for v in r["config"])
         if "error" in r:
             print(f"{r['layer']:8} {config:>18} {r['kind']:6} error: {r['error']}")
             continue
         print(f"{r['layer']:8} {config:>18} {r['kind']:6} {r['int4_us']:>8.1f} {r['floor_us']:>8.1f} "
-              f"{r['over_floor']:>6.2f} {r['int4_gb_per_s']:>6.0f} {r['bf16_us']:>8.1f} {r['ratio']:>6.2f}")
+              f"{r['over_floor']:>6.2f} {r['int4_gb_per_s']:>6.0f} {r['bf16_us']:>8.1f} {r['ratio']:>6.2f}", flush=True)
 
 
 def print_engine_table(engine: dict, width: int) -> None:
