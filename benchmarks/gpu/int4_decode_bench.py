@@ -190,14 +190,10 @@ def gemv_sweep_configs(n: int, k: int) -> list[tuple]:
 def time_gemv_sweep(name: str, n: int, k: int) -> list[dict]:
     """The one-row word-row GEMV of an ``[n, k]`` weight (GPTQ g128) at each ``gemv_sweep_configs``
     launch, the weights cold (``cold_copies`` of them in turn), against bf16 ``F.linear`` (cold too)
-    and the bytes floor (packed codes + fp16 scales and zeros over ``COPY_BYTES_PER_S``); with the op
-    before the projection (qkv, gate_up: residual add + RMSNorm; down: SiLU-and-mul) as its own
-    launch (``+norm`` / ``+act``) and in the GEMV's prologue (``fused``)."""
+    and the bytes floor (packed codes + fp16 scales and zeros over ``COPY_BYTES_PER_S``)."""
     import torch
     import torch.nn.functional as F
 
-    from pagedllm.layers.kernels.activation import silu_and_mul
-    from pagedllm.layers.kernels.rms_norm import rms_norm
     from pagedllm.quantization.kernels import int4_gemm
 
     dtype = getattr(torch, DTYPE)
@@ -208,37 +204,22 @@ def time_gemv_sweep(name: str, n: int, k: int) -> list[dict]:
     zeros = [torch.full((n, k // 128), 8.0, dtype=torch.float16, device=DEVICE) for _ in range(copies)]
     bf16 = [torch.randn(n, k, dtype=dtype, device=DEVICE) for _ in range(cold_copies(2 * n * k))]
     x = torch.randn(1, k, dtype=dtype, device=DEVICE)
-    residual = torch.randn(1, k, dtype=dtype, device=DEVICE)
-    gate_up = torch.randn(1, 2 * k, dtype=dtype, device=DEVICE)
-    g = torch.ones(k, dtype=dtype, device=DEVICE)
     bf16_us = graph_time_us(lambda i: F.linear(x, bf16[i]), copies=len(bf16))
     floor_us = int4_bytes / COPY_BYTES_PER_S * 1e6
-    prologue = {"qkv": "norm", "gate_up": "norm", "down": "act"}.get(name)
+    default = tuple(int4_gemm.gemv_n8_config(1, n, k, 128, int4_gemm.num_sms(torch.cuda.current_device())
+                                             if DEVICE == "cuda" else 132))
     rows = []
-    for config in gemv_sweep_configs(n, k):
-        def gemv(i, config=config):
-            return int4_gemm.int4_gemv_n8(x, words[i], scales[i], zeros[i], None, 128, None, config=config)
-
-        runs = [("gemv", gemv)]
-        if prologue == "norm" and config[2] == 1:
-            runs += [("+norm", lambda i, gemv=gemv: (rms_norm(x, g, 1e-5, residual), gemv(i))),
-                     ("fused", lambda i, c=config: int4_gemm.rms_norm_int4_gemv(
-                         x, residual, g, 1e-5, words[i], scales[i], zeros[i], 128, config=c))]
-        elif prologue == "act":
-            runs += [("+act", lambda i, gemv=gemv: (silu_and_mul(gate_up), gemv(i))),
-                     ("fused", lambda i, c=config: int4_gemm.silu_and_mul_int4_gemv(
-                         gate_up, words[i], scales[i], zeros[i], 128, config=c))]
-        for kind, fn in runs:
-            row = {"layer": name, "n": n, "k": k, "config": list(config), "kind": kind, "bf16_us": bf16_us,
-                   "floor_us": floor_us}
-            try:
-                us = graph_time_us(fn, copies=copies)
-                row.update(int4_us=us, ratio=us / bf16_us, over_floor=us / floor_us,
-                           int4_gb_per_s=int4_bytes / us / 1e3)
-            except Exception as e:  # a launch that does not compile must not end the table
-                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            rows.append(row)
-            print_gemv_sweep([row], header=not rows[:-1] and name == "qkv")  # as it goes: a timeout keeps the rows
+    for config in [default, *(c for c in gemv_sweep_configs(n, k) if c != default)]:
+        row = {"layer": name, "n": n, "k": k, "config": list(config), "kind": "default" if config == default else "",
+               "bf16_us": bf16_us, "floor_us": floor_us}
+        try:
+            us = graph_time_us(lambda i, c=config: int4_gemm.int4_gemv_n8(x, words[i], scales[i], zeros[i], None, 128,
+                                                                          None, config=c), copies=copies)
+            row.update(int4_us=us, ratio=us / bf16_us, over_floor=us / floor_us, int4_gb_per_s=int4_bytes / us / 1e3)
+        except Exception as e:  # a launch that does not compile must not end the table
+            row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        rows.append(row)
+        print_gemv_sweep([row], header=not rows[:-1] and name == "qkv")  # as it goes: a timeout keeps the rows
     return rows
 
 
@@ -272,9 +253,7 @@ def kernels_part(rows: tuple[int, ...], sweep: bool, gguf: bool, layers: list[st
 def apply_int4_options(options: str) -> None:
     """Sets the int4 GEMV's options for this process before the engine is built: ``options`` is
     ``default`` or comma-separated ``word_rows=N`` / ``fold_zero=0|1`` / ``hoist=0|1``
-    (``int4_gemm.N8_WORD_ROWS`` / ``N8_FOLD_ZERO`` / ``N8_HOIST``: the one-row GEMV's defaults) and ``prologues=0`` (no norm / SiLU in the GEMV:
-    the ops as their own launches, as before they were fused)."""
-    from pagedllm.quantization.int4 import Int4LinearMethod
+    (``int4_gemm.N8_WORD_ROWS`` / ``N8_FOLD_ZERO`` / ``N8_HOIST``: the one-row GEMV's defaults)."""
     from pagedllm.quantization.kernels import int4_gemm
 
     for item in options.split(",") if options != "default" else []:
@@ -285,9 +264,6 @@ def apply_int4_options(options: str) -> None:
             int4_gemm.N8_FOLD_ZERO = bool(int(value))
         elif key == "hoist":
             int4_gemm.N8_HOIST = bool(int(value))
-        elif key == "prologues" and not int(value):
-            Int4LinearMethod.apply_norm_prologue = lambda *a: None
-            Int4LinearMethod.apply_act_prologue = lambda *a: None
         else:
             raise ValueError(f"--int4-options: unknown {item!r}")
 
@@ -414,14 +390,14 @@ def print_gemv_sweep(rows: list[dict], header: bool = True) -> None:
         return
     if header:
         print("\none-row word-row GEMV, weights cold (us per call; config: warps,run,split,word rows,fold zero,hoist)")
-        print(f"{'layer':8} {'config':>18} {'kind':6} {'int4 us':>8} {'floor us':>8} {'/floor':>6} {'GB/s':>6} "
+        print(f"{'layer':8} {'config':>18} {'kind':7} {'int4 us':>8} {'floor us':>8} {'/floor':>6} {'GB/s':>6} "
               f"{'bf16 us':>8} {'ratio':>6}")
     for r in rows:
         config = ",".join(str(int(v)) for v in r["config"])
         if "error" in r:
-            print(f"{r['layer']:8} {config:>18} {r['kind']:6} error: {r['error']}")
+            print(f"{r['layer']:8} {config:>18} {r['kind']:7} error: {r['error']}")
             continue
-        print(f"{r['layer']:8} {config:>18} {r['kind']:6} {r['int4_us']:>8.1f} {r['floor_us']:>8.1f} "
+        print(f"{r['layer']:8} {config:>18} {r['kind']:7} {r['int4_us']:>8.1f} {r['floor_us']:>8.1f} "
               f"{r['over_floor']:>6.2f} {r['int4_gb_per_s']:>6.0f} {r['bf16_us']:>8.1f} {r['ratio']:>6.2f}", flush=True)
 
 
@@ -454,10 +430,10 @@ def main() -> int:
     p.add_argument("--sweep", action="store_true", help=f"also the tiled GEMM's launch sizes at {SWEEP_ROWS} rows")
     p.add_argument("--gguf", action="store_true", help="also the GGUF block kernels")
     p.add_argument("--gemv-sweep", action="store_true",
-                   help="also the one-row GEMV's launch sizes, weights cold, plain and with its prologue")
+                   help="also the one-row GEMV's launch sizes, weights cold")
     p.add_argument("--profile", action="store_true", help="also the CUDA kernels of 10 decode steps per batch size")
     p.add_argument("--int4-options", nargs="+", default=["default"],
-                   help="int4 engine runs, each 'default' or e.g. 'word_rows=2,fold_zero=1' or 'prologues=0' "
+                   help="int4 engine runs, each 'default' or e.g. 'word_rows=2,fold_zero=0' "
                         "(apply_int4_options)")
     p.add_argument("--child", choices=["kernels", *VARIANTS], help=argparse.SUPPRESS)
     p.add_argument("--child-json", help=argparse.SUPPRESS)

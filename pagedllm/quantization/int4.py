@@ -26,9 +26,6 @@ The product (``int4_linear``): on CUDA the Triton kernels of ``kernels/int4_gemm
 packed weights once (a GEMV at 1-2 rows, a tiled tensor-core GEMM at decode batch sizes, dequantize +
 cuBLAS at prefill sizes); elsewhere, and for shapes they do not take, ``int4_linear_reference``
 dequantizes a tile of rows at a time in float32.
-At 1-2 decode rows on CUDA (word rows, no act-order) the GEMV also runs the op before the projection
-in its prologue (``apply_norm_prologue``: residual add + RMSNorm before qkv / gate_up;
-``apply_act_prologue``: SiLU-and-mul before down_proj), as the FP8 GEMV does: one launch, not two.
 """
 
 from __future__ import annotations
@@ -256,37 +253,6 @@ class Int4LinearMethod(QuantizeMethodBase):
         layer.zeros = nn.Parameter(zeros.to(torch.float16).contiguous(), requires_grad=False)
         layer.perm = None if perm is None else nn.Parameter(perm.to(torch.int32), requires_grad=False)
         layer.int4_layout = layout
-
-    def apply_norm_prologue(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
-                            norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(apply(norm(x + residual)), x + residual)`` in one launch (``Linear.forward_norm_prologue``),
-        or None where the word-row GEMV does not take the norm (``int4_gemm.prologue_fits``; a norm
-        weight or residual unlike ``x``)."""
-        if not HAS_TRITON:
-            return None
-        from pagedllm.quantization.kernels import int4_gemm
-
-        if not (int4_gemm.prologue_fits(x, layer.qweight, layer.perm, self.layer_group_size(layer), layer.int4_layout,
-                                        int4_gemm.NORM_PROLOGUE)
-                and norm.weight.dtype == x.dtype and norm.weight.is_contiguous()
-                and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
-                                          and residual.stride(-1) == 1))):
-            return None
-        return int4_gemm.rms_norm_int4_gemv(x, residual, norm.weight, norm.eps, layer.qweight, layer.scales,
-                                            layer.zeros, self.layer_group_size(layer), layer.bias)
-
-    def apply_act_prologue(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-        """``apply(silu(gate) * up)`` for ``x = [gate | up]`` in one launch (``Linear.forward_act_prologue``),
-        or None where the word-row GEMV does not take it."""
-        if not HAS_TRITON:
-            return None
-        from pagedllm.quantization.kernels import int4_gemm
-
-        if not int4_gemm.prologue_fits(x, layer.qweight, layer.perm, self.layer_group_size(layer), layer.int4_layout,
-                                       int4_gemm.ACT_PROLOGUE):
-            return None
-        return int4_gemm.silu_and_mul_int4_gemv(x, layer.qweight, layer.scales, layer.zeros,
-                                                self.layer_group_size(layer), layer.bias)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])

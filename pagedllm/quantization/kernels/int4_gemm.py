@@ -15,16 +15,17 @@ column; chosen at load where ``n8_layout_fits``):
   input row (a word row's programs run together: the words come from DRAM once), split K
   (``gemv_n8_config``) where the programs alone leave SMs idle, its float32 partial sums added by
   ``splitk.splitk_sum_kernel`` (with the bias, in x's dtype). Act-order: the input is permuted by one
-  gather first. Options (``GemvN8Config``): ``word_rows`` word rows a program (one ``x`` value and
-  its prologue feed 8 * word_rows codes), ``fold_zero`` (the zero point subtracted once a step
-  from the sums instead of once a code: the nibbles read at bits 12 and 16, four shifts a word
-  instead of eight adds; float32 keeps 13 bits of the products, so half-precision inputs only).
-  Prologues (``rms_norm_int4_gemv``, ``silu_and_mul_int4_gemv``; no act-order): the op before the
-  projection computes the input on the fly, as the FP8 GEMV does: residual add + RMSNorm (each
-  program sums the squares of its row and scales its sums by ``rstd`` at the end; the program of
-  word row 0 writes the new residual; K not split) or SiLU-and-mul of ``[gate | up]``. One launch
-  instead of two. Under programmatic dependent launch (``pagedllm/pdl.py``: the batch-1 decode
-  graph) the GEMV and its split-K sum wait for the kernel before and release the next one.
+  gather first. Options (``GemvN8Config``): ``word_rows`` word rows a program (one ``x`` value
+  feeds 8 * word_rows codes), ``fold_zero`` (the zero point subtracted once a step from the sums
+  instead of once a code: the nibbles read at bits 12 and 16, four shifts a word instead of eight
+  adds; float32 keeps 13 bits of the products, so half-precision inputs only), ``hoist``. Under
+  programmatic dependent launch (``pagedllm/pdl.py``: the batch-1 decode graph) the GEMV and its
+  split-K sum wait for the kernel before and release the next one.
+  Not done, measured (H100, 8B shapes, weights cold): the RMSNorm or SiLU-and-mul before the
+  projection in the GEMV's prologue, as the FP8 GEMV has them. Every program recomputes the op
+  over the whole row, and this GEMV is bound by its instructions, not by the bytes: gate_up took
+  51.9 us fused against 30.6 + 1.7 for the GEMV and the norm's own launch, down 23.5 against
+  18.5 + 1.3, and the batch-1 decode step 3.71 ms against 2.87 ms.
 - ``_int4_gemm_n8_kernel`` (the tiled GEMM, above the GEMV up to ``TILED_MAX_ROWS`` half-precision
   rows): a program owns a ``[BLOCK_M, BLOCK_N]`` output tile and a split of K; a step takes one
   chunk of K (whole GEMV runs of one group: ``tiled_n8_chunk``), loads its ``[BLOCK_N / 8,
@@ -67,8 +68,6 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.layers.kernels.fused_gemv import _silu_mul_chunk
-from pagedllm.layers.kernels.rms_norm import _load_sum
 from pagedllm.pdl import launch_kwargs
 from pagedllm.quantization.int4_layout import N8_LAYOUT, PACK, ROWS_LAYOUT, n8_run
 from pagedllm.quantization.kernels.splitk import splitk_sum_kernel
@@ -78,11 +77,16 @@ GEMV_MAX_ROWS = 4
 MAGIC = 0x4B000000  # the bits of the float 2^23, whose mantissa takes a code (``_n8_plane``)
 # The word-row GEMV splits K until there are this many programs per SM.
 N8_PROGRAMS_PER_SM = 2
-# Word rows a GEMV program takes (each x value and its prologue then feed 8 * N8_WORD_ROWS codes), and
-# whether it subtracts the zero points once a step (``_n8_plane``: fewer instructions a code).
+# The one-row GEMV's options (``GemvN8Config``), from an H100 sweep of the 8B shapes with the weights
+# cold (``benchmarks/gpu/int4_decode_bench.py --gemv-sweep``): one word row a program (two: 0.3 us
+# faster on qkv, 0.5-3 us slower on o, gate_up and down), the zero points folded once a step (qkv
+# 10.2 -> 8.8 us, gate_up 30.6 -> 29.0, down 18.5 -> 16.7, o 6.8 -> 7.1), the loads not hoisted
+# (hoisted: +0.1-4.5 us); two warps a program where the word rows give ``N8_FEW_WARPS_PROGRAMS_PER_SM``
+# programs an SM (gate_up: 28.1 us against 29.0 with four; qkv and o lost 0.4-0.9 us with two).
 N8_WORD_ROWS = 1
-N8_FOLD_ZERO = False
-N8_HOIST = False  # whether the GEMV's loads of a step may all go out at once (``_n8_input_tile``)
+N8_FOLD_ZERO = True
+N8_HOIST = False
+N8_FEW_WARPS_PROGRAMS_PER_SM = 8
 # Word-row layout: rows the GEMV takes (one: its per-row sums cost registers and a second row
 # doubles its arithmetic), and rows the tiled GEMM takes (above: dequantize once + cuBLAS, whose
 # tiles reuse each weight across many rows).
@@ -99,8 +103,6 @@ TILED_PROGRAMS_PER_SM = {16: 6, 32: 4, 64: 2}
 # The tiled GEMM's codes as 16-bit floats ``base + q`` (q in 0..15 in the low mantissa bits of
 # ``base``, whose ulp is 1): (bits of base, base) per input dtype.
 CODE_BASES = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
-# What runs in the word-row GEMV's prologue (``PROLOGUE``): nothing, residual add + RMSNorm, SiLU-and-mul.
-NO_PROLOGUE, NORM_PROLOGUE, ACT_PROLOGUE = 0, 1, 2
 
 
 @triton.jit
@@ -189,27 +191,13 @@ def _int4_dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, GROUP_SIZE, stride_q
 
 
 @triton.jit
-def _n8_input_tile(x_row, res_row, res_out_row, g_ptr, cols, K, ss, store, PROLOGUE: tl.constexpr,
-                   HAS_RESIDUAL: tl.constexpr, HOIST: tl.constexpr):
-    """The GEMV's input at ``cols`` (``[THREADS, 4]``) as float32, and the running sum of squares
-    ``ss``: ``x`` as it is (``PROLOGUE`` 0); ``(x + residual) * g`` (1: the sum rounded to x's dtype,
-    stored to ``res_out`` where ``store``, its squares added to ``ss``; the normed row never rounded);
-    ``silu(gate) * up`` (2: gate = columns ``[0, K)`` of the row, up ``[K, 2K)``, rounded as
-    ``SiluAndMul`` rounds it). The mask (``cols < K``, always true) keeps the compiler from hoisting
-    every step's loads together: unmasked (``HOIST``, no prologue) the kernel takes 127 registers,
-    not 95 (sm_90), and has all the step's words in flight at once instead of half."""
-    mask = cols < K
-    if PROLOGUE == 1:
-        s = _load_sum(x_row, res_row, res_out_row, cols, mask, store & mask, HAS_RESIDUAL, True)
-        ss += s * s
-        x = s * tl.load(g_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    elif PROLOGUE == 2:
-        x = _silu_mul_chunk(x_row, cols, mask, K)
-    elif HOIST:
-        x = tl.load(x_row + cols).to(tl.float32)
-    else:
-        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-    return x, ss
+def _n8_x_tile(x_row, cols, K, HOIST: tl.constexpr):
+    """``x[row, cols]`` as float32 ``[THREADS, 4]`` (``cols`` ``[THREADS, 4]``: four consecutive
+    columns a thread, one vector load). The mask (``cols < K``, always true) keeps the compiler from
+    hoisting every step's loads together (``HOIST`` drops it: measured no faster on an H100)."""
+    if HOIST:
+        return tl.load(x_row + cols).to(tl.float32)
+    return tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -251,37 +239,33 @@ def _n8_step_sum(part, s, c, xsum, FOLD_ZERO: tl.constexpr):
 
 
 @triton.jit
-def _n8_store(out_ptr, acc, rows, b_ptr, rstd, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
-    """Stores one plane's outputs (``acc`` ``[THREADS, WORD_ROWS]`` summed over the threads, times
-    ``rstd``) at ``out_ptr + rows``: with the bias and in out's dtype, or (split K) as float32 partial
-    sums (``out_ptr`` in this split's ``[M, N]`` slice)."""
-    y = tl.sum(acc, axis=0) * rstd
+def _n8_store(out_ptr, acc, rows, b_ptr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+    """Stores one plane's outputs (``acc`` ``[THREADS, WORD_ROWS]`` summed over the threads) at
+    ``out_ptr + rows``: with the bias and in out's dtype, or (split K) as float32 partial sums
+    (``out_ptr`` in this split's ``[M, N]`` slice)."""
+    y = tl.sum(acc, axis=0)
     if SPLIT == 1 and HAS_BIAS:
         y += tl.load(b_ptr + rows).to(tl.float32)
     tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
-def _int4_gemv_n8_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, res_ptr, res_out_ptr, g_ptr, M, N, K,
-                         GROUP_SIZE, K_PER_SPLIT, stride_xm, stride_sn, stride_om, stride_rm, stride_rom, eps, magic,
-                         HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, THREADS: tl.constexpr, RUN: tl.constexpr,
-                         WORD_ROWS: tl.constexpr, FOLD_ZERO: tl.constexpr, HOIST: tl.constexpr,
-                         PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr):
+def _int4_gemv_n8_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, GROUP_SIZE, K_PER_SPLIT,
+                         stride_xm, stride_sn, stride_om, magic, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                         THREADS: tl.constexpr, RUN: tl.constexpr, WORD_ROWS: tl.constexpr,
+                         FOLD_ZERO: tl.constexpr, HOIST: tl.constexpr, USE_PDL: tl.constexpr):
     """One input row ``m`` against ``WORD_ROWS`` word rows (word row ``b`` holds outputs ``8b ..
     8b+7``, plane ``j`` = output ``8b + j``) over one split of K: ``y[m, 8b+j] = sum_k x[m, k] (q -
     z) s``. The rows of ``x`` are separate programs next to each other in the grid, so a word row's
     programs run together and all but the first read its words from L2. A step covers ``THREADS *
     RUN`` columns: thread ``t`` takes the ``RUN`` columns from ``t * RUN`` on (inside one group), so
-    its scales and zero points load once a step, and each ``x`` value (with its prologue) feeds the
-    eight planes of every word row; the layout stores load ``r`` of a warp's 32 threads as 512
+    its scales and zero points load once a step, and each ``x`` value feeds the eight planes of
+    every word row; the layout stores load ``r`` of a warp's 32 threads as 512
     contiguous bytes (``int4.n8_memory_order``, whose run ``RUN`` is). Exact planes (``FOLD_ZERO``
     off): 0-4 read the word in place, 5-7 the word shifted by 12; folded: plane pairs (0, 1), (2,
     3), (4, 5), (6, 7) read the word shifted to put them at bits 12 and 16 (four shifts a word, and
     one add a word for the sum of ``x`` instead of one a code). ``magic`` (0x4B000000) comes as an
     argument so that it sits in one register and the nibble masks are the logic op's immediates.
-    ``PROLOGUE`` (``_n8_input_tile``): the input computed on the fly from the op before the
-    projection; with the norm (1; no split of K) the program of word row 0 writes row ``m``'s new
-    residual and the sums are scaled by the row's ``rstd`` at the end.
     ``SPLIT`` > 1: float32 partial sums into ``out_ptr`` (``[SPLIT, M, N]``), the bias and the
     rounding left to ``splitk.splitk_sum_kernel``. ``USE_PDL``: programmatic dependent launch
     (``pagedllm/pdl.py``): the wait before the first read of x, the release after the loop."""
@@ -291,9 +275,6 @@ def _int4_gemv_n8_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, res_ptr, r
     t = tl.arange(0, THREADS)
     e = tl.arange(0, 4)
     x_row = x_ptr + pid_m * stride_xm
-    res_row = res_ptr + pid_m * stride_rm
-    res_out_row = res_out_ptr + pid_m * stride_rom
-    store = (t[:, None] * 0 + e[None, :] * 0 + pid_b) == 0  # word row 0 writes the residual (a full-shaped mask)
     b = pid_b * WORD_ROWS + tl.arange(0, WORD_ROWS)
     rows = b * 8  # plane 0 of each word row
     word_rows = qw_ptr + b.to(tl.int64)[None, :, None] * K
@@ -305,7 +286,6 @@ def _int4_gemv_n8_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, res_ptr, r
     acc5 = tl.zeros_like(acc0)
     acc6 = tl.zeros_like(acc0)
     acc7 = tl.zeros_like(acc0)
-    ss = tl.zeros((THREADS, 4), tl.float32)
     # Each plane's bit offset in the word it reads (module doc of the kernel).
     S0: tl.constexpr = 12 if FOLD_ZERO else 0
     S1: tl.constexpr = 16 if FOLD_ZERO else 4
@@ -341,8 +321,7 @@ def _int4_gemv_n8_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, res_ptr, r
             cols = run0[:, None] + 4 * r + e[None, :]
             stored = kb + (t // 32 * 32 * RUN + 128 * r + 4 * (t % 32))[:, None] + e[None, :]
             words = tl.load(word_rows + stored[:, None, :], eviction_policy="evict_first")
-            xv, ss = _n8_input_tile(x_row, res_row, res_out_row, g_ptr, cols, K, ss, store, PROLOGUE, HAS_RESIDUAL,
-                                    HOIST)
+            xv = _n8_x_tile(x_row, cols, K, HOIST)
             if FOLD_ZERO:
                 xs += xv
                 lo = words << 12
@@ -375,18 +354,15 @@ def _int4_gemv_n8_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, res_ptr, r
         acc6 += _n8_step_sum(p6, s6, c6, xsum, FOLD_ZERO)
         acc7 += _n8_step_sum(p7, s7, c7, xsum, FOLD_ZERO)
     allow_dependents(USE_PDL)
-    rstd = 1.0
-    if PROLOGUE == 1:
-        rstd = tl.math.rsqrt(tl.sum(tl.sum(ss, axis=1), axis=0) / K + eps)
     out = out_ptr + pid_m * stride_om if SPLIT == 1 else out_ptr + pid_k * M * N + pid_m * N
-    _n8_store(out, acc0, rows, b_ptr, rstd, HAS_BIAS, SPLIT)
-    _n8_store(out, acc1, rows + 1, b_ptr, rstd, HAS_BIAS, SPLIT)
-    _n8_store(out, acc2, rows + 2, b_ptr, rstd, HAS_BIAS, SPLIT)
-    _n8_store(out, acc3, rows + 3, b_ptr, rstd, HAS_BIAS, SPLIT)
-    _n8_store(out, acc4, rows + 4, b_ptr, rstd, HAS_BIAS, SPLIT)
-    _n8_store(out, acc5, rows + 5, b_ptr, rstd, HAS_BIAS, SPLIT)
-    _n8_store(out, acc6, rows + 6, b_ptr, rstd, HAS_BIAS, SPLIT)
-    _n8_store(out, acc7, rows + 7, b_ptr, rstd, HAS_BIAS, SPLIT)
+    _n8_store(out, acc0, rows, b_ptr, HAS_BIAS, SPLIT)
+    _n8_store(out, acc1, rows + 1, b_ptr, HAS_BIAS, SPLIT)
+    _n8_store(out, acc2, rows + 2, b_ptr, HAS_BIAS, SPLIT)
+    _n8_store(out, acc3, rows + 3, b_ptr, HAS_BIAS, SPLIT)
+    _n8_store(out, acc4, rows + 4, b_ptr, HAS_BIAS, SPLIT)
+    _n8_store(out, acc5, rows + 5, b_ptr, HAS_BIAS, SPLIT)
+    _n8_store(out, acc6, rows + 6, b_ptr, HAS_BIAS, SPLIT)
+    _n8_store(out, acc7, rows + 7, b_ptr, HAS_BIAS, SPLIT)
 
 
 @triton.jit
@@ -538,11 +514,14 @@ class GemvN8Config(NamedTuple):
 
 def gemv_n8_config(m: int, n: int, k: int, group_size: int, sm_count: int) -> GemvN8Config:
     """The word-row GEMV's launch for ``m`` rows and an ``[n, k]`` weight: the layout's run
-    (``int4.n8_run``), four warps where K allows (more warps resident to hide the memory latency),
-    ``N8_WORD_ROWS`` word rows a program where they divide N / 8, ``N8_FOLD_ZERO``, and K split
-    until there are ``N8_PROGRAMS_PER_SM`` programs per SM, each split a whole number of steps."""
+    (``int4.n8_run``), four warps where K allows (more warps resident to hide the memory latency;
+    two where the word rows alone give ``N8_FEW_WARPS_PROGRAMS_PER_SM`` programs an SM),
+    ``N8_WORD_ROWS`` word rows a program where they divide N / 8, ``N8_FOLD_ZERO``, ``N8_HOIST``,
+    and K split until there are ``N8_PROGRAMS_PER_SM`` programs per SM, each split a whole number of
+    steps."""
     run = n8_run(k, group_size)
-    num_warps = next(w for w in (4, 2, 1) if k % (32 * w * run) == 0)
+    most = 2 if m * n // PACK >= N8_FEW_WARPS_PROGRAMS_PER_SM * sm_count else 4
+    num_warps = next(w for w in (4, 2, 1) if w <= most and k % (32 * w * run) == 0)
     steps = k // (32 * num_warps * run)
     word_rows = N8_WORD_ROWS if (n // PACK) % N8_WORD_ROWS == 0 else 1
     programs = m * n // PACK // word_rows  # a program per input row and word_rows word rows
@@ -636,113 +615,44 @@ def _splitk_sum(partials: torch.Tensor, bias: torch.Tensor | None, out: torch.Te
                                                      BLOCK=block, num_warps=4, **launch_kwargs(out.device))
 
 
-def _gemv_n8_launch(x: torch.Tensor, n: int, k: int, group_size: int, config: tuple | None) -> GemvN8Config:
-    """``config`` (or its leading fields) as a ``GemvN8Config``, or the default for ``x``'s rows:
-    ``gemv_n8_config``'s, without folded zero points for a float32 ``x`` (they would cost it 11 bits)."""
-    if config:
-        return GemvN8Config(*config)
-    default = gemv_n8_config(x.shape[0], n, k, group_size, _sm_count(x))
-    return default._replace(fold_zero=False) if x.dtype == torch.float32 else default
-
-
-def _check_gemv_n8_config(n: int, k: int, group_size: int, config: GemvN8Config, prologue: int) -> None:
+def _check_gemv_n8_config(n: int, k: int, group_size: int, config: GemvN8Config) -> None:
     """ValueError unless ``config`` suits a word-row weight of ``n`` outputs and ``k`` inputs: the
-    layout's run, steps that divide K, word rows that divide N / 8, and no split of K under the norm
-    prologue (the norm reads the whole row)."""
-    num_warps, run, split, word_rows, _, _ = config
+    layout's run, steps that divide K, word rows that divide N / 8."""
+    num_warps, run, split, word_rows, *_ = config
     if run != n8_run(k, group_size) or k % (32 * num_warps * run * split) or (n // PACK) % word_rows:
         raise ValueError(f"int4 GEMV config {config}: the run must be the layout's ({n8_run(k, group_size)}), "
                          f"the steps must divide K={k} and the word rows N/8={n // PACK}")
-    if prologue == NORM_PROLOGUE and split > 1:
-        raise ValueError(f"int4 GEMV config {config}: the norm prologue needs K unsplit")
-
-
-def _launch_gemv_n8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                    group_size: int, bias: torch.Tensor | None, out: torch.Tensor, config: GemvN8Config,
-                    prologue: int = NO_PROLOGUE,
-                    norm: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, float] | None = None) -> None:
-    """The word-row GEMV (+ the split-K sum) into ``out`` ``[M, N]``, under programmatic dependent
-    launch where ``pagedllm/pdl.py`` has it on; ``norm``: ``(residual, residual_out, norm weight,
-    eps)`` of the norm prologue. No checks (the callers': ``_check_gemv_n8_config``)."""
-    m = x.shape[0]
-    n, k = qweight.shape[0] * PACK, qweight.shape[1]
-    num_warps, run, split, word_rows, fold_zero, hoist = config
-    target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-    residual, residual_out, g, eps = norm if norm is not None else (None, x, scales, 0.0)
-    res = residual if residual is not None else x
-    _int4_gemv_n8_kernel[(m, n // PACK // word_rows, split)](
-        x, qweight, scales, zeros, bias if bias is not None else out, target, res, residual_out, g, m, n, k,
-        group_size, k // split, x.stride(0), scales.stride(0), out.stride(0), res.stride(0), residual_out.stride(0),
-        eps, MAGIC, HAS_BIAS=bias is not None, SPLIT=split, THREADS=32 * num_warps, RUN=run, WORD_ROWS=word_rows,
-        FOLD_ZERO=fold_zero, HOIST=hoist, PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, num_warps=num_warps, **launch_kwargs(x.device))
-    if split > 1:
-        _splitk_sum(target, bias, out)
 
 
 def int4_gemv_n8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  perm: torch.Tensor | None, group_size: int, bias: torch.Tensor | None,
                  out: torch.Tensor | None = None, config: tuple | None = None) -> torch.Tensor:
     """``x[:, perm] @ W^T (+ bias)`` by the word-row GEMV (``_int4_gemv_n8_kernel``; up to
-    ``GEMV_MAX_ROWS`` rows); ``config``: a ``GemvN8Config`` (or its leading fields; default
-    ``gemv_n8_config``'s)."""
+    ``GEMV_MAX_ROWS`` rows), under programmatic dependent launch where ``pagedllm/pdl.py`` has it on;
+    ``config``: a ``GemvN8Config`` (or its leading fields; default ``gemv_n8_config``'s, without
+    folded zero points for a float32 ``x``: they would cost it 11 bits)."""
     m, k = x.shape
     n = qweight.shape[0] * PACK
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    config = _gemv_n8_launch(x, n, k, group_size, config)
-    _check_gemv_n8_config(n, k, group_size, config, NO_PROLOGUE)
+    if config:
+        config = GemvN8Config(*config)
+    else:
+        config = gemv_n8_config(m, n, k, group_size, _sm_count(x))
+        config = config._replace(fold_zero=config.fold_zero and x.dtype != torch.float32)
+    _check_gemv_n8_config(n, k, group_size, config)
+    num_warps, run, split, word_rows, fold_zero, hoist = config
+    target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     # Act-order: the permuted input as one small gather (inside the kernel it would not load as
     # the vector tiles the weight words load as).
     xp = x if perm is None else x.index_select(1, perm)
-    _launch_gemv_n8(xp, qweight, scales, zeros, group_size, bias, out, config)
-    return out
-
-
-def prologue_fits(x: torch.Tensor, qweight: torch.Tensor, perm: torch.Tensor | None, group_size: int,
-                  layout: str, prologue: int) -> bool:
-    """Whether the word-row GEMV takes ``x`` with ``prologue`` in it (``[M, K]``; ``[M, 2K]`` for the
-    activation): a word-row weight without act-order (the prologue's columns are the weight's),
-    ``x``'s rows few enough for the GEMV (``N8_GEMV_MAX_ROWS``), a CUDA half-precision or float32
-    ``x`` with contiguous rows, and for the norm K unsplit by ``gemv_n8_config``."""
-    if (layout != N8_LAYOUT or perm is not None or not x.is_cuda or x.dim() != 2
-            or not qweight.is_contiguous()):
-        return False
-    n, k = qweight.shape[0] * PACK, qweight.shape[1]
-    if (x.shape[1] != k * (2 if prologue == ACT_PROLOGUE else 1) or x.stride(-1) != 1 or group_size % PACK
-            or x.shape[0] > N8_GEMV_MAX_ROWS or not n8_layout_fits(k, group_size)
-            or x.dtype not in (torch.float16, torch.bfloat16, torch.float32)):
-        return False
-    return prologue != NORM_PROLOGUE or gemv_n8_config(x.shape[0], n, k, group_size, _sm_count(x))[2] == 1
-
-
-def rms_norm_int4_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                       qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-                       bias: torch.Tensor | None = None,
-                       config: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(int4_gemv_n8(rmsnorm(x + residual) * g), x + residual)`` in one launch, as
-    ``layers/kernels/fused_gemv.rms_norm_linear`` computes it for a float weight (the normed row never
-    rounded); without a residual ``(int4_gemv_n8(rmsnorm(x) * g), x)``. Precondition:
-    ``prologue_fits`` (``NORM_PROLOGUE``), ``residual`` like ``x``, ``norm_weight`` ``[K]`` contiguous."""
-    m, k = x.shape
-    out = torch.empty(m, qweight.shape[0] * PACK, dtype=x.dtype, device=x.device)
-    residual_out = torch.empty_like(x) if residual is not None else x
-    config = _gemv_n8_launch(x, out.shape[1], k, group_size, config)
-    _check_gemv_n8_config(out.shape[1], k, group_size, config, NORM_PROLOGUE)
-    _launch_gemv_n8(x, qweight, scales, zeros, group_size, bias, out, config, NORM_PROLOGUE,
-                    (residual, residual_out, norm_weight, eps))
-    return out, residual_out
-
-
-def silu_and_mul_int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                           group_size: int, bias: torch.Tensor | None = None,
-                           config: tuple | None = None) -> torch.Tensor:
-    """``int4_gemv_n8(silu(gate) * up)`` for ``x = [gate | up]`` ``[M, 2K]`` in one launch (the
-    activation rounded as ``SiluAndMul`` rounds it). Precondition: ``prologue_fits`` (``ACT_PROLOGUE``)."""
-    m, k = x.shape[0], qweight.shape[1]
-    out = torch.empty(m, qweight.shape[0] * PACK, dtype=x.dtype, device=x.device)
-    config = _gemv_n8_launch(x, out.shape[1], k, group_size, config)
-    _check_gemv_n8_config(out.shape[1], k, group_size, config, ACT_PROLOGUE)
-    _launch_gemv_n8(x, qweight, scales, zeros, group_size, bias, out, config, ACT_PROLOGUE)
+    _int4_gemv_n8_kernel[(m, n // PACK // word_rows, split)](
+        xp, qweight, scales, zeros, bias if bias is not None else out, target, m, n, k, group_size, k // split,
+        xp.stride(0), scales.stride(0), out.stride(0), MAGIC, HAS_BIAS=bias is not None, SPLIT=split,
+        THREADS=32 * num_warps, RUN=run, WORD_ROWS=word_rows, FOLD_ZERO=fold_zero, HOIST=hoist,
+        num_warps=num_warps, **launch_kwargs(x.device))
+    if split > 1:
+        _splitk_sum(target, bias, out)
     return out
 
 
