@@ -173,18 +173,17 @@ def tiled_sweep(m: int, n: int, k: int, sms: int) -> list[tuple[int, int, int, i
     return list(unique)
 
 
-def gemv_sweep_configs(n: int, k: int) -> list[tuple]:
-    """Word-row GEMV launches (``int4_gemm.GemvN8Config``) around the default for an ``[n, k]``
-    weight at one row: 4 warps with one or two word rows a program, 2 warps with K unsplit or split
-    in 2, 4 warps with the step's loads hoisted; each with the zero points subtracted per code or per
-    step."""
-    from pagedllm.quantization.int4_layout import n8_run
-
-    run = n8_run(k, 128)
-    configs = [(4, run, 1, rows, fold, False) for rows in (1, 2) for fold in (False, True)]
-    configs += [(2, run, split, 1, fold, False) for split in (1, 2) for fold in (False, True)]
-    configs += [(4, run, 1, 1, fold, True) for fold in (False, True)]
-    return [c for c in configs if k % (32 * c[0] * run * c[2]) == 0]
+def gemv_sweep_configs(default: tuple, k: int) -> list[tuple]:
+    """Word-row GEMV launches (``int4_gemm.GemvN8Config``) around ``default`` for a weight of ``k``
+    inputs at one row: the default, then with its eight sums reduced at once (``joint_sum``), with
+    the zero points per code instead of per step, with the other warp count (4 or 2), with two word
+    rows a program, with the step's loads hoisted."""
+    warps, run, split, rows, fold, hoist, joint = default
+    configs = [default, (warps, run, split, rows, fold, hoist, not joint), (warps, run, split, rows, not fold, hoist,
+                                                                             joint),
+               (6 - warps, run, split, rows, fold, hoist, joint), (warps, run, split, 2, fold, hoist, joint),
+               (warps, run, split, rows, fold, not hoist, joint)]
+    return [c for c in dict.fromkeys(configs) if k % (32 * c[0] * run * c[2]) == 0]
 
 
 def time_gemv_sweep(name: str, n: int, k: int) -> list[dict]:
@@ -209,7 +208,7 @@ def time_gemv_sweep(name: str, n: int, k: int) -> list[dict]:
     default = tuple(int4_gemm.gemv_n8_config(1, n, k, 128, int4_gemm.num_sms(torch.cuda.current_device())
                                              if DEVICE == "cuda" else 132))
     rows = []
-    for config in [default, *(c for c in gemv_sweep_configs(n, k) if c != default)]:
+    for config in gemv_sweep_configs(default, k):
         row = {"layer": name, "n": n, "k": k, "config": list(config), "kind": "default" if config == default else "",
                "bf16_us": bf16_us, "floor_us": floor_us}
         try:
@@ -252,8 +251,9 @@ def kernels_part(rows: tuple[int, ...], sweep: bool, gguf: bool, layers: list[st
 
 def apply_int4_options(options: str) -> None:
     """Sets the int4 GEMV's options for this process before the engine is built: ``options`` is
-    ``default`` or comma-separated ``word_rows=N`` / ``fold_zero=0|1`` / ``hoist=0|1``
-    (``int4_gemm.N8_WORD_ROWS`` / ``N8_FOLD_ZERO`` / ``N8_HOIST``: the one-row GEMV's defaults)."""
+    ``default`` or comma-separated ``word_rows=N`` / ``fold_zero=0|1`` / ``hoist=0|1`` /
+    ``joint_sum=0|1`` (``int4_gemm.N8_WORD_ROWS`` / ``N8_FOLD_ZERO`` / ``N8_HOIST`` / ``N8_JOINT_SUM``:
+    the one-row GEMV's defaults)."""
     from pagedllm.quantization.kernels import int4_gemm
 
     for item in options.split(",") if options != "default" else []:
@@ -264,6 +264,8 @@ def apply_int4_options(options: str) -> None:
             int4_gemm.N8_FOLD_ZERO = bool(int(value))
         elif key == "hoist":
             int4_gemm.N8_HOIST = bool(int(value))
+        elif key == "joint_sum":
+            int4_gemm.N8_JOINT_SUM = bool(int(value))
         else:
             raise ValueError(f"--int4-options: unknown {item!r}")
 
@@ -389,7 +391,8 @@ def print_gemv_sweep(rows: list[dict], header: bool = True) -> None:
     if not rows:
         return
     if header:
-        print("\none-row word-row GEMV, weights cold (us per call; config: warps,run,split,word rows,fold zero,hoist)")
+        print("\none-row word-row GEMV, weights cold (us per call; config: warps,run,split,word rows,fold zero,hoist,"
+              "joint sum)")
         print(f"{'layer':8} {'config':>18} {'kind':7} {'int4 us':>8} {'floor us':>8} {'/floor':>6} {'GB/s':>6} "
               f"{'bf16 us':>8} {'ratio':>6}")
     for r in rows:

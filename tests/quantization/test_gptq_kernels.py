@@ -50,6 +50,8 @@ N8_GEMV_CONFIG_CASES = [
     (2, 32, 1024, 32, True, False, torch.float16, (4, 8, 1, 1, True)),
     (1, 48, 1024, 128, False, True, torch.float16, (2, 8, 2, 2, True)),
     (2, 16, 512, 128, True, True, torch.float32, (4, 4, 1, 1, False, True)),  # all the step's loads at once
+    (1, 32, 512, 128, False, True, torch.float32, (4, 4, 1, 2, False, False, True)),  # the sums reduced at once
+    (2, 48, 1024, 128, True, False, torch.float16, (2, 8, 2, 1, True, False, True)),
 ]
 # The word-row layout's tiled GEMM (3 to TILED_MAX_ROWS half-precision rows): row tiles of 16 to 64
 # and three of them, output tiles of 16 to 64, runs of 8 to 32 words (chunks of one group: 32 to
@@ -178,8 +180,10 @@ def test_one_row_gemv_defaults_are_the_measured_best(monkeypatch):
 
     configs = {(n, k): int4_gemm.gemv_n8_config(1, n, k, 128, 132)
                for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]}
-    assert configs == {(6144, 4096): (4, 32, 1, 1, True, False), (4096, 4096): (4, 32, 1, 1, True, False),
-                       (28672, 4096): (2, 32, 1, 1, True, False), (4096, 14336): (4, 16, 1, 1, True, False)}
+    joint = int4_gemm.N8_JOINT_SUM
+    assert configs == {(6144, 4096): (4, 32, 1, 1, True, False, joint), (4096, 4096): (4, 32, 1, 1, True, False, joint),
+                       (28672, 4096): (2, 32, 1, 1, True, False, joint),
+                       (4096, 14336): (4, 16, 1, 1, True, False, joint)}
     qweight, scales, zeros, _ = make_weight(16, 256, 128, False, "cpu", layout=int4.N8_LAYOUT)
     calls = []
 
@@ -239,14 +243,14 @@ def test_word_row_gemv_compiles_for_hopper_without_spills():
     signature = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16", "b_ptr": "*bf16",
                  "out_ptr": "*bf16", **dict.fromkeys(ints, "i32"),
                  **dict.fromkeys(("HAS_BIAS", "SPLIT", "THREADS", "RUN", "WORD_ROWS", "FOLD_ZERO", "HOIST",
-                                  "USE_PDL"), "constexpr")}
+                                  "JOINT_SUM", "USE_PDL"), "constexpr")}
     # The zero points per code or per step (the defaults: gate_up's two warps, qkv's and down's
     # four), hoisted loads; under PDL. (Two word rows a program, not a default, spill here.)
     for threads, run, word_rows, fold_zero, hoist in ((128, 32, 1, False, False), (64, 32, 1, True, False),
                                                       (128, 16, 1, True, False), (128, 32, 1, True, False),
                                                       (128, 32, 1, False, True)):
         constants = {"HAS_BIAS": True, "SPLIT": 1, "THREADS": threads, "RUN": run, "WORD_ROWS": word_rows,
-                     "FOLD_ZERO": fold_zero, "HOIST": hoist, "USE_PDL": True}
+                     "FOLD_ZERO": fold_zero, "HOIST": hoist, "JOINT_SUM": fold_zero, "USE_PDL": True}
         kernel = triton.compile(ASTSource(int4_gemm._int4_gemv_n8_kernel, signature, constants), target=target,
                                 options={"num_warps": threads // 32})
         assert "ld.global" in kernel.asm["ptx"] and "ld.local" not in kernel.asm["ptx"], constants
@@ -450,9 +454,11 @@ def test_a_checkpoint_on_cuda_gives_its_dequantized_models_logits(tmp_path, quan
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("config", [(4, 32, 1, 2, False), (4, 32, 1, 1, True), (2, 32, 2, 2, True),
-                                    (4, 32, 1, 1, True, True)])
+                                    (4, 32, 1, 1, True, True), (4, 32, 1, 1, True, False, True),
+                                    (2, 32, 1, 2, False, False, True)])
 def test_word_row_gemv_options_on_cuda(config):
-    """Two word rows a program, folded zero points, hoisted loads on the qkv shape, float16 and bfloat16."""
+    """Two word rows a program, folded zero points, hoisted loads, the sums reduced at once on the qkv
+    shape, float16 and bfloat16."""
     for m in (1, 2):
         for dtype in (torch.bfloat16, torch.float16):
             err = check_case((m, 6144, 4096, 128, True, True, dtype, config), "cuda", layout=int4.N8_LAYOUT)

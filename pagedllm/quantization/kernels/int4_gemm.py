@@ -86,6 +86,7 @@ N8_PROGRAMS_PER_SM = 2
 N8_WORD_ROWS = 1
 N8_FOLD_ZERO = True
 N8_HOIST = False
+N8_JOINT_SUM = False
 N8_FEW_WARPS_PROGRAMS_PER_SM = 8
 # Word-row layout: rows the GEMV takes (one: its per-row sums cost registers and a second row
 # doubles its arithmetic), and rows the tiled GEMM takes (above: dequantize once + cuBLAS, whose
@@ -250,10 +251,28 @@ def _n8_store(out_ptr, acc, rows, b_ptr, HAS_BIAS: tl.constexpr, SPLIT: tl.const
 
 
 @triton.jit
+def _n8_store_planes(out_ptr, a0, a1, a2, a3, a4, a5, a6, a7, rows, b_ptr, HAS_BIAS: tl.constexpr,
+                     SPLIT: tl.constexpr):
+    """``_n8_store`` of all eight planes at once: the ``[THREADS, WORD_ROWS]`` sums stacked into
+    ``[THREADS, WORD_ROWS, 8]`` (plane ``j`` at ``j``) and reduced over the threads in one reduction
+    (one exchange between the warps instead of eight), then one store of 8 outputs a word row."""
+    # ``tl.join`` adds its axis last: join(join(p, q), join(r, s)) reshaped is (p, r, q, s).
+    lo = tl.reshape(tl.join(tl.join(a0, a2), tl.join(a1, a3)), (a0.shape[0], a0.shape[1], 4))
+    hi = tl.reshape(tl.join(tl.join(a4, a6), tl.join(a5, a7)), (a0.shape[0], a0.shape[1], 4))
+    planes = tl.reshape(tl.permute(tl.join(lo, hi), (0, 1, 3, 2)), (a0.shape[0], a0.shape[1], 8))
+    y = tl.sum(planes, axis=0)
+    cols = rows[:, None] + tl.arange(0, 8)[None, :]
+    if SPLIT == 1 and HAS_BIAS:
+        y += tl.load(b_ptr + cols).to(tl.float32)
+    tl.store(out_ptr + cols, y.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
 def _int4_gemv_n8_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, GROUP_SIZE, K_PER_SPLIT,
                          stride_xm, stride_sn, stride_om, magic, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                          THREADS: tl.constexpr, RUN: tl.constexpr, WORD_ROWS: tl.constexpr,
-                         FOLD_ZERO: tl.constexpr, HOIST: tl.constexpr, USE_PDL: tl.constexpr):
+                         FOLD_ZERO: tl.constexpr, HOIST: tl.constexpr, JOINT_SUM: tl.constexpr,
+                         USE_PDL: tl.constexpr):
     """One input row ``m`` against ``WORD_ROWS`` word rows (word row ``b`` holds outputs ``8b ..
     8b+7``, plane ``j`` = output ``8b + j``) over one split of K: ``y[m, 8b+j] = sum_k x[m, k] (q -
     z) s``. The rows of ``x`` are separate programs next to each other in the grid, so a word row's
@@ -355,6 +374,9 @@ def _int4_gemv_n8_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, G
         acc7 += _n8_step_sum(p7, s7, c7, xsum, FOLD_ZERO)
     allow_dependents(USE_PDL)
     out = out_ptr + pid_m * stride_om if SPLIT == 1 else out_ptr + pid_k * M * N + pid_m * N
+    if JOINT_SUM:
+        _n8_store_planes(out, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, rows, b_ptr, HAS_BIAS, SPLIT)
+        return
     _n8_store(out, acc0, rows, b_ptr, HAS_BIAS, SPLIT)
     _n8_store(out, acc1, rows + 1, b_ptr, HAS_BIAS, SPLIT)
     _n8_store(out, acc2, rows + 2, b_ptr, HAS_BIAS, SPLIT)
@@ -510,6 +532,7 @@ class GemvN8Config(NamedTuple):
     word_rows: int = 1
     fold_zero: bool = False
     hoist: bool = False
+    joint_sum: bool = False
 
 
 def gemv_n8_config(m: int, n: int, k: int, group_size: int, sm_count: int) -> GemvN8Config:
@@ -527,7 +550,7 @@ def gemv_n8_config(m: int, n: int, k: int, group_size: int, sm_count: int) -> Ge
     programs = m * n // PACK // word_rows  # a program per input row and word_rows word rows
     split = next((d for d in range(1, steps + 1) if steps % d == 0 and programs * d >= N8_PROGRAMS_PER_SM * sm_count),
                  steps)
-    return GemvN8Config(num_warps, run, split, word_rows, N8_FOLD_ZERO, N8_HOIST)
+    return GemvN8Config(num_warps, run, split, word_rows, N8_FOLD_ZERO, N8_HOIST, N8_JOINT_SUM)
 
 
 def tiled_n8_chunk(k: int, group_size: int) -> tuple[int, int] | None:
@@ -641,7 +664,7 @@ def int4_gemv_n8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         config = gemv_n8_config(m, n, k, group_size, _sm_count(x))
         config = config._replace(fold_zero=config.fold_zero and x.dtype != torch.float32)
     _check_gemv_n8_config(n, k, group_size, config)
-    num_warps, run, split, word_rows, fold_zero, hoist = config
+    num_warps, run, split, word_rows, fold_zero, hoist, joint_sum = config
     target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     # Act-order: the permuted input as one small gather (inside the kernel it would not load as
     # the vector tiles the weight words load as).
@@ -650,7 +673,7 @@ def int4_gemv_n8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         xp, qweight, scales, zeros, bias if bias is not None else out, target, m, n, k, group_size, k // split,
         xp.stride(0), scales.stride(0), out.stride(0), MAGIC, HAS_BIAS=bias is not None, SPLIT=split,
         THREADS=32 * num_warps, RUN=run, WORD_ROWS=word_rows, FOLD_ZERO=fold_zero, HOIST=hoist,
-        num_warps=num_warps, **launch_kwargs(x.device))
+        JOINT_SUM=joint_sum, num_warps=num_warps, **launch_kwargs(x.device))
     if split > 1:
         _splitk_sum(target, bias, out)
     return out
