@@ -5,7 +5,7 @@ Word-row layout (``N8_LAYOUT``, ``[N / 8, K]``: a word holds eight output rows o
 column; chosen at load where ``n8_layout_fits``):
 
 - ``_int4_gemv_n8_kernel`` (``N8_GEMV_MAX_ROWS`` rows; up to ``GEMV_MAX_ROWS`` where the tiled GEMM
-  does not take the input): a program owns one word row (eight outputs) and a split of K; in each
+  does not take the input): a program owns ``word_rows`` word rows (eight outputs each) and a split of K; in each
   step its ``THREADS`` threads each take ``RUN`` columns (up to 32) that lie in one group, so a
   thread loads its eight scales and zero points once a step and one ``x`` value serves eight
   codes; the layout stores each 16-byte load of a warp's 32 threads next to each other (512
@@ -18,7 +18,12 @@ column; chosen at load where ``n8_layout_fits``):
   gather first. Options (``GemvN8Config``): ``word_rows`` word rows a program (one ``x`` value
   feeds 8 * word_rows codes), ``fold_zero`` (the zero point subtracted once a step from the sums
   instead of once a code: the nibbles read at bits 12 and 16, four shifts a word instead of eight
-  adds; float32 keeps 13 bits of the products, so half-precision inputs only), ``hoist``. Under
+  adds; float32 keeps 13 bits of the products, so half-precision inputs only), ``hoist`` (the
+  step's loads unmasked), ``joint_sum`` (the eight plane sums reduced over the threads in one
+  reduction, one exchange between the warps, one store). The GEMV is bound by its instructions
+  as much as by the bytes (a word of eight codes costs about 30 instructions: at the copy
+  bandwidth an H100 SM would issue three of its four warp instructions a clock): the options cut
+  instructions. Under
   programmatic dependent launch (``pagedllm/pdl.py``: the batch-1 decode graph) the GEMV and its
   split-K sum wait for the kernel before and release the next one.
   Not done, measured (H100, 8B shapes, weights cold): the RMSNorm or SiLU-and-mul before the
