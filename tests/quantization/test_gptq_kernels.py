@@ -240,17 +240,19 @@ def test_word_row_gemv_compiles_for_hopper_without_spills():
         pytest.skip("Triton without its bundled ptxas")
     target = GPUTarget("cuda", 90, 32)
     ints = ("M", "N", "K", "GROUP_SIZE", "K_PER_SPLIT", "stride_xm", "stride_sn", "stride_om", "magic")
-    signature = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16", "b_ptr": "*bf16",
-                 "out_ptr": "*bf16", **dict.fromkeys(ints, "i32"),
-                 **dict.fromkeys(("HAS_BIAS", "SPLIT", "THREADS", "RUN", "WORD_ROWS", "FOLD_ZERO", "HOIST",
+    signature = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*fp16", "perm_ptr": "*i32",
+                 "b_ptr": "*bf16", "out_ptr": "*bf16", **dict.fromkeys(ints, "i32"),
+                 **dict.fromkeys(("HAS_PERM", "HAS_BIAS", "SPLIT", "THREADS", "RUN", "WORD_ROWS", "FOLD_ZERO", "HOIST",
                                   "JOINT_SUM", "USE_PDL"), "constexpr")}
     # The zero points per code or per step (the defaults: gate_up's two warps, qkv's and down's
-    # four), hoisted loads; under PDL. (Two word rows a program, not a default, spill here.)
+    # four), hoisted loads with act-order's gather; under PDL. (Two word rows a program, not a
+    # default, spill here.)
     for threads, run, word_rows, fold_zero, hoist in ((128, 32, 1, False, False), (64, 32, 1, True, False),
                                                       (128, 16, 1, True, False), (128, 32, 1, True, False),
                                                       (128, 32, 1, False, True)):
-        constants = {"HAS_BIAS": True, "SPLIT": 1, "THREADS": threads, "RUN": run, "WORD_ROWS": word_rows,
-                     "FOLD_ZERO": fold_zero, "HOIST": hoist, "JOINT_SUM": fold_zero, "USE_PDL": True}
+        constants = {"HAS_PERM": hoist, "HAS_BIAS": True, "SPLIT": 1, "THREADS": threads, "RUN": run,
+                     "WORD_ROWS": word_rows, "FOLD_ZERO": fold_zero, "HOIST": hoist, "JOINT_SUM": fold_zero,
+                     "USE_PDL": True}
         kernel = triton.compile(ASTSource(int4_gemm._int4_gemv_n8_kernel, signature, constants), target=target,
                                 options={"num_warps": threads // 32})
         assert "ld.global" in kernel.asm["ptx"] and "ld.local" not in kernel.asm["ptx"], constants

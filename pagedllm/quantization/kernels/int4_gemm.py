@@ -14,8 +14,8 @@ column; chosen at load where ``n8_layout_fits``):
   one multiply-add; the scale multiplies a step's sums. Grid ``(M, N / 8, split)``: a program per
   input row (a word row's programs run together: the words come from DRAM once), split K
   (``gemv_n8_config``) where the programs alone leave SMs idle, its float32 partial sums added by
-  ``splitk.splitk_sum_kernel`` (with the bias, in x's dtype). Act-order: the input is permuted by one
-  gather first. Options (``GemvN8Config``): ``word_rows`` word rows a program (one ``x`` value
+  ``splitk.splitk_sum_kernel`` (with the bias, in x's dtype). Act-order: the input columns are
+  gathered in the kernel (``perm[cols]``, four scalar loads from L1/L2 a vector). Options (``GemvN8Config``): ``word_rows`` word rows a program (one ``x`` value
   feeds 8 * word_rows codes), ``fold_zero`` (the zero point subtracted once a step from the sums
   instead of once a code: the nibbles read at bits 12 and 16, four shifts a word instead of eight
   adds; float32 keeps 13 bits of the products, so half-precision inputs only), ``hoist`` (the
@@ -197,10 +197,14 @@ def _int4_dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, GROUP_SIZE, stride_q
 
 
 @triton.jit
-def _n8_x_tile(x_row, cols, K, HOIST: tl.constexpr):
-    """``x[row, cols]`` as float32 ``[THREADS, 4]`` (``cols`` ``[THREADS, 4]``: four consecutive
-    columns a thread, one vector load). The mask (``cols < K``, always true) keeps the compiler from
-    hoisting every step's loads together (``HOIST`` drops it: measured no faster on an H100)."""
+def _n8_x_tile(x_row, cols, K, perm_ptr, HAS_PERM: tl.constexpr, HOIST: tl.constexpr):
+    """``x[row, cols]`` (act-order, ``HAS_PERM``: ``x[row, perm[cols]]``) as float32 ``[THREADS, 4]``
+    (``cols`` ``[THREADS, 4]``: four consecutive columns a thread, one vector load; with ``perm``
+    one vector load of their input columns and four gathered loads from L1/L2, instead of a gather
+    launch before the GEMV). The mask (``cols < K``, always true) keeps the compiler from hoisting
+    every step's loads together (``HOIST`` drops it: measured no faster on an H100)."""
+    if HAS_PERM:
+        cols = tl.load(perm_ptr + cols, mask=cols < K, other=0)
     if HOIST:
         return tl.load(x_row + cols).to(tl.float32)
     return tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
@@ -273,8 +277,9 @@ def _n8_store_planes(out_ptr, a0, a1, a2, a3, a4, a5, a6, a7, rows, b_ptr, HAS_B
 
 
 @triton.jit
-def _int4_gemv_n8_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, GROUP_SIZE, K_PER_SPLIT,
-                         stride_xm, stride_sn, stride_om, magic, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+def _int4_gemv_n8_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, b_ptr, out_ptr, M, N, K, GROUP_SIZE, K_PER_SPLIT,
+                         stride_xm, stride_sn, stride_om, magic, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         SPLIT: tl.constexpr,
                          THREADS: tl.constexpr, RUN: tl.constexpr, WORD_ROWS: tl.constexpr,
                          FOLD_ZERO: tl.constexpr, HOIST: tl.constexpr, JOINT_SUM: tl.constexpr,
                          USE_PDL: tl.constexpr):
@@ -345,7 +350,7 @@ def _int4_gemv_n8_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, G
             cols = run0[:, None] + 4 * r + e[None, :]
             stored = kb + (t // 32 * 32 * RUN + 128 * r + 4 * (t % 32))[:, None] + e[None, :]
             words = tl.load(word_rows + stored[:, None, :], eviction_policy="evict_first")
-            xv = _n8_x_tile(x_row, cols, K, HOIST)
+            xv = _n8_x_tile(x_row, cols, K, perm_ptr, HAS_PERM, HOIST)
             if FOLD_ZERO:
                 xs += xv
                 lo = words << 12
@@ -671,12 +676,12 @@ def int4_gemv_n8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     _check_gemv_n8_config(n, k, group_size, config)
     num_warps, run, split, word_rows, fold_zero, hoist, joint_sum = config
     target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-    # Act-order: the permuted input as one small gather (inside the kernel it would not load as
-    # the vector tiles the weight words load as).
-    xp = x if perm is None else x.index_select(1, perm)
+    # Act-order: x gathered in the kernel (a gather launch before it cost 4.5 us a GEMV on an H100).
+    perm = perm.to(torch.int32).contiguous() if perm is not None else None
     _int4_gemv_n8_kernel[(m, n // PACK // word_rows, split)](
-        xp, qweight, scales, zeros, bias if bias is not None else out, target, m, n, k, group_size, k // split,
-        xp.stride(0), scales.stride(0), out.stride(0), MAGIC, HAS_BIAS=bias is not None, SPLIT=split,
+        x, qweight, scales, zeros, perm if perm is not None else qweight, bias if bias is not None else out, target,
+        m, n, k, group_size, k // split, x.stride(0), scales.stride(0), out.stride(0), MAGIC,
+        HAS_PERM=perm is not None, HAS_BIAS=bias is not None, SPLIT=split,
         THREADS=32 * num_warps, RUN=run, WORD_ROWS=word_rows, FOLD_ZERO=fold_zero, HOIST=hoist,
         JOINT_SUM=joint_sum, num_warps=num_warps, **launch_kwargs(x.device))
     if split > 1:
