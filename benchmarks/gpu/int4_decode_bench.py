@@ -39,7 +39,9 @@ DEVICE, DTYPE = "cuda", "bfloat16"
 CONFIG = ROOT / "benchmarks/configs/llama-3.1-8b/config.json"
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 ROWS = (1, 2, 3, 4, 8, 16, 32, 64, 128, 256)
-SWEEP_ROWS = (16, 64)  # row counts at which --sweep times the tiled GEMM's launch sizes
+COLD_BYTES = 150e6  # bytes of weight copies the GEMV sweep cycles through (``cold_copies``)
+SWEEP_ROWS = (16, 64)
+COPY_BYTES_PER_S = 3.0e12  # an H100's measured copy bandwidth (the GEMV sweep's floor)  # row counts at which --sweep times the tiled GEMM's launch sizes
 VARIANTS = {
     "bf16": None,
     "gptq-g128": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True},
@@ -47,20 +49,24 @@ VARIANTS = {
 }
 
 
-def graph_time_us(fn, calls: int = 20) -> float:
-    """Microseconds per call of ``fn``, replayed ``calls`` at a time from a CUDA graph (no launch gaps)."""
+def graph_time_us(fn, calls: int = 20, copies: int | None = None) -> float:
+    """Microseconds per call of ``fn``, replayed ``calls`` at a time from a CUDA graph (no launch gaps).
+    ``copies``: ``fn(i)`` takes the weight copy ``i`` (call ``c`` uses copy ``c % copies``), so that
+    the weights come from DRAM as in a decode step, not from L2 (``cold_copies``)."""
     import torch
 
+    call = fn if copies is None else None
+    calls = max(calls, copies or 1)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
+        for i in range(3):
+            (call or (lambda i=i: fn(i % copies)))()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
+        for i in range(calls):
+            (call or (lambda i=i: fn(i % copies)))()
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     best = float("inf")
@@ -72,6 +78,11 @@ def graph_time_us(fn, calls: int = 20) -> float:
         end.synchronize()
         best = min(best, start.elapsed_time(end) * 1e3 / (5 * calls))
     return best
+
+
+def cold_copies(nbytes: float) -> int:
+    """Copies of a weight of ``nbytes`` that, taken in turn, overflow an H100's 50 MB L2 three times."""
+    return max(1, -(-int(COLD_BYTES) // int(nbytes)))
 
 
 def time_shape(name: str, n: int, k: int, rows: tuple[int, ...], sweep: bool) -> list[dict]:
@@ -162,6 +173,55 @@ def tiled_sweep(m: int, n: int, k: int, sms: int) -> list[tuple[int, int, int, i
     return list(unique)
 
 
+def gemv_sweep_configs(default: tuple, k: int) -> list[tuple]:
+    """Word-row GEMV launches (``int4_gemm.GemvN8Config``) around ``default`` for a weight of ``k``
+    inputs at one row: the default, then with its eight sums reduced at once (``joint_sum``), with
+    the zero points per code instead of per step, with the other warp count (4 or 2), with two word
+    rows a program, with the step's loads hoisted."""
+    warps, run, split, rows, fold, hoist, joint = default
+    configs = [default, (warps, run, split, rows, fold, hoist, not joint), (warps, run, split, rows, not fold, hoist,
+                                                                             joint),
+               (6 - warps, run, split, rows, fold, hoist, joint), (warps, run, split, 2, fold, hoist, joint),
+               (warps, run, split, rows, fold, not hoist, joint)]
+    return [c for c in dict.fromkeys(configs) if k % (32 * c[0] * run * c[2]) == 0]
+
+
+def time_gemv_sweep(name: str, n: int, k: int) -> list[dict]:
+    """The one-row word-row GEMV of an ``[n, k]`` weight (GPTQ g128) at each ``gemv_sweep_configs``
+    launch, the weights cold (``cold_copies`` of them in turn), against bf16 ``F.linear`` (cold too)
+    and the bytes floor (packed codes + fp16 scales and zeros over ``COPY_BYTES_PER_S``)."""
+    import torch
+    import torch.nn.functional as F
+
+    from pagedllm.quantization.kernels import int4_gemm
+
+    dtype = getattr(torch, DTYPE)
+    int4_bytes = n * k / 2 + 4 * n * (k // 128)
+    copies = cold_copies(int4_bytes)
+    words = [torch.randint(-(2**31), 2**31 - 1, (n // 8, k), dtype=torch.int32, device=DEVICE) for _ in range(copies)]
+    scales = [torch.full((n, k // 128), 0.01, dtype=torch.float16, device=DEVICE) for _ in range(copies)]
+    zeros = [torch.full((n, k // 128), 8.0, dtype=torch.float16, device=DEVICE) for _ in range(copies)]
+    bf16 = [torch.randn(n, k, dtype=dtype, device=DEVICE) for _ in range(cold_copies(2 * n * k))]
+    x = torch.randn(1, k, dtype=dtype, device=DEVICE)
+    bf16_us = graph_time_us(lambda i: F.linear(x, bf16[i]), copies=len(bf16))
+    floor_us = int4_bytes / COPY_BYTES_PER_S * 1e6
+    default = tuple(int4_gemm.gemv_n8_config(1, n, k, 128, int4_gemm.num_sms(torch.cuda.current_device())
+                                             if DEVICE == "cuda" else 132))
+    rows = []
+    for config in gemv_sweep_configs(default, k):
+        row = {"layer": name, "n": n, "k": k, "config": list(config), "kind": "default" if config == default else "",
+               "bf16_us": bf16_us, "floor_us": floor_us}
+        try:
+            us = graph_time_us(lambda i, c=config: int4_gemm.int4_gemv_n8(x, words[i], scales[i], zeros[i], None, 128,
+                                                                          None, config=c), copies=copies)
+            row.update(int4_us=us, ratio=us / bf16_us, over_floor=us / floor_us, int4_gb_per_s=int4_bytes / us / 1e3)
+        except Exception as e:  # a launch that does not compile must not end the table
+            row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        rows.append(row)
+        print_gemv_sweep([row], header=not rows[:-1] and name == "qkv")  # as it goes: a timeout keeps the rows
+    return rows
+
+
 def time_gguf(name: str, n: int, k: int) -> list[dict]:
     """The GGUF block kernels (``kernels/gguf_gemm.py``) for one ``[n, k]`` weight at 1 and 64 rows,
     random blocks (timing does not depend on the values), against bf16 ``F.linear``."""
@@ -183,16 +243,41 @@ def time_gguf(name: str, n: int, k: int) -> list[dict]:
     return rows
 
 
-def kernels_part(rows: tuple[int, ...], sweep: bool, gguf: bool, layers: list[str]) -> dict:
+def kernels_part(rows: tuple[int, ...], sweep: bool, gguf: bool, layers: list[str], gemv_sweep: bool) -> dict:
     return {"kernels": [row for name in layers for row in time_shape(name, *SHAPES[name], rows, sweep)],
+            "gemv_sweep": [row for name in layers for row in time_gemv_sweep(name, *SHAPES[name])] if gemv_sweep else [],
             "gguf": [row for name in ("o", "gate_up") for row in time_gguf(name, *SHAPES[name])] if gguf else []}
 
 
-def engine_part(variant: str, batch_sizes: list[int], input_len: int, output_len: int, profile: bool) -> dict:
+def apply_int4_options(options: str) -> None:
+    """Sets the int4 GEMV's options for this process before the engine is built: ``options`` is
+    ``default`` or comma-separated ``word_rows=N`` / ``fold_zero=0|1`` / ``hoist=0|1`` /
+    ``joint_sum=0|1`` (``int4_gemm.N8_WORD_ROWS`` / ``N8_FOLD_ZERO`` / ``N8_HOIST`` / ``N8_JOINT_SUM``:
+    the one-row GEMV's defaults)."""
+    from pagedllm.quantization.kernels import int4_gemm
+
+    for item in options.split(",") if options != "default" else []:
+        key, value = item.split("=")
+        if key == "word_rows":
+            int4_gemm.N8_WORD_ROWS = int(value)
+        elif key == "fold_zero":
+            int4_gemm.N8_FOLD_ZERO = bool(int(value))
+        elif key == "hoist":
+            int4_gemm.N8_HOIST = bool(int(value))
+        elif key == "joint_sum":
+            int4_gemm.N8_JOINT_SUM = bool(int(value))
+        else:
+            raise ValueError(f"--int4-options: unknown {item!r}")
+
+
+def engine_part(variant: str, batch_sizes: list[int], input_len: int, output_len: int, profile: bool,
+                int4_options: str = "default") -> dict:
     import random
 
     import torch
 
+    if VARIANTS[variant] is not None:
+        apply_int4_options(int4_options)
     from pagedllm import LLM
     from pagedllm.entrypoints.bench_latency import decode_step_seconds
     from pagedllm.entrypoints.bench_roofline import device_name, measure_copy_bandwidth
@@ -291,6 +376,7 @@ def print_tables(result: dict) -> None:
         print(f"{r['layer']:8} {r['m']:>3} {r['kernel']:14} {config:>15} {r['int4_us']:>8.1f} "
               f"{r['int4_gb_per_s']:>9.0f} {r['bf16_us']:>8.1f} {r['bf16_gb_per_s']:>9.0f} {r['ratio']:>6.2f} "
               f"{r['rel_err']:>8.1e}")
+    print_gemv_sweep(result.get("kernels", {}).get("gemv_sweep", []))
     gguf = result.get("kernels", {}).get("gguf", [])
     if gguf:
         print("\nGGUF block kernels (us per call, CUDA graph; random blocks) vs bf16 F.linear")
@@ -298,7 +384,24 @@ def print_tables(result: dict) -> None:
     for r in gguf:
         print(f"{r['layer']:8} {r['qtype']:6} {r['m']:>3} {r['us']:>9.1f} {r['bf16_us']:>9.1f} {r['ratio']:>6.2f} "
               f"{r['gb_per_s']:>7.0f}")
-    print_engine_table(result["engine"], width=22)
+    print_engine_table(result["engine"], width=max([22, *map(len, result["engine"])]))
+
+
+def print_gemv_sweep(rows: list[dict], header: bool = True) -> None:
+    if not rows:
+        return
+    if header:
+        print("\none-row word-row GEMV, weights cold (us per call; config: warps,run,split,word rows,fold zero,hoist,"
+              "joint sum)")
+        print(f"{'layer':8} {'config':>18} {'kind':7} {'int4 us':>8} {'floor us':>8} {'/floor':>6} {'GB/s':>6} "
+              f"{'bf16 us':>8} {'ratio':>6}")
+    for r in rows:
+        config = ",".join(str(int(v)) for v in r["config"])
+        if "error" in r:
+            print(f"{r['layer']:8} {config:>18} {r['kind']:7} error: {r['error']}")
+            continue
+        print(f"{r['layer']:8} {config:>18} {r['kind']:7} {r['int4_us']:>8.1f} {r['floor_us']:>8.1f} "
+              f"{r['over_floor']:>6.2f} {r['int4_gb_per_s']:>6.0f} {r['bf16_us']:>8.1f} {r['ratio']:>6.2f}", flush=True)
 
 
 def print_engine_table(engine: dict, width: int) -> None:
@@ -329,20 +432,32 @@ def main() -> int:
     p.add_argument("--layers", nargs="+", default=list(SHAPES), choices=list(SHAPES), help="projections of the kernel table")
     p.add_argument("--sweep", action="store_true", help=f"also the tiled GEMM's launch sizes at {SWEEP_ROWS} rows")
     p.add_argument("--gguf", action="store_true", help="also the GGUF block kernels")
+    p.add_argument("--gemv-sweep", action="store_true",
+                   help="also the one-row GEMV's launch sizes, weights cold")
     p.add_argument("--profile", action="store_true", help="also the CUDA kernels of 10 decode steps per batch size")
+    p.add_argument("--int4-options", nargs="+", default=["default"],
+                   help="int4 engine runs, each 'default' or e.g. 'word_rows=2,fold_zero=0' "
+                        "(apply_int4_options)")
     p.add_argument("--child", choices=["kernels", *VARIANTS], help=argparse.SUPPRESS)
     p.add_argument("--child-json", help=argparse.SUPPRESS)
     ns = p.parse_args()
     if ns.child:
-        out = kernels_part(tuple(ns.rows), ns.sweep, ns.gguf, ns.layers) if ns.child == "kernels" else engine_part(ns.child, ns.batch_sizes, ns.input_len,
-                                                                         ns.output_len, ns.profile)
+        if ns.child == "kernels":
+            out = kernels_part(tuple(ns.rows), ns.sweep, ns.gguf, ns.layers, ns.gemv_sweep)
+        else:
+            out = engine_part(ns.child, ns.batch_sizes, ns.input_len, ns.output_len, ns.profile, ns.int4_options[0])
         Path(ns.child_json).write_text(json.dumps(out))
         return 0
     sizes = ["--batch-sizes", *map(str, ns.batch_sizes), "--input-len", str(ns.input_len),
              "--output-len", str(ns.output_len)] + ["--profile"] * ns.profile
-    kernel_args = ["--rows", *map(str, ns.rows), "--layers", *ns.layers] + ["--sweep"] * ns.sweep + ["--gguf"] * ns.gguf
-    result = {"kernels": {} if ns.skip_kernels else run_child(["--child", "kernels", *kernel_args]),
-              "engine": {} if ns.skip_engine else {v: run_child(["--child", v, *sizes]) for v in ns.variants}}
+    kernel_args = (["--rows", *map(str, ns.rows), "--layers", *ns.layers] + ["--sweep"] * ns.sweep + ["--gguf"] * ns.gguf
+                   + ["--gemv-sweep"] * ns.gemv_sweep)
+    engine = {}
+    for variant in [] if ns.skip_engine else ns.variants:
+        for options in ns.int4_options if VARIANTS[variant] is not None else ["default"]:
+            key = variant if options == "default" else f"{variant}[{options}]"
+            engine[key] = run_child(["--child", variant, *sizes, "--int4-options", options])
+    result = {"kernels": {} if ns.skip_kernels else run_child(["--child", "kernels", *kernel_args]), "engine": engine}
     print_tables(result)
     os.makedirs(os.path.dirname(ns.out) or ".", exist_ok=True)
     Path(ns.out).write_text(json.dumps(result, indent=2))

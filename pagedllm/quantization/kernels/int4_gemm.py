@@ -5,7 +5,7 @@ Word-row layout (``N8_LAYOUT``, ``[N / 8, K]``: a word holds eight output rows o
 column; chosen at load where ``n8_layout_fits``):
 
 - ``_int4_gemv_n8_kernel`` (``N8_GEMV_MAX_ROWS`` rows; up to ``GEMV_MAX_ROWS`` where the tiled GEMM
-  does not take the input): a program owns one word row (eight outputs) and a split of K; in each
+  does not take the input): a program owns ``word_rows`` word rows (eight outputs each) and a split of K; in each
   step its ``THREADS`` threads each take ``RUN`` columns (up to 32) that lie in one group, so a
   thread loads its eight scales and zero points once a step and one ``x`` value serves eight
   codes; the layout stores each 16-byte load of a warp's 32 threads next to each other (512
@@ -14,8 +14,23 @@ column; chosen at load where ``n8_layout_fits``):
   one multiply-add; the scale multiplies a step's sums. Grid ``(M, N / 8, split)``: a program per
   input row (a word row's programs run together: the words come from DRAM once), split K
   (``gemv_n8_config``) where the programs alone leave SMs idle, its float32 partial sums added by
-  ``splitk.splitk_sum_kernel`` (with the bias, in x's dtype). Act-order: the input is permuted by one
-  gather first.
+  ``splitk.splitk_sum_kernel`` (with the bias, in x's dtype). Act-order: the input columns are
+  gathered in the kernel (``perm[cols]``, four scalar loads from L1/L2 a vector). Options (``GemvN8Config``): ``word_rows`` word rows a program (one ``x`` value
+  feeds 8 * word_rows codes), ``fold_zero`` (the zero point subtracted once a step from the sums
+  instead of once a code: the nibbles read at bits 12 and 16, four shifts a word instead of eight
+  adds; float32 keeps 13 bits of the products, so half-precision inputs only), ``hoist`` (the
+  step's loads unmasked), ``joint_sum`` (the eight plane sums reduced over the threads in one
+  reduction, one exchange between the warps, one store). The GEMV is bound by its instructions
+  as much as by the bytes (a word of eight codes costs about 30 instructions: at the copy
+  bandwidth an H100 SM would issue three of its four warp instructions a clock): the options cut
+  instructions. Under
+  programmatic dependent launch (``pagedllm/pdl.py``: the batch-1 decode graph) the GEMV and its
+  split-K sum wait for the kernel before and release the next one.
+  Not done, measured (H100, 8B shapes, weights cold): the RMSNorm or SiLU-and-mul before the
+  projection in the GEMV's prologue, as the FP8 GEMV has them. Every program recomputes the op
+  over the whole row, and this GEMV is bound by its instructions, not by the bytes: gate_up took
+  51.9 us fused against 30.6 + 1.7 for the GEMV and the norm's own launch, down 23.5 against
+  18.5 + 1.3, and the batch-1 decode step 3.71 ms against 2.87 ms.
 - ``_int4_gemm_n8_kernel`` (the tiled GEMM, above the GEMV up to ``TILED_MAX_ROWS`` half-precision
   rows): a program owns a ``[BLOCK_M, BLOCK_N]`` output tile and a split of K; a step takes one
   chunk of K (whole GEMV runs of one group: ``tiled_n8_chunk``), loads its ``[BLOCK_N / 8,
@@ -52,18 +67,32 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from pagedllm.pdl import launch_kwargs
 from pagedllm.quantization.int4_layout import N8_LAYOUT, PACK, ROWS_LAYOUT, n8_run
 from pagedllm.quantization.kernels.splitk import splitk_sum_kernel
+from pagedllm.triton_pdl import allow_dependents, wait_for_inputs
 
 GEMV_MAX_ROWS = 4
 MAGIC = 0x4B000000  # the bits of the float 2^23, whose mantissa takes a code (``_n8_plane``)
 # The word-row GEMV splits K until there are this many programs per SM.
 N8_PROGRAMS_PER_SM = 2
+# The one-row GEMV's options (``GemvN8Config``), from an H100 sweep of the 8B shapes with the weights
+# cold (``benchmarks/gpu/int4_decode_bench.py --gemv-sweep``): one word row a program (two: 0.3 us
+# faster on qkv, 0.5-3 us slower on o, gate_up and down), the zero points folded once a step (qkv
+# 10.2 -> 8.8 us, gate_up 30.6 -> 29.0, down 18.5 -> 16.7, o 6.8 -> 7.1), the loads not hoisted
+# (hoisted: +0.1-4.5 us); two warps a program where the word rows give ``N8_FEW_WARPS_PROGRAMS_PER_SM``
+# programs an SM (gate_up: 28.1 us against 29.0 with four; qkv and o lost 0.4-0.9 us with two).
+N8_WORD_ROWS = 1
+N8_FOLD_ZERO = True
+N8_HOIST = False
+N8_JOINT_SUM = False
+N8_FEW_WARPS_PROGRAMS_PER_SM = 8
 # Word-row layout: rows the GEMV takes (one: its per-row sums cost registers and a second row
 # doubles its arithmetic), and rows the tiled GEMM takes (above: dequantize once + cuBLAS, whose
 # tiles reuse each weight across many rows).
@@ -168,71 +197,117 @@ def _int4_dequant_kernel(qw_ptr, s_ptr, z_ptr, w_ptr, N, K, GROUP_SIZE, stride_q
 
 
 @triton.jit
-def _n8_x_tile(x_row, cols, K):
-    """``x[row, cols]`` as float32 ``[THREADS, 4]`` (``cols`` ``[THREADS, 4]``: four consecutive
-    columns a thread, one vector load). The mask (``cols < K``, always true) keeps the compiler from
-    hoisting every step's loads together: unmasked the kernel takes 127 registers, not 95 (sm_90)."""
+def _n8_x_tile(x_row, cols, K, perm_ptr, HAS_PERM: tl.constexpr, HOIST: tl.constexpr):
+    """``x[row, cols]`` (act-order, ``HAS_PERM``: ``x[row, perm[cols]]``) as float32 ``[THREADS, 4]``
+    (``cols`` ``[THREADS, 4]``: four consecutive columns a thread, one vector load; with ``perm``
+    one vector load of their input columns and four gathered loads from L1/L2, instead of a gather
+    launch before the GEMV). The mask (``cols < K``, always true) keeps the compiler from hoisting
+    every step's loads together (``HOIST`` drops it: measured no faster on an H100)."""
+    if HAS_PERM:
+        cols = tl.load(perm_ptr + cols, mask=cols < K, other=0)
+    if HOIST:
+        return tl.load(x_row + cols).to(tl.float32)
     return tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _n8_constants(s_ptr, z_ptr, row, stride_sn, g, SHIFT: tl.constexpr):
-    """``(s * 2^-SHIFT, 2^23 + z * 2^SHIFT)`` float32 ``[THREADS]`` of output ``row`` in each thread's
-    group ``g``: the plane's scale with the place value of its nibble taken out, and the float that
-    ``_n8_plane`` subtracts (an integer below 2^24: exact)."""
-    s = tl.load(s_ptr + row * stride_sn + g).to(tl.float32)
-    z = tl.load(z_ptr + row * stride_sn + g).to(tl.float32)
+def _n8_constants(s_ptr, z_ptr, rows, stride_sn, g, SHIFT: tl.constexpr):
+    """``(s * 2^-SHIFT, 2^23 + z * 2^SHIFT)`` float32 ``[THREADS, WORD_ROWS]`` of outputs ``rows``
+    (``[WORD_ROWS]``: one plane of each word row) in each thread's group ``g`` (``[THREADS]``): the
+    plane's scale with the place value of its nibble taken out, and the float that ``_n8_plane``
+    subtracts (an integer below 2^24: exact)."""
+    offs = rows[None, :] * stride_sn + g[:, None]
+    s = tl.load(s_ptr + offs).to(tl.float32)
+    z = tl.load(z_ptr + offs).to(tl.float32)
     return s * (1.0 / (1 << SHIFT)), z * (1 << SHIFT) + 8388608.0
 
 
 @triton.jit
-def _n8_plane(part, words, SHIFT: tl.constexpr, c, xv, magic):
-    """Adds one plane's products to ``part`` (``[THREADS, 4]``: a sum per element, one multiply-add
-    a product). The nibble at bits ``SHIFT .. SHIFT+3`` of ``words`` ``[THREADS, 4]`` (``SHIFT`` <=
-    16: inside the 23 mantissa bits) stays in place in the mantissa of 2^23 (``magic`` =
-    0x4B000000: the float ``2^23 + q * 2^SHIFT``, one logic op); minus ``c`` it is ``(q - z) *
-    2^SHIFT``, exactly (one add); then one fused multiply-add by ``x`` (``xv`` ``[THREADS, 4]``)."""
+def _n8_plane(part, words, SHIFT: tl.constexpr, c, xv, magic, FOLD_ZERO: tl.constexpr):
+    """Adds one plane's products to ``part`` (``[THREADS, WORD_ROWS, 4]``: a sum per element, one
+    multiply-add a product). The nibble at bits ``SHIFT .. SHIFT+3`` of ``words`` (``SHIFT`` <= 16:
+    inside the 23 mantissa bits) stays in place in the mantissa of 2^23 (``magic`` = 0x4B000000: the
+    float ``v = 2^23 + q * 2^SHIFT``, one logic op); ``v - c`` is ``(q - z) * 2^SHIFT``, exactly (one
+    add), then one fused multiply-add by ``x`` (``xv`` ``[THREADS, 4]``). ``FOLD_ZERO``: no add
+    here; ``_n8_step_sum`` subtracts ``c`` times the sum of ``x`` once a step (``SHIFT`` 12 or 16
+    keeps the sum of ``v * x`` within 2^11 of the products' size: float32 loses 11 of its 24 bits)."""
     bits = (words & (15 << SHIFT)) | magic
-    v = bits.to(tl.float32, bitcast=True) - c[:, None]
-    return part + v * xv
+    v = bits.to(tl.float32, bitcast=True)
+    if not FOLD_ZERO:
+        v = v - c[:, :, None]
+    return part + v * xv[:, None, :]
 
 
 @triton.jit
-def _n8_store(out_ptr, y, col, b_ptr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
-    """Stores one output's sum at ``out_ptr + col`` (the program's output row): with the bias and in
-    out's dtype, or (split K) as a float32 partial sum (``out_ptr`` in this split's ``[M, N]`` slice)."""
+def _n8_step_sum(part, s, c, xsum, FOLD_ZERO: tl.constexpr):
+    """One plane's scaled sums of a step, ``[THREADS, WORD_ROWS]``: ``s * sum(part)`` (minus ``c *
+    sum(x)`` first where ``_n8_plane`` left the zero point and the 2^23 in, ``FOLD_ZERO``)."""
+    p = tl.sum(part, axis=2)
+    if FOLD_ZERO:
+        p = p - c * xsum[:, None]
+    return p * s
+
+
+@triton.jit
+def _n8_store(out_ptr, acc, rows, b_ptr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+    """Stores one plane's outputs (``acc`` ``[THREADS, WORD_ROWS]`` summed over the threads) at
+    ``out_ptr + rows``: with the bias and in out's dtype, or (split K) as float32 partial sums
+    (``out_ptr`` in this split's ``[M, N]`` slice)."""
+    y = tl.sum(acc, axis=0)
     if SPLIT == 1 and HAS_BIAS:
-        y += tl.load(b_ptr + col).to(tl.float32)
-    tl.store(out_ptr + col, y.to(out_ptr.dtype.element_ty))
+        y += tl.load(b_ptr + rows).to(tl.float32)
+    tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
-def _int4_gemv_n8_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, GROUP_SIZE,
-                         K_PER_SPLIT, stride_xm, stride_sn, stride_om, magic,
-                         HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, THREADS: tl.constexpr,
-                         RUN: tl.constexpr):
-    """One input row ``m`` against one word row (outputs ``8b .. 8b+7``, plane ``j`` = output ``8b +
-    j``) over one split of K: ``y[m, 8b+j] = sum_k x[m, k] (q - z) s``. The rows of ``x`` are
-    separate programs next to each other in the grid, so a word row's programs run together and
-    all but the first read its words from L2 (per-row sums in registers cost occupancy and the
-    row's multiply-adds instead). A step covers ``THREADS * RUN`` columns: thread ``t``
-    takes the ``RUN`` columns from ``t * RUN`` on (inside one group), so its scales and zero points
-    load once a step, and each word feeds its eight planes from one ``x`` value; the layout stores
-    load ``r`` of a warp's 32 threads as 512 contiguous bytes (``int4.n8_memory_order``, whose run
-    ``RUN`` is). Planes 0-4 read the word, 5-7 the word shifted by 12 (one shift a word).
-    ``magic`` (0x4B000000) comes as an argument so that it sits in one register and the nibble
-    masks are the logic op's immediates.
+def _n8_store_planes(out_ptr, a0, a1, a2, a3, a4, a5, a6, a7, rows, b_ptr, HAS_BIAS: tl.constexpr,
+                     SPLIT: tl.constexpr):
+    """``_n8_store`` of all eight planes at once: the ``[THREADS, WORD_ROWS]`` sums stacked into
+    ``[THREADS, WORD_ROWS, 8]`` (plane ``j`` at ``j``) and reduced over the threads in one reduction
+    (one exchange between the warps instead of eight), then one store of 8 outputs a word row."""
+    # ``tl.join`` adds its axis last: join(join(p, q), join(r, s)) reshaped is (p, r, q, s).
+    lo = tl.reshape(tl.join(tl.join(a0, a2), tl.join(a1, a3)), (a0.shape[0], a0.shape[1], 4))
+    hi = tl.reshape(tl.join(tl.join(a4, a6), tl.join(a5, a7)), (a0.shape[0], a0.shape[1], 4))
+    planes = tl.reshape(tl.permute(tl.join(lo, hi), (0, 1, 3, 2)), (a0.shape[0], a0.shape[1], 8))
+    y = tl.sum(planes, axis=0)
+    cols = rows[:, None] + tl.arange(0, 8)[None, :]
+    if SPLIT == 1 and HAS_BIAS:
+        y += tl.load(b_ptr + cols).to(tl.float32)
+    tl.store(out_ptr + cols, y.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _int4_gemv_n8_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, b_ptr, out_ptr, M, N, K, GROUP_SIZE, K_PER_SPLIT,
+                         stride_xm, stride_sn, stride_om, magic, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         SPLIT: tl.constexpr,
+                         THREADS: tl.constexpr, RUN: tl.constexpr, WORD_ROWS: tl.constexpr,
+                         FOLD_ZERO: tl.constexpr, HOIST: tl.constexpr, JOINT_SUM: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    """One input row ``m`` against ``WORD_ROWS`` word rows (word row ``b`` holds outputs ``8b ..
+    8b+7``, plane ``j`` = output ``8b + j``) over one split of K: ``y[m, 8b+j] = sum_k x[m, k] (q -
+    z) s``. The rows of ``x`` are separate programs next to each other in the grid, so a word row's
+    programs run together and all but the first read its words from L2. A step covers ``THREADS *
+    RUN`` columns: thread ``t`` takes the ``RUN`` columns from ``t * RUN`` on (inside one group), so
+    its scales and zero points load once a step, and each ``x`` value feeds the eight planes of
+    every word row; the layout stores load ``r`` of a warp's 32 threads as 512
+    contiguous bytes (``int4.n8_memory_order``, whose run ``RUN`` is). Exact planes (``FOLD_ZERO``
+    off): 0-4 read the word in place, 5-7 the word shifted by 12; folded: plane pairs (0, 1), (2,
+    3), (4, 5), (6, 7) read the word shifted to put them at bits 12 and 16 (four shifts a word, and
+    one add a word for the sum of ``x`` instead of one a code). ``magic`` (0x4B000000) comes as an
+    argument so that it sits in one register and the nibble masks are the logic op's immediates.
     ``SPLIT`` > 1: float32 partial sums into ``out_ptr`` (``[SPLIT, M, N]``), the bias and the
-    rounding left to ``splitk.splitk_sum_kernel``."""
+    rounding left to ``splitk.splitk_sum_kernel``. ``USE_PDL``: programmatic dependent launch
+    (``pagedllm/pdl.py``): the wait before the first read of x, the release after the loop."""
     pid_m = tl.program_id(0)
     pid_b = tl.program_id(1)
     pid_k = tl.program_id(2)
     t = tl.arange(0, THREADS)
     e = tl.arange(0, 4)
     x_row = x_ptr + pid_m * stride_xm
-    row = pid_b * 8
-    word_row = qw_ptr + pid_b.to(tl.int64) * K
-    acc0 = tl.zeros((THREADS,), tl.float32)
+    b = pid_b * WORD_ROWS + tl.arange(0, WORD_ROWS)
+    rows = b * 8  # plane 0 of each word row
+    word_rows = qw_ptr + b.to(tl.int64)[None, :, None] * K
+    acc0 = tl.zeros((THREADS, WORD_ROWS), tl.float32)
     acc1 = tl.zeros_like(acc0)
     acc2 = tl.zeros_like(acc0)
     acc3 = tl.zeros_like(acc0)
@@ -240,19 +315,29 @@ def _int4_gemv_n8_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, G
     acc5 = tl.zeros_like(acc0)
     acc6 = tl.zeros_like(acc0)
     acc7 = tl.zeros_like(acc0)
+    # Each plane's bit offset in the word it reads (module doc of the kernel).
+    S0: tl.constexpr = 12 if FOLD_ZERO else 0
+    S1: tl.constexpr = 16 if FOLD_ZERO else 4
+    S2: tl.constexpr = 12 if FOLD_ZERO else 8
+    S3: tl.constexpr = 16 if FOLD_ZERO else 12
+    S4: tl.constexpr = 12 if FOLD_ZERO else 16
+    S5: tl.constexpr = 16 if FOLD_ZERO else 8
+    S6: tl.constexpr = 12
+    S7: tl.constexpr = 16
     k_begin = pid_k * K_PER_SPLIT
+    wait_for_inputs(USE_PDL)
     for kb in range(k_begin, k_begin + K_PER_SPLIT, THREADS * RUN):
         run0 = kb + t * RUN
         g = run0 // GROUP_SIZE
-        s0, c0 = _n8_constants(s_ptr, z_ptr, row, stride_sn, g, 0)
-        s1, c1 = _n8_constants(s_ptr, z_ptr, row + 1, stride_sn, g, 4)
-        s2, c2 = _n8_constants(s_ptr, z_ptr, row + 2, stride_sn, g, 8)
-        s3, c3 = _n8_constants(s_ptr, z_ptr, row + 3, stride_sn, g, 12)
-        s4, c4 = _n8_constants(s_ptr, z_ptr, row + 4, stride_sn, g, 16)
-        s5, c5 = _n8_constants(s_ptr, z_ptr, row + 5, stride_sn, g, 8)
-        s6, c6 = _n8_constants(s_ptr, z_ptr, row + 6, stride_sn, g, 12)
-        s7, c7 = _n8_constants(s_ptr, z_ptr, row + 7, stride_sn, g, 16)
-        p0 = tl.zeros((THREADS, 4), tl.float32)
+        s0, c0 = _n8_constants(s_ptr, z_ptr, rows, stride_sn, g, S0)
+        s1, c1 = _n8_constants(s_ptr, z_ptr, rows + 1, stride_sn, g, S1)
+        s2, c2 = _n8_constants(s_ptr, z_ptr, rows + 2, stride_sn, g, S2)
+        s3, c3 = _n8_constants(s_ptr, z_ptr, rows + 3, stride_sn, g, S3)
+        s4, c4 = _n8_constants(s_ptr, z_ptr, rows + 4, stride_sn, g, S4)
+        s5, c5 = _n8_constants(s_ptr, z_ptr, rows + 5, stride_sn, g, S5)
+        s6, c6 = _n8_constants(s_ptr, z_ptr, rows + 6, stride_sn, g, S6)
+        s7, c7 = _n8_constants(s_ptr, z_ptr, rows + 7, stride_sn, g, S7)
+        p0 = tl.zeros((THREADS, WORD_ROWS, 4), tl.float32)
         p1 = tl.zeros_like(p0)
         p2 = tl.zeros_like(p0)
         p3 = tl.zeros_like(p0)
@@ -260,37 +345,56 @@ def _int4_gemv_n8_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N, K, G
         p5 = tl.zeros_like(p0)
         p6 = tl.zeros_like(p0)
         p7 = tl.zeros_like(p0)
+        xs = tl.zeros((THREADS, 4), tl.float32)
         for r in tl.static_range(RUN // 4):
             cols = run0[:, None] + 4 * r + e[None, :]
             stored = kb + (t // 32 * 32 * RUN + 128 * r + 4 * (t % 32))[:, None] + e[None, :]
-            words = tl.load(word_row + stored, eviction_policy="evict_first")
-            xv = _n8_x_tile(x_row, cols, K)
-            p0 = _n8_plane(p0, words, 0, c0, xv, magic)
-            p1 = _n8_plane(p1, words, 4, c1, xv, magic)
-            p2 = _n8_plane(p2, words, 8, c2, xv, magic)
-            p3 = _n8_plane(p3, words, 12, c3, xv, magic)
-            p4 = _n8_plane(p4, words, 16, c4, xv, magic)
+            words = tl.load(word_rows + stored[:, None, :], eviction_policy="evict_first")
+            xv = _n8_x_tile(x_row, cols, K, perm_ptr, HAS_PERM, HOIST)
+            if FOLD_ZERO:
+                xs += xv
+                lo = words << 12
+                p0 = _n8_plane(p0, lo, S0, c0, xv, magic, FOLD_ZERO)
+                p1 = _n8_plane(p1, lo, S1, c1, xv, magic, FOLD_ZERO)
+                mid = words << 4
+                p2 = _n8_plane(p2, mid, S2, c2, xv, magic, FOLD_ZERO)
+                p3 = _n8_plane(p3, mid, S3, c3, xv, magic, FOLD_ZERO)
+                upper = words >> 4
+                p4 = _n8_plane(p4, upper, S4, c4, xv, magic, FOLD_ZERO)
+                p5 = _n8_plane(p5, upper, S5, c5, xv, magic, FOLD_ZERO)
+            else:
+                p0 = _n8_plane(p0, words, S0, c0, xv, magic, FOLD_ZERO)
+                p1 = _n8_plane(p1, words, S1, c1, xv, magic, FOLD_ZERO)
+                p2 = _n8_plane(p2, words, S2, c2, xv, magic, FOLD_ZERO)
+                p3 = _n8_plane(p3, words, S3, c3, xv, magic, FOLD_ZERO)
+                p4 = _n8_plane(p4, words, S4, c4, xv, magic, FOLD_ZERO)
             high = words >> 12
-            p5 = _n8_plane(p5, high, 8, c5, xv, magic)
-            p6 = _n8_plane(p6, high, 12, c6, xv, magic)
-            p7 = _n8_plane(p7, high, 16, c7, xv, magic)
-        acc0 += tl.sum(p0, axis=1) * s0
-        acc1 += tl.sum(p1, axis=1) * s1
-        acc2 += tl.sum(p2, axis=1) * s2
-        acc3 += tl.sum(p3, axis=1) * s3
-        acc4 += tl.sum(p4, axis=1) * s4
-        acc5 += tl.sum(p5, axis=1) * s5
-        acc6 += tl.sum(p6, axis=1) * s6
-        acc7 += tl.sum(p7, axis=1) * s7
+            if not FOLD_ZERO:
+                p5 = _n8_plane(p5, high, S5, c5, xv, magic, FOLD_ZERO)
+            p6 = _n8_plane(p6, high, S6, c6, xv, magic, FOLD_ZERO)
+            p7 = _n8_plane(p7, high, S7, c7, xv, magic, FOLD_ZERO)
+        xsum = tl.sum(xs, axis=1)
+        acc0 += _n8_step_sum(p0, s0, c0, xsum, FOLD_ZERO)
+        acc1 += _n8_step_sum(p1, s1, c1, xsum, FOLD_ZERO)
+        acc2 += _n8_step_sum(p2, s2, c2, xsum, FOLD_ZERO)
+        acc3 += _n8_step_sum(p3, s3, c3, xsum, FOLD_ZERO)
+        acc4 += _n8_step_sum(p4, s4, c4, xsum, FOLD_ZERO)
+        acc5 += _n8_step_sum(p5, s5, c5, xsum, FOLD_ZERO)
+        acc6 += _n8_step_sum(p6, s6, c6, xsum, FOLD_ZERO)
+        acc7 += _n8_step_sum(p7, s7, c7, xsum, FOLD_ZERO)
+    allow_dependents(USE_PDL)
     out = out_ptr + pid_m * stride_om if SPLIT == 1 else out_ptr + pid_k * M * N + pid_m * N
-    _n8_store(out, tl.sum(acc0), row, b_ptr, HAS_BIAS, SPLIT)
-    _n8_store(out, tl.sum(acc1), row + 1, b_ptr, HAS_BIAS, SPLIT)
-    _n8_store(out, tl.sum(acc2), row + 2, b_ptr, HAS_BIAS, SPLIT)
-    _n8_store(out, tl.sum(acc3), row + 3, b_ptr, HAS_BIAS, SPLIT)
-    _n8_store(out, tl.sum(acc4), row + 4, b_ptr, HAS_BIAS, SPLIT)
-    _n8_store(out, tl.sum(acc5), row + 5, b_ptr, HAS_BIAS, SPLIT)
-    _n8_store(out, tl.sum(acc6), row + 6, b_ptr, HAS_BIAS, SPLIT)
-    _n8_store(out, tl.sum(acc7), row + 7, b_ptr, HAS_BIAS, SPLIT)
+    if JOINT_SUM:
+        _n8_store_planes(out, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, rows, b_ptr, HAS_BIAS, SPLIT)
+        return
+    _n8_store(out, acc0, rows, b_ptr, HAS_BIAS, SPLIT)
+    _n8_store(out, acc1, rows + 1, b_ptr, HAS_BIAS, SPLIT)
+    _n8_store(out, acc2, rows + 2, b_ptr, HAS_BIAS, SPLIT)
+    _n8_store(out, acc3, rows + 3, b_ptr, HAS_BIAS, SPLIT)
+    _n8_store(out, acc4, rows + 4, b_ptr, HAS_BIAS, SPLIT)
+    _n8_store(out, acc5, rows + 5, b_ptr, HAS_BIAS, SPLIT)
+    _n8_store(out, acc6, rows + 6, b_ptr, HAS_BIAS, SPLIT)
+    _n8_store(out, acc7, rows + 7, b_ptr, HAS_BIAS, SPLIT)
 
 
 @triton.jit
@@ -426,18 +530,37 @@ def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def gemv_n8_config(m: int, n: int, k: int, group_size: int, sm_count: int) -> tuple[int, int, int]:
-    """``(num_warps, run, split_k)`` of the word-row GEMV for ``m`` rows and an ``[n, k]`` weight:
-    the layout's run (``int4.n8_run``), four warps where K allows (more warps resident to hide the
-    memory latency), and K split until there are ``N8_PROGRAMS_PER_SM`` programs per SM, each
-    split a whole number of steps."""
+class GemvN8Config(NamedTuple):
+    """Launch sizes of the word-row GEMV (``_int4_gemv_n8_kernel``): warps a program, the layout's run,
+    K splits, word rows a program (dividing N / 8), and whether the zero points are subtracted once
+    a step instead of once a code (``FOLD_ZERO``), and whether the step's loads may all be issued
+    at once (``HOIST``: more registers, more bytes in flight)."""
+
+    num_warps: int
+    run: int
+    split: int
+    word_rows: int = 1
+    fold_zero: bool = False
+    hoist: bool = False
+    joint_sum: bool = False
+
+
+def gemv_n8_config(m: int, n: int, k: int, group_size: int, sm_count: int) -> GemvN8Config:
+    """The word-row GEMV's launch for ``m`` rows and an ``[n, k]`` weight: the layout's run
+    (``int4.n8_run``), four warps where K allows (more warps resident to hide the memory latency;
+    two where the word rows alone give ``N8_FEW_WARPS_PROGRAMS_PER_SM`` programs an SM),
+    ``N8_WORD_ROWS`` word rows a program where they divide N / 8, ``N8_FOLD_ZERO``, ``N8_HOIST``,
+    and K split until there are ``N8_PROGRAMS_PER_SM`` programs per SM, each split a whole number of
+    steps."""
     run = n8_run(k, group_size)
-    num_warps = next(w for w in (4, 2, 1) if k % (32 * w * run) == 0)
+    most = 2 if m * n // PACK >= N8_FEW_WARPS_PROGRAMS_PER_SM * sm_count else 4
+    num_warps = next(w for w in (4, 2, 1) if w <= most and k % (32 * w * run) == 0)
     steps = k // (32 * num_warps * run)
-    programs = m * n // PACK  # a program per input row and word row
+    word_rows = N8_WORD_ROWS if (n // PACK) % N8_WORD_ROWS == 0 else 1
+    programs = m * n // PACK // word_rows  # a program per input row and word_rows word rows
     split = next((d for d in range(1, steps + 1) if steps % d == 0 and programs * d >= N8_PROGRAMS_PER_SM * sm_count),
                  steps)
-    return num_warps, run, split
+    return GemvN8Config(num_warps, run, split, word_rows, N8_FOLD_ZERO, N8_HOIST, N8_JOINT_SUM)
 
 
 def tiled_n8_chunk(k: int, group_size: int) -> tuple[int, int] | None:
@@ -522,33 +645,45 @@ def _splitk_sum(partials: torch.Tensor, bias: torch.Tensor | None, out: torch.Te
     block = 1024
     splitk_sum_kernel[(triton.cdiv(m * n, block),)](partials, bias if bias is not None else out, out, m, n,
                                                      out.stride(0), SPLIT=split, HAS_BIAS=bias is not None,
-                                                     BLOCK=block, USE_PDL=False, num_warps=4)
+                                                     BLOCK=block, num_warps=4, **launch_kwargs(out.device))
+
+
+def _check_gemv_n8_config(n: int, k: int, group_size: int, config: GemvN8Config) -> None:
+    """ValueError unless ``config`` suits a word-row weight of ``n`` outputs and ``k`` inputs: the
+    layout's run, steps that divide K, word rows that divide N / 8."""
+    num_warps, run, split, word_rows, *_ = config
+    if run != n8_run(k, group_size) or k % (32 * num_warps * run * split) or (n // PACK) % word_rows:
+        raise ValueError(f"int4 GEMV config {config}: the run must be the layout's ({n8_run(k, group_size)}), "
+                         f"the steps must divide K={k} and the word rows N/8={n // PACK}")
 
 
 def int4_gemv_n8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  perm: torch.Tensor | None, group_size: int, bias: torch.Tensor | None,
-                 out: torch.Tensor | None = None, config: tuple[int, int, int] | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, config: tuple | None = None) -> torch.Tensor:
     """``x[:, perm] @ W^T (+ bias)`` by the word-row GEMV (``_int4_gemv_n8_kernel``; up to
-    ``GEMV_MAX_ROWS`` rows); ``config``: ``gemv_n8_config``'s tuple (default its choice)."""
+    ``GEMV_MAX_ROWS`` rows), under programmatic dependent launch where ``pagedllm/pdl.py`` has it on;
+    ``config``: a ``GemvN8Config`` (or its leading fields; default ``gemv_n8_config``'s, without
+    folded zero points for a float32 ``x``: they would cost it 11 bits)."""
     m, k = x.shape
     n = qweight.shape[0] * PACK
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if config is None:
+    if config:
+        config = GemvN8Config(*config)
+    else:
         config = gemv_n8_config(m, n, k, group_size, _sm_count(x))
-    num_warps, run, split = config
-    threads = 32 * num_warps
-    if run != n8_run(k, group_size) or k % (threads * run * split):
-        raise ValueError(f"int4 GEMV config {(num_warps, run, split)}: the run must be the layout's "
-                         f"({n8_run(k, group_size)}) and the steps must divide K={k}")
+        config = config._replace(fold_zero=config.fold_zero and x.dtype != torch.float32)
+    _check_gemv_n8_config(n, k, group_size, config)
+    num_warps, run, split, word_rows, fold_zero, hoist, joint_sum = config
     target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-    # Act-order: the permuted input as one small gather (inside the kernel it would not load as
-    # the vector tiles the weight words load as).
-    xp = x if perm is None else x.index_select(1, perm)
-    _int4_gemv_n8_kernel[(m, n // PACK, split)](
-        xp, qweight, scales, zeros, bias if bias is not None else out, target, m, n, k, group_size, k // split,
-        xp.stride(0), scales.stride(0), out.stride(0), MAGIC,
-        HAS_BIAS=bias is not None, SPLIT=split, THREADS=threads, RUN=run, num_warps=num_warps)
+    # Act-order: x gathered in the kernel (a gather launch before it cost 4.5 us a GEMV on an H100).
+    perm = perm.to(torch.int32).contiguous() if perm is not None else None
+    _int4_gemv_n8_kernel[(m, n // PACK // word_rows, split)](
+        x, qweight, scales, zeros, perm if perm is not None else qweight, bias if bias is not None else out, target,
+        m, n, k, group_size, k // split, x.stride(0), scales.stride(0), out.stride(0), MAGIC,
+        HAS_PERM=perm is not None, HAS_BIAS=bias is not None, SPLIT=split,
+        THREADS=32 * num_warps, RUN=run, WORD_ROWS=word_rows, FOLD_ZERO=fold_zero, HOIST=hoist,
+        JOINT_SUM=joint_sum, num_warps=num_warps, **launch_kwargs(x.device))
     if split > 1:
         _splitk_sum(target, bias, out)
     return out
