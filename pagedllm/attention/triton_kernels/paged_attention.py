@@ -8,8 +8,9 @@ query ``j`` attends causally to keys ``0 .. seq_len - query_len + j``.
 Shared by both kernels (``_attend_range``): keys are visited in tiles of ``TILE_N`` positions; each
 position looks up its physical block in the request's block table, so a tile may span several
 pages and ``TILE_N`` does not depend on ``block_size``. Scores are computed in fp32 with
-``tl.dot`` on operands in the cache's dtype (a float8 cache's tiles are upcast to the query's dtype
-as they are loaded: exact, and the bytes read stay one an element), softmax is online (running max
+``tl.dot`` on operands in the cache's dtype (a float8 cache's tiles are upcast in registers to
+float16 under a half-precision query, ``_compute_dtype``: exact, and the bytes read stay one an
+element; the V tile by PTX, ``_upcast_v_tile`` says why), softmax is online (running max
 ``m`` and sum ``l`` in base 2, ``scale * log2(e)`` folded into the scores), and the output
 accumulator is fp32.
 
@@ -140,10 +141,45 @@ def _attend_range(
             v_cache_ptr + kv_offs[:, None] + dims[None, :],
             mask=k_valid[:, None] & dim_valid[None, :],
             other=0.0,
-        ).to(q.dtype)  # [TILE_N, D]
+        )
+        v = _upcast_v_tile(v, q.dtype)  # [TILE_N, D]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
+
+
+# Whether the kernels may use inline PTX: not in Triton's interpreter (TRITON_INTERPRET=1, the CPU
+# kernel tests), which runs none.
+_PTX = tl.constexpr(not triton.knobs.runtime.interpret)
+
+
+@triton.jit
+def _upcast_v_tile(v, dtype: tl.constexpr):
+    """A V tile ([TILE_N, D], as loaded from the cache) in ``dtype``, the dots' dtype.
+
+    A float8 tile bound for float16 dots is converted by PTX (``cvt.rn.f16x2.e4m3x2`` /
+    ``e5m2x2``: one instruction per pair of values) in a non-pure inline-asm op. A plain cast would
+    be moved by Triton after the tile's shared-memory load into the dot's operand layout, and P @ V
+    contracts over the keys, not V's contiguous dimension: for 8-bit values that load is a
+    transpose byte by byte (one ``ld.shared.b8`` a value, 256 per thread per 64-key tile; the
+    decode kernel then issued 1.7x the instructions of its bf16 version and read float8 at 0.67x
+    the bf16 time instead of 0.5x). Opaque, the conversion stays where it is written: the tile is
+    read from shared memory in 4-16 byte vectors, converted in registers and staged as float16,
+    which ``ldmatrix.trans`` transposes as it does a bf16 tile. The K tile needs none of this (its
+    contiguous dimension is the contracted one). Other dtypes: a plain cast (a no-op for a cache
+    in the dots' dtype)."""
+    if _PTX and v.dtype == tl.float8e4nv and dtype == tl.float16:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+            "=r,=r,r", [v.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4,
+        )
+    elif _PTX and v.dtype == tl.float8e5 and dtype == tl.float16:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e5m2x2 $0, lo; cvt.rn.f16x2.e5m2x2 $1, hi; }",
+            "=r,=r,r", [v.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4,
+        )
+    else:
+        return v.to(dtype)
 
 
 @triton.jit
