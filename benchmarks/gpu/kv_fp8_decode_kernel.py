@@ -10,12 +10,14 @@ their own module so each compiles apart):
 - ``fp8``: the kernels as they are (V tile upcast by PTX ``cvt``: ``paged_attention._upcast_v_tile``);
 - ``fp8/cast``: the V tile upcast by a plain cast (``_PTX`` off), the code before that helper: Triton
   then transposes the 8-bit V tile byte by byte out of shared memory;
-- ``fp8/ptx-k``: the K tile upcast by the same PTX helper too (it goes through shared memory twice).
+(Round 1 on an H100 also tried the K tile through the same helper: 0.07-0.4x slower.)
 
 Shapes (Qwen3-0.6B heads: 16 query, 8 KV, head_dim 128; 16-token blocks, shuffled): ``uniform`` =
 ``--batch`` requests of ``--ctx`` keys; ``ragged`` = ``--batch`` requests of 100-2048 keys (the
 nano-bench's steady state: prompts of 100-1024 tokens plus up to 1024 generated), longest first as
-the engine launches them; ``tail`` = 16 requests of 600-2048 keys (the run's end: 4 splits each).
+the engine launches them; ``mid`` = 64 requests of 300-2048 keys (one split each); ``tail`` = 16
+requests of 600-2048 keys (the run's end: 4 splits each). Then the prefill kernel
+(``unified_attention``) on 28 whole prompts of 100-1024 tokens (a 16k-token chunk), bf16 vs fp8.
 Usage (GPU machine, repo root):
 
     python benchmarks/gpu/kv_fp8_decode_kernel.py [--batch 256 --ctx 1000] [--quick]
@@ -41,18 +43,14 @@ import torch  # noqa: E402
 
 from pagedllm.attention.triton_kernels import paged_attention  # noqa: E402
 
-# (variant, cache) -> configs (tile_n, warps, stages); the first is the kernel's default.
-DEFAULT = (64, 2, 3)
+# (variant, cache) -> configs (tile_n, warps, stages); None: the kernel's default (``decode_config``).
 CONFIGS = {
-    ("bf16", "bf16"): [DEFAULT, (64, 2, 4), (128, 2, 3)],
-    ("fp8", "fp8_e4m3"): [DEFAULT, (64, 2, 4), (64, 4, 3), (128, 2, 3), (128, 4, 3)],
-    ("fp8/cast", "fp8_e4m3"): [DEFAULT, (64, 2, 4)],
-    ("fp8/ptx-k", "fp8_e4m3"): [DEFAULT, (64, 2, 4)],
+    ("bf16", "bf16"): [None, (64, 2, 4), (128, 2, 3)],
+    ("fp8", "fp8_e4m3"): [None, (64, 2, 3), (64, 2, 5), (64, 4, 5), (32, 2, 5), (128, 4, 3), (128, 4, 5)],
+    ("fp8/cast", "fp8_e4m3"): [(64, 2, 3), (64, 2, 5)],
 }
-_K_CAST = ").to(q.dtype)  # [D, TILE_N]; a float8 cache is upcast here (exact), else a no-op"
 EDITS = {
     "fp8/cast": [("_PTX = tl.constexpr(not triton.knobs.runtime.interpret)", "_PTX = tl.constexpr(False)")],
-    "fp8/ptx-k": [(_K_CAST, ")\n        k = _upcast_v_tile(k, q.dtype)")],
 }
 
 
@@ -117,13 +115,17 @@ def main() -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--quick", action="store_true", help="default configs only")
+    ap.add_argument("--shapes", default="", help="comma list of the decode shapes to run (default: all)")
     ns = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
     rng = random.Random(0)
     shapes = [_shape("uniform", [ns.ctx] * ns.batch, ns, dev),
               _shape("ragged", [rng.randint(100, 2048) for _ in range(ns.batch)], ns, dev),
+              _shape("mid", [rng.randint(300, 2048) for _ in range(64)], ns, dev),
               _shape("tail", [rng.randint(600, 2048) for _ in range(16)], ns, dev)]
+    if ns.shapes:
+        shapes = [s for s in shapes if s["name"] in ns.shapes.split(",")]
     scale = ns.head_dim ** -0.5
     rows = []
     for (variant, cache_name), configs in CONFIGS.items():
@@ -135,12 +137,14 @@ def main() -> int:
             cache = shp["cache"] if cache_name == "bf16" else shp["cache"].to(_fp8_dtype(cache_name))
             out = torch.empty_like(shp["query"])
             kv_bytes = 2 * sum(shp["seq_lens"]) * ns.kv_heads * ns.head_dim * cache.element_size()
-            for tile_n, warps, stages in configs[:1] if ns.quick else configs:
+            for config in configs[:1] if ns.quick else configs:
+                splits = mod.decode_num_splits(len(shp["seq_lens"]), ns.kv_heads, mod._num_sms(dev))
+                tile_n, warps, stages = config or mod.decode_config(cache.element_size(), splits)
                 def run(mod=mod, cache=cache, shp=shp, out=out, tile_n=tile_n, warps=warps, stages=stages):
                     mod.paged_decode(out, shp["query"], cache, shp["tables"], shp["lens"], shp["qsl"], scale,
                                      tile_n=tile_n, num_warps=warps, num_stages=stages, order=shp["order"])
                 row = {"variant": variant, "cache": cache_name, "shape": shp["name"], "tile_n": tile_n,
-                       "warps": warps, "stages": stages}
+                       "warps": warps, "stages": stages, "default": config is None, "splits": splits}
                 try:
                     ms = _time_ms(run)
                 except Exception as exc:  # noqa: BLE001 - a config that does not compile is reported
@@ -148,45 +152,70 @@ def main() -> int:
                     continue
                 rows.append(dict(row, ms=ms, tb_per_s=kv_bytes / ms / 1e9))
             del cache
-    _report(rows, shapes, ns)
+    prefill = _prefill_rows(ns, dev, rng) if not ns.shapes or "prefill" in ns.shapes else []
+    _report(rows, shapes, ns, prefill)
     return 0
+
+
+def _prefill_rows(ns, dev, rng) -> list[dict]:
+    """``unified_attention`` (the prefill kernel, default configuration) on 28 whole prompts of
+    100-1024 tokens, for each cache and variant."""
+    from benchmarks.kernels.bench_attention import Batch
+
+    lens = [rng.randint(100, 1024) for _ in range(28)]
+    batch = Batch(lens, lens, block_size=ns.block_size, num_heads=ns.heads, num_kv_heads=ns.kv_heads,
+                  head_dim=ns.head_dim)
+    q, _, _, meta, out = batch.sets[0]
+    rows = []
+    for variant, cache_name in (("bf16", "bf16"), ("fp8", "fp8_e4m3"), ("fp8/cast", "fp8_e4m3")):
+        mod = _variant_module(variant)
+        cache = batch.kv_cache if cache_name == "bf16" else batch.kv_cache.to(_fp8_dtype(cache_name))
+        def run(mod=mod, cache=cache):
+            mod.unified_attention(out, q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                  max(lens), batch.scale)
+        rows.append({"variant": variant, "tokens": sum(lens), "ms": _time_ms(run)})
+    print(f"\nprefill (unified_attention, 28 prompts of 100-1024 tokens, {sum(lens)} tokens):")
+    for r in rows:
+        print(f"  {r['variant']:10s} {r['ms']:.4f} ms  ({r['ms'] / rows[0]['ms']:.3f} of bf16)")
+    return rows
 
 
 def _fp8_dtype(cache_name: str) -> torch.dtype:
     return {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[cache_name]
 
 
-def _report(rows: list[dict], shapes: list[dict], ns) -> None:
-    print("| variant | shape | tile_n | warps | stages | ms | TB/s |\n|---|---|---|---|---|---|---|")
+def _report(rows: list[dict], shapes: list[dict], ns, prefill: list[dict]) -> None:
+    print("| variant | shape | splits | tile_n | warps | stages | ms | TB/s |\n|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['variant']} | {r['shape']} | {r['tile_n']} | {r['warps']} | {r['stages']} | "
-              f"{r.get('ms', float('nan')):.4f} | {r.get('tb_per_s', float('nan')):.2f} |"
-              + (f" {r['error']}" if "error" in r else ""))
+        print(f"| {r['variant']}{' (default)' if r.get('default') else ''} | {r['shape']} | {r['splits']} | "
+              f"{r['tile_n']} | {r['warps']} | {r['stages']} | {r.get('ms', float('nan')):.4f} | "
+              f"{r.get('tb_per_s', float('nan')):.2f} |" + (f" {r['error']}" if "error" in r else ""))
     ok = [r for r in rows if "ms" in r]
     summary = {}
-    print("\nfp8 / bf16 time (default config; best config of each):")
+    print("\nfp8 / bf16 time (each one's default config; best config of each):")
     for shp in (s["name"] for s in shapes):
         base = [r for r in ok if r["variant"] == "bf16" and r["shape"] == shp]
         if not base:
             continue
-        b_def = next((r["ms"] for r in base if (r["tile_n"], r["warps"], r["stages"]) == DEFAULT), None)
+        b_def = next((r["ms"] for r in base if r["default"]), None)
         b_best = min(r["ms"] for r in base)
         for variant in dict.fromkeys(r["variant"] for r in ok if r["variant"] != "bf16"):
             mine = [r for r in ok if r["variant"] == variant and r["shape"] == shp]
             if not mine:
                 continue
-            d = next((r for r in mine if (r["tile_n"], r["warps"], r["stages"]) == DEFAULT), None)
+            d = next((r for r in mine if r["default"]), None)
             best = min(mine, key=lambda r: r["ms"])
-            summary[f"{shp}/{variant}"] = {"default_ratio": d["ms"] / b_def if d and b_def else None,
-                                           "best_ratio": best["ms"] / b_best,
-                                           "best_config": [best["tile_n"], best["warps"], best["stages"]]}
-            print(f"  {shp:8s} {variant:10s} default {summary[f'{shp}/{variant}']['default_ratio'] or float('nan'):.3f}"
-                  f"  best {best['ms'] / b_best:.3f} at {best['tile_n']}/{best['warps']}/{best['stages']}"
-                  f" ({best['tb_per_s']:.2f} TB/s; bf16 best {b_best:.4f} ms)")
+            entry = {"default_ratio": d["ms"] / b_def if d and b_def else None, "best_ratio": best["ms"] / b_best,
+                     "best_config": [best["tile_n"], best["warps"], best["stages"]], "best_ms": best["ms"],
+                     "splits": best["splits"]}
+            summary[f"{shp}/{variant}"] = entry
+            print(f"  {shp:8s} {variant:10s} default {entry['default_ratio'] or float('nan'):.3f}"
+                  f"  best {entry['best_ratio']:.3f} at {best['tile_n']}/{best['warps']}/{best['stages']}"
+                  f" ({best['tb_per_s']:.2f} TB/s; bf16 default {b_def or float('nan'):.4f} ms, best {b_best:.4f} ms)")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "kv_fp8_decode_kernel.json"), "w") as f:
-            json.dump({"args": vars(ns), "device": torch.cuda.get_device_name(), "rows": rows, "summary": summary},
-                      f, indent=2)
+            json.dump({"args": vars(ns), "device": torch.cuda.get_device_name(), "rows": rows, "summary": summary,
+                       "prefill": prefill}, f, indent=2)
 
 
 if __name__ == "__main__":
