@@ -3,7 +3,8 @@ sequence lengths over a small standalone cache (``benchmarks/kernels/bench_atten
 
 Question it answers: does the decode kernel reach the same bandwidth inside the engine (one
 large per-layer cache, blocks handed out by the block pool) as in the kernel sweeps? Run from the
-repo root on the device: ``python benchmarks/gpu/attention_in_engine.py [BATCH [CONTEXT]]``.
+repo root on the device: ``python benchmarks/gpu/attention_in_engine.py [BATCH [CONTEXT [KV_CACHE_DTYPE]]]``
+(``KV_CACHE_DTYPE`` auto or fp8: the standalone cache is then the same float8 format).
 """
 
 import sys
@@ -19,7 +20,8 @@ from pagedllm.attention.triton_kernels import paged_attention  # noqa: E402
 
 batch = int(sys.argv[1]) if len(sys.argv) > 1 else 128
 ctx = int(sys.argv[2]) if len(sys.argv) > 2 else 1000
-_, engine = decoding_engine(batch, ctx)
+kv_cache_dtype = sys.argv[3] if len(sys.argv) > 3 else "auto"
+_, engine = decoding_engine(batch, ctx, kv_cache_dtype=kv_cache_dtype)
 runner = engine.engine_core.runner
 torch.cuda.synchronize()
 gr = runner.graph_runner
@@ -27,14 +29,15 @@ bs = gr.padded_size(batch)
 meta = gr.metadata(bs)
 seq_lens = meta.seq_lens[:batch].tolist()
 kv = runner.kv_caches[0]
-q = torch.randn(bs, 16, 128, device="cuda", dtype=kv.dtype)
+q = torch.randn(bs, 16, 128, device="cuda", dtype=runner.dtype)
 out = torch.empty_like(q)
 kv_bytes = sum(seq_lens) * 8 * 128 * 2 * kv.element_size()
-print(f"batch {batch} (graph {bs}) ctx {min(seq_lens)}-{max(seq_lens)}; layer cache {tuple(kv.shape)} "
+print(f"{kv.dtype} cache, batch {batch} (graph {bs}) ctx {min(seq_lens)}-{max(seq_lens)}; layer cache {tuple(kv.shape)} "
       f"{kv.numel() * kv.element_size() / 2**30:.1f} GiB; KV read per layer {kv_bytes / 1e6:.0f} MB")
 tables = meta.block_tables[:batch]
 print("block table rows 0-1, first 6:", tables[:2, :6].tolist(), " max block id", int(tables.max()))
 standalone = Batch(seq_lens, [1] * batch, sets=8, block_size=kv.shape[2], num_heads=16, num_kv_heads=8, head_dim=128)
+standalone.kv_cache = standalone.kv_cache.to(kv.dtype)  # the engine's format (a float8 cache: rounded)
 src = torch.empty(512 * 2**20, device="cuda", dtype=torch.bfloat16)
 dst = torch.empty_like(src)
 copy_gbps = 2 * src.numel() * 2 / time_us(lambda: dst.copy_(src), graph=True) / 1e3

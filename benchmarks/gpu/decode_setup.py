@@ -8,9 +8,10 @@ from pagedllm import LLM, SamplingParams
 
 
 def decoding_engine(batch: int, ctx: int, temperature: float = 0.6, max_tokens: int = 400,
-                    model: str = "benchmarks/configs/qwen3-0.6b", decode_steps: int = 6):
-    """Returns ``(llm, engine)``; ``max_tokens`` bounds how many steps the caller can still run."""
-    llm = LLM(model, load_format="dummy", skip_tokenizer_init=True, max_model_len=4096)
+                    model: str = "benchmarks/configs/qwen3-0.6b", decode_steps: int = 6, **engine_args):
+    """Returns ``(llm, engine)``; ``max_tokens`` bounds how many steps the caller can still run;
+    ``engine_args`` go to ``LLM`` (e.g. ``kv_cache_dtype``)."""
+    llm = LLM(model, load_format="dummy", skip_tokenizer_init=True, max_model_len=4096, **engine_args)
     engine = llm.llm_engine
     rng = random.Random(0)
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, detokenize=False)

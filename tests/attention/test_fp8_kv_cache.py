@@ -252,3 +252,18 @@ def test_fp8_engine_on_gpu_is_sane():
         diffs += [abs(a.prompt_logprobs[i][t].logprob - b.prompt_logprobs[i][t].logprob)
                   for i, t in enumerate(a.prompt_token_ids) if i > 0]
     assert all(d == d for d in diffs) and 0 < sum(diffs) / len(diffs) < 0.5, sum(diffs) / len(diffs)
+
+
+def test_fp8_decode_launch_config_keeps_two_tiles_in_flight():
+    """A float8 cache's decode tiles are prefetched two deep (5 stages), which its shared memory
+    holds (K/V at 1 byte, one V tile staged in float16): the budget check must not cut them back
+    as if the tiles were float16 (it did: 5 stages of 64 keys became 4, one tile in flight)."""
+    pytest.importorskip("triton")
+    from pagedllm.attention.triton_kernels import paged_attention as pa
+
+    assert pa.decode_config(2, 1) == pa.decode_config(2, 8) == pa._DECODE_CONFIG
+    assert pa.decode_config(1, 1) == pa._FP8_DECODE_CONFIG and pa.decode_config(1, 4) == pa._FP8_DECODE_SPLIT_CONFIG
+    for tile_n, _, stages in (pa._FP8_DECODE_CONFIG, pa._FP8_DECODE_SPLIT_CONFIG):
+        assert pa._fit_tiles(16, tile_n, stages, 128, 2, 1) == (tile_n, stages)
+    assert pa._fit_tiles(16, 64, 3, 128, 2, 2) == (64, 3)  # bf16: unchanged
+    assert pa._fit_tiles(16, 64, 5, 128, 4, 4) == (64, 2)  # fp32 (tests): cut back as before

@@ -8,8 +8,9 @@ query ``j`` attends causally to keys ``0 .. seq_len - query_len + j``.
 Shared by both kernels (``_attend_range``): keys are visited in tiles of ``TILE_N`` positions; each
 position looks up its physical block in the request's block table, so a tile may span several
 pages and ``TILE_N`` does not depend on ``block_size``. Scores are computed in fp32 with
-``tl.dot`` on operands in the cache's dtype (a float8 cache's tiles are upcast to the query's dtype
-as they are loaded: exact, and the bytes read stay one an element), softmax is online (running max
+``tl.dot`` on operands in the cache's dtype (a float8 cache's tiles are upcast in registers to
+float16 under a half-precision query, ``_compute_dtype``: exact, and the bytes read stay one an
+element; the V tile by PTX, ``_upcast_v_tile`` says why), softmax is online (running max
 ``m`` and sum ``l`` in base 2, ``scale * log2(e)`` folded into the scores), and the output
 accumulator is fp32.
 
@@ -140,10 +141,47 @@ def _attend_range(
             v_cache_ptr + kv_offs[:, None] + dims[None, :],
             mask=k_valid[:, None] & dim_valid[None, :],
             other=0.0,
-        ).to(q.dtype)  # [TILE_N, D]
+        )
+        v = _upcast_v_tile(v, q.dtype)  # [TILE_N, D]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
+
+
+# Whether the kernels may use inline PTX: not in Triton's interpreter (TRITON_INTERPRET=1, the CPU
+# kernel tests), which runs none.
+_PTX = tl.constexpr(not triton.knobs.runtime.interpret)
+
+
+@triton.jit
+def _upcast_v_tile(v, dtype: tl.constexpr):
+    """A V tile ([TILE_N, D], as loaded from the cache) in ``dtype``, the dots' dtype.
+
+    A float8 tile bound for float16 dots is converted by PTX (``cvt.rn.f16x2.e4m3x2`` /
+    ``e5m2x2``: one instruction per pair of values) in a non-pure inline-asm op. A plain cast would
+    be moved by Triton after the tile's shared-memory load into the dot's operand layout, and P @ V
+    contracts over the keys, not V's contiguous dimension: for 8-bit values that load is a
+    transpose byte by byte (one ``ld.shared.b8`` a value, 128 per thread per 64-key tile: the
+    decode kernel issued 3944 SASS instructions against 2760 for bf16; this way 2368). On an H100
+    (benchmarks/gpu/kv_fp8_decode_kernel.py, 256 requests) that took the fp8 / bf16 decode time
+    from 0.73 to 0.66 at 1000 keys each, and left it at ~0.65 for 100-2048 keys: the kernel is
+    bound by memory latency there (``decode_config``). Opaque, the conversion stays where it is written: the tile is
+    read from shared memory in 4-16 byte vectors, converted in registers and staged as float16,
+    which ``ldmatrix.trans`` transposes as it does a bf16 tile. The K tile needs none of this (its
+    contiguous dimension is the contracted one). Other dtypes: a plain cast (a no-op for a cache
+    in the dots' dtype)."""
+    if _PTX and v.dtype == tl.float8e4nv and dtype == tl.float16:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+            "=r,=r,r", [v.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4,
+        )
+    elif _PTX and v.dtype == tl.float8e5 and dtype == tl.float16:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e5m2x2 $0, lo; cvt.rn.f16x2.e5m2x2 $1, hi; }",
+            "=r,=r,r", [v.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4,
+        )
+    else:
+        return v.to(dtype)
 
 
 @triton.jit
@@ -451,18 +489,38 @@ def decode_num_splits(num_reqs: int, num_kv_heads: int, num_sms: int) -> int:
     return 1 if want <= 1 else min(_MAX_SPLITS, triton.next_power_of_2(want))
 
 
+# Launch configurations (tile_n, num_warps, num_stages) of the split-KV decode kernel. A float8 cache
+# reads half the bytes a tile: to keep as many bytes in flight per SM (the kernel is bound by memory
+# latency times the bytes it has in flight) its tiles are prefetched two deep (5 stages: the block
+# table, then K/V, then the dots), in larger tiles when few programs run (split requests).
+# benchmarks/gpu/kv_fp8_decode_kernel.py, H100.
+_DECODE_CONFIG = (64, 2, 3)
+_FP8_DECODE_CONFIG = (64, 2, 5)
+_FP8_DECODE_SPLIT_CONFIG = (128, 4, 3)
+
+
+def decode_config(cache_size: int, num_splits: int) -> tuple[int, int, int]:
+    """The default ``(tile_n, num_warps, num_stages)`` of ``paged_decode`` for a cache of
+    ``cache_size`` bytes an element cut into ``num_splits`` splits a request."""
+    if cache_size != 1:
+        return _DECODE_CONFIG
+    return _FP8_DECODE_SPLIT_CONFIG if num_splits > 1 else _FP8_DECODE_CONFIG
+
+
 _SMEM_BUDGET = 160 * 1024  # bytes of Q + pipelined K/V tiles we allow one program (H100: 227 KB)
 
 
 def _fit_tiles(
-    block_m: int, tile_n: int, num_stages: int, head_dim_pad: int, elem_size: int
+    block_m: int, tile_n: int, num_stages: int, head_dim_pad: int, compute_size: int, cache_size: int
 ) -> tuple[int, int]:
     """Shrink pipelining depth, then the key tile, until Q plus ``num_stages`` K and V tiles fit in
-    ``_SMEM_BUDGET`` (matters for fp32 caches and head_dim > 128). ``elem_size`` is the compute
-    dtype's: a float8 cache gets the tiles of its query's dtype (its upcast tiles take that much)."""
+    ``_SMEM_BUDGET`` (matters for fp32 caches and head_dim > 128). ``compute_size`` is the bytes of
+    the dots' dtype (Q's tile), ``cache_size`` the cache's (the pipelined K/V tiles); a float8 cache
+    also stages one V tile in the dots' dtype (``_upcast_v_tile``)."""
 
     def smem(tn: int, st: int) -> int:
-        return (block_m + 2 * tn * st) * head_dim_pad * elem_size
+        staged = tn * compute_size if cache_size < compute_size else 0
+        return (block_m * compute_size + 2 * tn * st * cache_size + staged) * head_dim_pad
 
     while smem(tile_n, num_stages) > _SMEM_BUDGET and num_stages > 2:
         num_stages -= 1
@@ -550,7 +608,8 @@ def unified_attention(
     block_m = max(block_m, qpk_pad)
     block_q = block_m // qpk_pad
     head_dim_pad = triton.next_power_of_2(head_dim)
-    tile_n, num_stages = _fit_tiles(block_m, tile_n, num_stages, head_dim_pad, compute_dtype.itemsize)
+    tile_n, num_stages = _fit_tiles(block_m, tile_n, num_stages, head_dim_pad, compute_dtype.itemsize,
+                                    kv_cache.element_size())
     grid = (query.shape[0] // block_q + num_reqs, num_kv_heads)
     _unified_attention_kernel[grid](
         out,
@@ -596,9 +655,9 @@ def paged_decode(
     query_start_loc: torch.Tensor,
     scale: float,
     num_splits: int | None = None,
-    tile_n: int = 64,
-    num_warps: int = 2,
-    num_stages: int = 3,
+    tile_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     min_split_len: int = _MIN_SPLIT_LEN,
     order: torch.Tensor | None = None,
     sliding_window: int | None = None,
@@ -610,16 +669,21 @@ def paged_decode(
     ``num_reqs``: CUDA-graph capturable. ``order`` (optional, int32 [num_reqs]) must be a
     permutation of ``0..num_reqs-1``: the order in which requests' programs are launched (longest
     first balances the load; see the module doc). It changes no result. ``sliding_window`` /
-    ``logits_soft_cap``: the layer's (module doc); the splits then cover the window's keys only."""
+    ``logits_soft_cap``: the layer's (module doc); the splits then cover the window's keys only.
+    ``tile_n`` / ``num_warps`` / ``num_stages``: the launch configuration, by default
+    ``decode_config``'s."""
     num_heads, head_dim, num_kv_heads, qpk, k_cache, v_cache = _common(query, kv_cache)
     compute_dtype = _compute_dtype(query, kv_cache)
     num_reqs = seq_lens.shape[0]
     if num_splits is None:
         num_splits = decode_num_splits(num_reqs, num_kv_heads, _num_sms(query.device))
     assert 1 <= num_splits <= _MAX_SPLITS, f"num_splits must be in 1..{_MAX_SPLITS}"
+    default = decode_config(kv_cache.element_size(), num_splits)
+    tile_n, num_warps, num_stages = (given or d for given, d in zip((tile_n, num_warps, num_stages), default))
     head_dim_pad = triton.next_power_of_2(head_dim)
     block_m = max(16, triton.next_power_of_2(qpk))
-    tile_n, num_stages = _fit_tiles(block_m, tile_n, num_stages, head_dim_pad, compute_dtype.itemsize)
+    tile_n, num_stages = _fit_tiles(block_m, tile_n, num_stages, head_dim_pad, compute_dtype.itemsize,
+                                    kv_cache.element_size())
     if num_splits > 1:
         rows = num_reqs * num_heads * num_splits
         part_acc = torch.empty(rows, head_dim_pad, dtype=torch.float32, device=query.device)

@@ -179,7 +179,8 @@ def short_query_attention(
     qpk_pad = triton.next_power_of_2(qpk)
     block_m = max(16, triton.next_power_of_2(max_query_len * qpk_pad))
     head_dim_pad = triton.next_power_of_2(head_dim)
-    tile_n, num_stages = _fit_tiles(block_m, tile_n, num_stages, head_dim_pad, compute_dtype.itemsize)
+    tile_n, num_stages = _fit_tiles(block_m, tile_n, num_stages, head_dim_pad, compute_dtype.itemsize,
+                                    kv_cache.element_size())
     if num_splits > 1:
         rows = query.shape[0] * num_heads * num_splits
         part_acc = torch.empty(rows, head_dim_pad, dtype=torch.float32, device=query.device)
