@@ -8,9 +8,11 @@ Three costs, paid in three places:
   vocabulary): on the manager's thread pool, off the engine loop;
 - ``GrammarMatcher`` (microseconds): one per request, when it is first scheduled.
 
-Per step, the bitmask rows of all constrained requests are filled by one ``BatchGrammarMatcher``
-call that runs on xgrammar's own threads without the GIL: one per usable CPU but one, which the
-engine thread keeps (it processes outputs and schedules while the fill runs: engine_core.py).
+Per step, the tokens the constrained requests sampled in the step before are accepted by
+``batch_accept`` (chunks on up to ``MAX_ACCEPT_THREADS`` threads plus the caller's, without the
+GIL), then their bitmask rows are filled by one ``BatchGrammarMatcher`` call that runs on
+xgrammar's own threads without the GIL: one per usable CPU but one, which the engine thread keeps
+(it processes outputs and schedules while the fill runs: engine_core.py).
 
 The vocabulary comes from the engine's HF tokenizer, padded to the model's logits width (ids past
 the tokenizer's are never allowed). ``TokenizerInfo`` costs a fraction of a second, so it is built
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import json
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import xgrammar as xgr
 
@@ -45,6 +48,9 @@ class XgrammarBackend:
         self._info: xgr.TokenizerInfo | None = None  # built once, under _lock
         self._lock = threading.Lock()
         self._batch: xgr.BatchGrammarMatcher | None = None  # the per-step fill's thread pool
+        # batch_accept's helpers: the engine thread takes one chunk, these the others (module doc)
+        self.accept_threads = min(MAX_ACCEPT_THREADS, usable_cpus() - 1)
+        self._accept_pool: ThreadPoolExecutor | None = None
 
     @property
     def compiler(self) -> xgr.GrammarCompiler:
@@ -93,11 +99,45 @@ class XgrammarBackend:
             self._batch = xgr.BatchGrammarMatcher(max_threads=max(1, usable_cpus() - 1))
         self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
 
+    def batch_accept(self, matchers: list[xgr.GrammarMatcher], token_ids: list[int]) -> list[int]:
+        """Give ``token_ids[i]`` to ``matchers[i]``; the indices of those that refused theirs.
+
+        xgrammar's batched accept runs without the GIL but on one thread, and an accept inside a
+        JSON string costs microseconds (a byte-wise walk of the token through the grammar), so
+        a large batch is split into chunks of at least ``MIN_ACCEPT_CHUNK`` matchers, accepted at
+        once on the accept threads and the caller's own (the caller waits: the GIL is free for
+        the workers to enter and leave xgrammar)."""
+        num_chunks = min(self.accept_threads + 1, len(matchers) // MIN_ACCEPT_CHUNK)
+        if num_chunks <= 1:
+            return _refused(xgr.BatchGrammarMatcher.batch_accept_token(matchers, token_ids))
+        if self._accept_pool is None:
+            self._accept_pool = ThreadPoolExecutor(self.accept_threads, thread_name_prefix="pagedllm-accept")
+        bounds = [len(matchers) * c // num_chunks for c in range(num_chunks + 1)]
+        futures = [self._accept_pool.submit(xgr.BatchGrammarMatcher.batch_accept_token,
+                                            matchers[lo:hi], token_ids[lo:hi])
+                   for lo, hi in zip(bounds[1:-1], bounds[2:])]
+        refused = _refused(xgr.BatchGrammarMatcher.batch_accept_token(matchers[:bounds[1]], token_ids[:bounds[1]]))
+        for lo, future in zip(bounds[1:-1], futures):
+            refused += [lo + i for i in _refused(future.result())]
+        return refused
+
+    def shutdown(self) -> None:
+        if self._accept_pool is not None:
+            self._accept_pool.shutdown(wait=False)
+
     @staticmethod
     def new_matcher(compiled: xgr.CompiledGrammar, stop_token_ids: list[int] | None) -> xgr.GrammarMatcher:
         """A matcher at the grammar's start. ``stop_token_ids``: the tokens that end the text (the
         request's EOS and stop token ids), accepted only once the grammar is complete; None keeps the tokenizer's."""
         return xgr.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids or None)
+
+
+MIN_ACCEPT_CHUNK = 32  # fewer matchers than this per thread: the hand-off costs more than it saves
+MAX_ACCEPT_THREADS = 7
+
+
+def _refused(accepted: list[bool]) -> list[int]:
+    return [i for i, ok in enumerate(accepted) if not ok] if not all(accepted) else []
 
 
 _WHAT = {"json": "JSON schema", "regex": "regular expression", "choice": "list of choices",

@@ -106,6 +106,7 @@ class StructuredOutputManager:
         self.num_cache_hits = 0
         self.bitmask_time_s = 0.0
         self.bitmask_wait_s = 0.0
+        self.accept_time_s = 0.0  # the engine thread's time accepting the steps' pending tokens
         self.num_bitmask_steps = 0
 
     @property
@@ -228,7 +229,7 @@ class StructuredOutputManager:
             self._bitmask = np.zeros((max(max_rows, 2 * self._bitmask.shape[0]), self._bitmask.shape[1]), np.int32)
         bitmask = self._bitmask
         req_ids: list[str] = []
-        matchers, rows = [], []  # the rows the fill thread fills
+        states, rows = [], []  # the rows to fill, once the pending tokens are accepted
         num_rows = 0
         live = self._requests
         for req_id in scheduled:
@@ -247,12 +248,13 @@ class StructuredOutputManager:
             if state.is_terminated():
                 bitmask[num_rows] = -1
             else:
-                matchers.append(state.matcher)
+                states.append(state)
                 rows.append(num_rows)
             num_rows += 1
         if not req_ids:
             return None
-        self.bitmask_time_s += time.perf_counter() - t0  # choosing the rows, walking the drafts
+        matchers, rows = self._accept_pending(states, rows, bitmask)
+        self.bitmask_time_s += time.perf_counter() - t0  # choosing the rows, accepting, walking the drafts
         if not matchers:  # every row already written (terminated grammars, drafts)
             future: Future = Future()
             future.set_result(0.0)
@@ -265,6 +267,39 @@ class StructuredOutputManager:
         # the interpreter, a thread waiting for the GIL gets it only after the switch interval.
         started.wait()
         return BitmaskJob(req_ids, num_rows, future)
+
+    def _accept_pending(self, states: list[StructuredOutputRequest], rows: list[int],
+                        bitmask: np.ndarray) -> tuple[list, list[int]]:
+        """Give each state's pending tokens to its matcher: the single tokens of all of them in
+        one batched accept split over the accept threads (``XgrammarBackend.batch_accept``),
+        longer runs one by one. Returns the matchers to fill and their rows; a refusing one's row
+        allows everything (the scheduler aborts the request at its next update)."""
+        t0 = time.perf_counter()
+        matchers, singles, tokens = [], [], []
+        any_refused = False
+        for k, state in enumerate(states):
+            matcher, pending = state.take_pending()
+            matchers.append(matcher)
+            if len(pending) == 1:
+                singles.append(k)
+                tokens.append(pending[0])
+            elif pending:  # after a jump or a draft: rare
+                state.accept_now(pending)
+                any_refused = any_refused or state.refused
+        if singles:
+            for j in self.backend.batch_accept([matchers[k] for k in singles], tokens):
+                states[singles[j]].refuse(tokens[j])
+                any_refused = True
+        self.accept_time_s += time.perf_counter() - t0
+        if not any_refused:
+            return matchers, rows
+        keep = []
+        for k, (state, row) in enumerate(zip(states, rows)):
+            if state.refused:
+                bitmask[row] = -1
+            else:
+                keep.append(k)
+        return [matchers[k] for k in keep], [rows[k] for k in keep]
 
     def finish_bitmask(self, job: BitmaskJob) -> GrammarOutput:
         """Wait for ``job``'s fill; its rows, in the order of ``job.req_ids``."""
@@ -292,3 +327,5 @@ class StructuredOutputManager:
         for pool in (self._pool, self._fill_thread):
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
+        if self._backend is not None:
+            self._backend.shutdown()
