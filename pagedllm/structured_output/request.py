@@ -1,7 +1,7 @@
 """StructuredOutputRequest: one request's grammar state, as the scheduler sees it (pure calls).
 
 The scheduler never imports this module (core/ stays free of xgrammar); it calls ``is_ready()``,
-``failed``, ``accept_tokens``, ``is_terminated()`` and ``jump_forward`` on
+``failed``, ``accept_tokens``, ``is_terminated()``, ``may_jump`` and ``jump_forward`` on
 ``Request.structured_output_request``.
 """
 
@@ -47,6 +47,7 @@ class StructuredOutputRequest:
         self._refused = False
         self._terminated = False
         self._jump = jump  # None: this request samples every token (jump-forward off, or logprobs)
+        self.may_jump = jump is not None  # the scheduler asks for a jump after each step only then
 
     @property
     def compiled(self) -> Future:
@@ -129,7 +130,7 @@ class StructuredOutputRequest:
     def jump_forward(self, max_tokens: int) -> list[int]:
         """The tokens the grammar forces next, at most ``max_tokens``, already accepted by the
         matcher (jump_forward.py); [] when none is forced or jump-forward is off for the request."""
-        if self._jump is None or max_tokens <= 0:
+        if not self.may_jump or max_tokens <= 0:
             return []
         matcher = self.matcher
         text = matcher.find_jump_forward_string()

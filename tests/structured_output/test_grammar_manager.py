@@ -208,3 +208,21 @@ def test_a_refused_pending_token_allows_all_and_aborts_at_the_next_accept(manage
     assert allowed(out.bitmask[1], tokenizer) >= {"1", tokenizer.decode([2])}
     assert not a.accept_tokens([one]) and b.accept_tokens([2]) and b.is_terminated()
     assert a.matcher.accept_token(one)  # still at the start: "x" was never accepted
+
+
+@pytest.mark.parametrize("private_binding", [True, False])
+def test_batch_accept_names_the_refusing_matchers(manager, tokenizer, monkeypatch, private_binding):
+    """``batch_accept`` through xgrammar's private binding, and through the public wrapper that
+    replaces it where a release moved it: the same matchers advance, the refusing ones are named."""
+    from pagedllm.structured_output import backend
+
+    if not private_binding:
+        monkeypatch.setattr(backend, "_core_batch_accept", None)
+    elif backend._core_batch_accept is None:
+        pytest.skip("this xgrammar has no private batch-accept binding")
+    compiled = manager.backend.compile(manager.backend.parse(StructuredOutputsParams(json=SCHEMA)))
+    matchers = [manager.backend.new_matcher(compiled, [2]) for _ in range(3)]
+    brace, close = (tokenizer.encode(t, add_special_tokens=False)[0] for t in ("{", "}"))
+    assert manager.backend.batch_accept(matchers, [brace, close, brace]) == [1]
+    # 1 stayed at the start (it takes "{" now); 0 and 2 are inside the object ("}" before "a")
+    assert manager.backend.batch_accept(matchers, [close, brace, close]) == [0, 2]
