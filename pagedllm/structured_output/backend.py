@@ -99,15 +99,15 @@ class XgrammarBackend:
             self._batch = xgr.BatchGrammarMatcher(max_threads=max(1, usable_cpus() - 1))
         self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
 
-    def batch_accept(self, matchers: list[xgr.GrammarMatcher], token_ids: list[int]) -> list[int]:
+    def batch_accept(self, matchers: list[xgr.GrammarMatcher], token_ids: list[int], helpers: bool = True) -> list[int]:
         """Give ``token_ids[i]`` to ``matchers[i]``; the indices of those that refused theirs.
 
         xgrammar's batched accept runs without the GIL but on one thread, and an accept inside a
         JSON string costs microseconds (a byte-wise walk of the token through the grammar), so
         a large batch is split into chunks of at least ``MIN_ACCEPT_CHUNK`` matchers, accepted at
         once on the accept threads and the caller's own (the caller waits: the GIL is free for
-        the workers to enter and leave xgrammar)."""
-        num_chunks = min(self.accept_threads + 1, len(matchers) // MIN_ACCEPT_CHUNK)
+        the workers to enter and leave xgrammar). ``helpers=False``: one call on this thread."""
+        num_chunks = min(self.accept_threads + 1, len(matchers) // MIN_ACCEPT_CHUNK) if helpers else 1
         if num_chunks <= 1:
             return _accept_chunk(matchers, token_ids)
         if self._accept_pool is None:

@@ -107,6 +107,11 @@ class StructuredOutputManager:
         self.bitmask_time_s = 0.0
         self.bitmask_wait_s = 0.0
         self.accept_time_s = 0.0  # the engine thread's time accepting the steps' pending tokens
+        # Experimental (off): the step's single pending tokens are accepted on the fill thread,
+        # right before its fill, instead of on the engine thread (benchmarks/gpu/structured_output_bench.py
+        # --ab measures both); ``_fill_accepts`` hands them from start_bitmask to that thread.
+        self.accepts_on_fill_thread = False
+        self._fill_accepts: tuple | None = None
         self.num_bitmask_steps = 0
 
     @property
@@ -256,6 +261,7 @@ class StructuredOutputManager:
         matchers, rows = self._accept_pending(states, rows, bitmask)
         self.bitmask_time_s += time.perf_counter() - t0  # choosing the rows, accepting, walking the drafts
         if not matchers:  # every row already written (terminated grammars, drafts)
+            assert self._fill_accepts is None  # a matcher given tokens is one to fill
             future: Future = Future()
             future.set_result(0.0)
             return BitmaskJob(req_ids, num_rows, future)
@@ -286,7 +292,9 @@ class StructuredOutputManager:
             elif pending:  # after a jump or a draft: rare
                 state.accept_now(pending)
                 any_refused = any_refused or state.refused
-        if singles:
+        if singles and self.accepts_on_fill_thread:
+            self._fill_accepts = ([states[k] for k in singles], [matchers[k] for k in singles], tokens)
+        elif singles:
             for j in self.backend.batch_accept([matchers[k] for k in singles], tokens):
                 states[singles[j]].refuse(tokens[j])
                 any_refused = True
@@ -316,7 +324,12 @@ class StructuredOutputManager:
         step's largest CPU cost (tens of microseconds per request for a JSON schema), so the
         engine thread does other work meanwhile."""
         t0 = time.perf_counter()
+        accepts, self._fill_accepts = self._fill_accepts, None
         started.set()
+        if accepts is not None:  # accepts_on_fill_thread: one call here, before the fill
+            states, accepting, tokens = accepts
+            for j in self.backend.batch_accept(accepting, tokens, helpers=False):
+                states[j].refuse(tokens[j])  # its row is filled before the token: the request aborts
         if len(matchers) == 1:
             matchers[0].fill_next_token_bitmask(self._bitmask, rows[0])
         else:

@@ -160,11 +160,13 @@ def walk_tokens(row: np.ndarray, rng: np.random.Generator, eos: int) -> int:
     return int(rng.choice(ids))
 
 
-@pytest.mark.parametrize("num_threads", [0, 3])
-def test_batched_accepts_give_the_serial_matcher_states(manager, tokenizer, num_threads, monkeypatch):
+@pytest.mark.parametrize("num_threads, on_fill_thread", [(0, False), (3, False), (0, True)])
+def test_batched_accepts_give_the_serial_matcher_states(manager, tokenizer, num_threads, on_fill_thread,
+                                                        monkeypatch):
     """Pending tokens accepted by the step's batched accept (on ``num_threads`` helper threads, in
-    chunks) leave each matcher where one-by-one accepts leave a reference matcher: every step's
-    bitmask rows are equal, and the tokens wait in ``_pending`` until the bitmask needs them."""
+    chunks, or on the fill thread) leave each matcher where one-by-one accepts leave a reference
+    matcher: every step's bitmask rows are equal, and the tokens wait in ``_pending`` until the
+    bitmask needs them."""
     import xgrammar as xgr
 
     from pagedllm.structured_output import backend as backend_module
@@ -175,6 +177,7 @@ def test_batched_accepts_give_the_serial_matcher_states(manager, tokenizer, num_
         "tags": {"type": "array", "items": {"enum": ["a", "b"]}}}, "required": ["name", "n", "tags"]})
     requests = {f"r{i}": running_request(manager, f"r{i}", params) for i in range(9)}
     manager.backend.accept_threads = num_threads
+    manager.accepts_on_fill_thread = on_fill_thread
     compiled = requests["r0"].structured_output_request.compiled.result()
     reference = {r: xgr.GrammarMatcher(compiled, override_stop_tokens=[2]) for r in requests}
     expected = np.zeros((len(requests), (len(tokenizer) + 31) // 32), np.int32)
@@ -190,7 +193,7 @@ def test_batched_accepts_give_the_serial_matcher_states(manager, tokenizer, num_
             state = requests[req_id].structured_output_request
             assert state.accept_tokens([token]) and state._pending == [token]  # not given to xgrammar yet
         np.testing.assert_array_equal(out.bitmask, expected)
-    assert manager.accept_time_s > 0
+    assert manager.accept_time_s > 0 and manager._fill_accepts is None
 
 
 def test_a_refused_pending_token_allows_all_and_aborts_at_the_next_accept(manager, tokenizer):
