@@ -6,12 +6,14 @@ Flow of one constrained request:
    for the request yet, so a refused request leaves no state anywhere.
 2. ``EngineCore.add_request`` -> ``attach(request)``: the request gets its
    ``StructuredOutputRequest``; the scheduler keeps it waiting (others run) until ``is_ready()``.
-3. Each step that samples for it: ``start_bitmask`` starts filling its bitmask row(s) on the fill
-   thread and ``finish_bitmask`` waits for them (``grammar_bitmask`` does both; the engine core
-   does its own work in between: engine_core.py), the runner applies them to the logits; the
-   scheduler's update
-   advances its matcher by the accepted tokens and stops it when the grammar terminates; with
-   jump-forward on, it then appends the tokens the grammar forces (jump_forward.py).
+3. Each step that samples for it: the scheduler's update gives its matcher the accepted tokens
+   (``accept_tokens``: queued, except a stop token, which is accepted at once so that the
+   request stops when the grammar terminates; with jump-forward on, it then appends the tokens
+   the grammar forces: jump_forward.py). ``start_bitmask`` accepts the queued tokens of all the
+   step's requests in one batched call split over helper threads (``_accept_pending``), then
+   starts filling their bitmask rows on the fill thread; ``finish_bitmask`` waits for them
+   (``grammar_bitmask`` does both; the engine core does its own work in between:
+   engine_core.py), and the runner applies them to the logits.
 4. The step after it finishes or is aborted (``SchedulerOutput.finished_req_ids``): ``release``.
 
 Compiled grammars are cached by ``StructuredOutputsParams.cache_key()`` (kind, spec, options), so
