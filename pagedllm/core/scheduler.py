@@ -812,7 +812,7 @@ class Scheduler:
             request.status, request.stop_reason = _FINISHED_STOPPED, None
             return True
         # With drafts in flight, where the next token goes is not known yet: no jump this time.
-        if request.num_output_placeholders <= 1 and not request.num_drafts_in_flight:
+        if grammar.may_jump and request.num_output_placeholders <= 1 and not request.num_drafts_in_flight:
             return self._jump_forward(request, new_token_ids)
         return False
 

@@ -22,8 +22,9 @@ and the next step samples N before it executes N+1. The fill runs on the manager
 the outputs of N-1 are processed and N+1 is scheduled, and while the GPU runs forward N. The next
 step then waits for what is left of the fill, samples N and launches forward N+1 right behind
 it, so the GPU computes N+1 while the engine thread applies N. Against the unconstrained order
-the engine thread adds only the matchers' accepts in the update, the choice of the rows, and the
-part of the fill that outlasts output processing plus scheduling
+the engine thread adds only the matchers' accepts (batched, split over helper threads, at the
+start of the fill), the choice of the rows, and the part of the fill that outlasts output
+processing plus scheduling
 (``StructuredOutputManager.bitmask_wait_s``). ``_unsampled`` holds the step between its fill's
 start and its sample; the runner never sees the difference (execute and sample still alternate).
 A step without constrained requests keeps the plain order (no cost).

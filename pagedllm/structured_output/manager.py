@@ -6,12 +6,14 @@ Flow of one constrained request:
    for the request yet, so a refused request leaves no state anywhere.
 2. ``EngineCore.add_request`` -> ``attach(request)``: the request gets its
    ``StructuredOutputRequest``; the scheduler keeps it waiting (others run) until ``is_ready()``.
-3. Each step that samples for it: ``start_bitmask`` starts filling its bitmask row(s) on the fill
-   thread and ``finish_bitmask`` waits for them (``grammar_bitmask`` does both; the engine core
-   does its own work in between: engine_core.py), the runner applies them to the logits; the
-   scheduler's update
-   advances its matcher by the accepted tokens and stops it when the grammar terminates; with
-   jump-forward on, it then appends the tokens the grammar forces (jump_forward.py).
+3. Each step that samples for it: the scheduler's update gives its matcher the accepted tokens
+   (``accept_tokens``: queued, except a stop token, which is accepted at once so that the
+   request stops when the grammar terminates; with jump-forward on, it then appends the tokens
+   the grammar forces: jump_forward.py). ``start_bitmask`` accepts the queued tokens of all the
+   step's requests in one batched call split over helper threads (``_accept_pending``), then
+   starts filling their bitmask rows on the fill thread; ``finish_bitmask`` waits for them
+   (``grammar_bitmask`` does both; the engine core does its own work in between:
+   engine_core.py), and the runner applies them to the logits.
 4. The step after it finishes or is aborted (``SchedulerOutput.finished_req_ids``): ``release``.
 
 Compiled grammars are cached by ``StructuredOutputsParams.cache_key()`` (kind, spec, options), so
@@ -106,6 +108,12 @@ class StructuredOutputManager:
         self.num_cache_hits = 0
         self.bitmask_time_s = 0.0
         self.bitmask_wait_s = 0.0
+        self.accept_time_s = 0.0  # the engine thread's time accepting the steps' pending tokens
+        # Experimental (off): the step's single pending tokens are accepted on the fill thread,
+        # right before its fill, instead of on the engine thread (benchmarks/gpu/structured_output_bench.py
+        # --ab measures both); ``_fill_accepts`` hands them from start_bitmask to that thread.
+        self.accepts_on_fill_thread = False
+        self._fill_accepts: tuple | None = None
         self.num_bitmask_steps = 0
 
     @property
@@ -228,7 +236,7 @@ class StructuredOutputManager:
             self._bitmask = np.zeros((max(max_rows, 2 * self._bitmask.shape[0]), self._bitmask.shape[1]), np.int32)
         bitmask = self._bitmask
         req_ids: list[str] = []
-        matchers, rows = [], []  # the rows the fill thread fills
+        states, rows = [], []  # the rows to fill, once the pending tokens are accepted
         num_rows = 0
         live = self._requests
         for req_id in scheduled:
@@ -247,13 +255,15 @@ class StructuredOutputManager:
             if state.is_terminated():
                 bitmask[num_rows] = -1
             else:
-                matchers.append(state.matcher)
+                states.append(state)
                 rows.append(num_rows)
             num_rows += 1
         if not req_ids:
             return None
-        self.bitmask_time_s += time.perf_counter() - t0  # choosing the rows, walking the drafts
+        matchers, rows = self._accept_pending(states, rows, bitmask)
+        self.bitmask_time_s += time.perf_counter() - t0  # choosing the rows, accepting, walking the drafts
         if not matchers:  # every row already written (terminated grammars, drafts)
+            assert self._fill_accepts is None  # a matcher given tokens is one to fill
             future: Future = Future()
             future.set_result(0.0)
             return BitmaskJob(req_ids, num_rows, future)
@@ -265,6 +275,41 @@ class StructuredOutputManager:
         # the interpreter, a thread waiting for the GIL gets it only after the switch interval.
         started.wait()
         return BitmaskJob(req_ids, num_rows, future)
+
+    def _accept_pending(self, states: list[StructuredOutputRequest], rows: list[int],
+                        bitmask: np.ndarray) -> tuple[list, list[int]]:
+        """Give each state's pending tokens to its matcher: the single tokens of all of them in
+        one batched accept split over the accept threads (``XgrammarBackend.batch_accept``),
+        longer runs one by one. Returns the matchers to fill and their rows; a refusing one's row
+        allows everything (the scheduler aborts the request at its next update)."""
+        t0 = time.perf_counter()
+        matchers, singles, tokens = [], [], []
+        any_refused = False
+        for k, state in enumerate(states):
+            matcher, pending = state.take_pending()
+            matchers.append(matcher)
+            if len(pending) == 1:
+                singles.append(k)
+                tokens.append(pending[0])
+            elif pending:  # after a jump or a draft: rare
+                state.accept_now(pending)
+                any_refused = any_refused or state.refused
+        if singles and self.accepts_on_fill_thread:
+            self._fill_accepts = ([states[k] for k in singles], [matchers[k] for k in singles], tokens)
+        elif singles:
+            for j in self.backend.batch_accept([matchers[k] for k in singles], tokens):
+                states[singles[j]].refuse(tokens[j])
+                any_refused = True
+        self.accept_time_s += time.perf_counter() - t0
+        if not any_refused:
+            return matchers, rows
+        keep = []
+        for k, (state, row) in enumerate(zip(states, rows)):
+            if state.refused:
+                bitmask[row] = -1
+            else:
+                keep.append(k)
+        return [matchers[k] for k in keep], [rows[k] for k in keep]
 
     def finish_bitmask(self, job: BitmaskJob) -> GrammarOutput:
         """Wait for ``job``'s fill; its rows, in the order of ``job.req_ids``."""
@@ -281,7 +326,12 @@ class StructuredOutputManager:
         step's largest CPU cost (tens of microseconds per request for a JSON schema), so the
         engine thread does other work meanwhile."""
         t0 = time.perf_counter()
+        accepts, self._fill_accepts = self._fill_accepts, None
         started.set()
+        if accepts is not None:  # accepts_on_fill_thread: one call here, before the fill
+            states, accepting, tokens = accepts
+            for j in self.backend.batch_accept(accepting, tokens, helpers=False):
+                states[j].refuse(tokens[j])  # its row is filled before the token: the request aborts
         if len(matchers) == 1:
             matchers[0].fill_next_token_bitmask(self._bitmask, rows[0])
         else:
@@ -292,3 +342,5 @@ class StructuredOutputManager:
         for pool in (self._pool, self._fill_thread):
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
+        if self._backend is not None:
+            self._backend.shutdown()

@@ -1,7 +1,7 @@
 """StructuredOutputRequest: one request's grammar state, as the scheduler sees it (pure calls).
 
 The scheduler never imports this module (core/ stays free of xgrammar); it calls ``is_ready()``,
-``failed``, ``accept_tokens``, ``is_terminated()`` and ``jump_forward`` on
+``failed``, ``accept_tokens``, ``is_terminated()``, ``may_jump`` and ``jump_forward`` on
 ``Request.structured_output_request``.
 """
 
@@ -21,12 +21,19 @@ class StructuredOutputRequest:
     """The compiled grammar (a future from the manager's pool) and the request's matcher.
 
     Invariant: once the future is done and succeeded, ``matcher`` (created on first use) has
-    accepted exactly the request's output tokens so far (jumped ones included); draft tokens it is walked over to fill
-    their bitmask rows are rolled back before ``fill_bitmask`` returns. ``_terminated`` is the
-    matcher's ``is_terminated()``, kept here (the grammar terminates only by accepting one of
-    ``_stop_set``, so only such a token, or a rollback, makes it ask xgrammar again): the
-    scheduler asks after every step, and a call into xgrammar costs as much as accepting a token.
-    Cost: each call is one xgrammar call (about a microsecond) per token.
+    accepted the request's output tokens so far (jumped ones included) except ``_pending``, the
+    tail the scheduler gave ``accept_tokens`` since: the manager accepts the pending tokens of a
+    whole step in batched, parallel calls before it fills the bitmask (``take_pending``), and any
+    other use of ``matcher`` accepts them first, one by one. Draft tokens it is walked over to fill
+    their bitmask rows are rolled back before ``fill_bitmask`` returns. ``_refused``: the grammar
+    refused a pending token (the bitmask was not applied: never expected); the matcher stays before
+    it and the next ``accept_tokens`` answers False. ``_terminated`` is the matcher's
+    ``is_terminated()``, kept here: the grammar terminates only by accepting one of ``_stop_set``,
+    so such a token is accepted at once (not left pending) and asks xgrammar again, as does a
+    rollback; the scheduler asks after every step, and a call into xgrammar costs as much as
+    accepting a token.
+    Cost: ``accept_tokens`` is a list append for a token that cannot end the grammar; each
+    matcher call is one xgrammar call (microseconds) per token.
     """
 
     def __init__(self, compiled: Future, stop_token_ids: list[int] | None, new_matcher,
@@ -36,8 +43,11 @@ class StructuredOutputRequest:
         self._new_matcher = new_matcher
         self._matcher = None
         self._stop_set: frozenset[int] = frozenset()  # the matcher's stop tokens, set with it
+        self._pending: list[int] = []  # accepted by the scheduler, not yet by the matcher
+        self._refused = False
         self._terminated = False
         self._jump = jump  # None: this request samples every token (jump-forward off, or logprobs)
+        self.may_jump = jump is not None  # the scheduler asks for a jump after each step only then
 
     @property
     def compiled(self) -> Future:
@@ -54,22 +64,62 @@ class StructuredOutputRequest:
 
     @property
     def matcher(self):
-        if self._matcher is None:
-            self._matcher = self._new_matcher(self._compiled.result(), self._stop_token_ids)
-            self._stop_set = frozenset(self._matcher.stop_token_ids)
+        """The matcher, having accepted every token given to ``accept_tokens`` (but refused ones)."""
+        matcher = self._matcher or self._create_matcher()
+        if self._pending:
+            self._accept_pending()
+        return matcher
+
+    def _create_matcher(self):
+        self._matcher = self._new_matcher(self._compiled.result(), self._stop_token_ids)
+        self._stop_set = frozenset(self._matcher.stop_token_ids)
         return self._matcher
 
     def accept_tokens(self, token_ids: list[int]) -> bool:
-        """Advance by the request's new tokens; False (the matcher unchanged from the first
-        refused one on) if the grammar refuses one."""
-        matcher = self._matcher or self.matcher
-        for token_id in token_ids:
+        """Advance by the request's new tokens; False if the grammar refused one of them or an
+        earlier pending one (the matcher then stays before the first refused token). A token that
+        cannot end the grammar is only queued (``_pending``): the refusal of such a token, never
+        expected since the step's bitmask allowed it, is reported by the call after it is tried."""
+        if self._refused or self._terminated:
+            return False
+        if self._matcher is None:
+            self._create_matcher()
+        self._pending.extend(token_ids)
+        if not self._stop_set.isdisjoint(token_ids):  # it may end the grammar: know now
+            self._accept_pending()
+        return not self._refused
+
+    def _accept_pending(self) -> None:
+        """Accept the pending tokens one by one (the rare path: drafts, jumps, stop tokens)."""
+        pending, self._pending = self._pending, []
+        matcher = self._matcher
+        for token_id in pending:
             if not matcher.accept_token(token_id):
-                logger.error("structured output: token %d refused by the grammar", token_id)
-                return False
+                self.refuse(token_id)
+                return
             if token_id in self._stop_set:
                 self._terminated = matcher.is_terminated()
-        return True
+
+    def take_pending(self) -> tuple[object, list[int]]:
+        """The matcher (created if need be) and the pending tokens, now the caller's to give it
+        (the manager's batched accept; a refusal is reported back with ``refuse``)."""
+        matcher = self._matcher or self._create_matcher()
+        pending, self._pending = self._pending, []
+        return matcher, pending
+
+    def accept_now(self, token_ids: list[int]) -> None:
+        """Give ``token_ids`` (taken with ``take_pending``) to the matcher one by one."""
+        self._pending = token_ids + self._pending
+        self._accept_pending()
+
+    def refuse(self, token_id: int) -> None:
+        logger.error("structured output: token %d refused by the grammar", token_id)
+        self._refused = True
+
+    @property
+    def refused(self) -> bool:
+        """The grammar refused a token given to ``accept_tokens`` (the request is to be aborted)."""
+        return self._refused
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens (rejected drafts)."""
@@ -80,7 +130,7 @@ class StructuredOutputRequest:
     def jump_forward(self, max_tokens: int) -> list[int]:
         """The tokens the grammar forces next, at most ``max_tokens``, already accepted by the
         matcher (jump_forward.py); [] when none is forced or jump-forward is off for the request."""
-        if self._jump is None or max_tokens <= 0:
+        if not self.may_jump or max_tokens <= 0:
             return []
         matcher = self.matcher
         text = matcher.find_jump_forward_string()

@@ -36,7 +36,7 @@ from pagedllm.attention.backend import forward_context as attention_forward_cont
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.distributed import get_pp_group
-from pagedllm.sample.bitmask import GrammarOutput, apply_token_bitmask
+from pagedllm.sample.bitmask import BitmaskApplier, GrammarOutput
 from pagedllm.sample.history import TokenHistory
 from pagedllm.sample.logprobs import PromptLogprobs
 from pagedllm.sample.sampler import Sampler, SamplerOutput, build_sampling_metadata
@@ -84,6 +84,7 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         self.max_model_len = mc.max_model_len
         self.sampler = Sampler(seed=mc.seed, device=device)
+        self.bitmask_applier = BitmaskApplier(device)  # structured output: its pinned staging buffers
         self.pp = get_pp_group()  # this rank's pipeline stage (the only stage at size 1)
         self.kv_caches: list[torch.Tensor] = []
         self.max_blocks_per_req = (self.max_model_len + self.block_size - 1) // self.block_size
@@ -229,13 +230,18 @@ class ModelRunner:
 
     def _apply_grammar(self, logits: torch.Tensor, inp: PreparedInputs, grammar: GrammarOutput) -> None:
         """Mask the logits rows of the requests in ``grammar`` (their rows in request order)."""
-        first_row, row = {}, 0
-        for j, i in enumerate(inp.sample_req_idx):
-            n = 1 if inp.drafts is None else len(inp.drafts[j]) + 1
-            first_row[inp.req_ids[i]] = (row, n)
-            row += n
-        idx = [r for req_id in grammar.req_ids for r in range(first_row[req_id][0], sum(first_row[req_id]))]
-        apply_token_bitmask(logits, idx, grammar.bitmask)
+        req_ids = inp.req_ids
+        if inp.drafts is None:  # one row per sampled request
+            row_of = {req_ids[i]: row for row, i in enumerate(inp.sample_req_idx)}
+            idx = [row_of[req_id] for req_id in grammar.req_ids]
+        else:
+            first_row, row = {}, 0
+            for j, i in enumerate(inp.sample_req_idx):
+                n = len(inp.drafts[j]) + 1
+                first_row[req_ids[i]] = (row, n)
+                row += n
+            idx = [r for req_id in grammar.req_ids for r in range(first_row[req_id][0], sum(first_row[req_id]))]
+        self.bitmask_applier.apply(logits, idx, grammar.bitmask)
 
     # -- inputs ----------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:

@@ -150,3 +150,82 @@ def test_is_terminated_follows_stop_tokens_and_rollback(manager, tokenizer):
     assert state.accept_tokens([2]) and state.is_terminated()
     state.rollback(1)  # the stop token was a rejected draft
     assert not state.is_terminated() and state.accept_tokens([one, 2]) and state.is_terminated()
+
+
+def walk_tokens(row: np.ndarray, rng: np.random.Generator, eos: int) -> int:
+    """A random token the row allows (not EOS, unless it is the only one): the junk a model with
+    random weights samples inside the grammar."""
+    ids = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))
+    ids = ids[ids != eos] if len(ids) > 1 else ids
+    return int(rng.choice(ids))
+
+
+@pytest.mark.parametrize("num_threads, on_fill_thread", [(0, False), (3, False), (0, True)])
+def test_batched_accepts_give_the_serial_matcher_states(manager, tokenizer, num_threads, on_fill_thread,
+                                                        monkeypatch):
+    """Pending tokens accepted by the step's batched accept (on ``num_threads`` helper threads, in
+    chunks, or on the fill thread) leave each matcher where one-by-one accepts leave a reference
+    matcher: every step's bitmask rows are equal, and the tokens wait in ``_pending`` until the
+    bitmask needs them."""
+    import xgrammar as xgr
+
+    from pagedllm.structured_output import backend as backend_module
+
+    monkeypatch.setattr(backend_module, "MIN_ACCEPT_CHUNK", 2)
+    params = StructuredOutputsParams(json={"type": "object", "properties": {
+        "name": {"type": "string"}, "n": {"type": "integer"},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}}}, "required": ["name", "n", "tags"]})
+    requests = {f"r{i}": running_request(manager, f"r{i}", params) for i in range(9)}
+    manager.backend.accept_threads = num_threads
+    manager.accepts_on_fill_thread = on_fill_thread
+    compiled = requests["r0"].structured_output_request.compiled.result()
+    reference = {r: xgr.GrammarMatcher(compiled, override_stop_tokens=[2]) for r in requests}
+    expected = np.zeros((len(requests), (len(tokenizer) + 31) // 32), np.int32)
+    so = SchedulerOutput(num_scheduled_tokens=dict.fromkeys(requests, 1))
+    rng = np.random.default_rng(0)
+    for _ in range(12):
+        out = manager.grammar_bitmask(so, requests)
+        assert out.req_ids == list(requests)
+        for row, (req_id, matcher) in enumerate(reference.items()):
+            matcher.fill_next_token_bitmask(expected, row)
+            token = walk_tokens(expected[row], rng, eos=2)
+            assert matcher.accept_token(token)
+            state = requests[req_id].structured_output_request
+            assert state.accept_tokens([token]) and state._pending == [token]  # not given to xgrammar yet
+        np.testing.assert_array_equal(out.bitmask, expected)
+    assert manager.accept_time_s > 0 and manager._fill_accepts is None
+
+
+def test_a_refused_pending_token_allows_all_and_aborts_at_the_next_accept(manager, tokenizer):
+    """A token the grammar refuses (the bitmask was not applied) is found by the batched accept:
+    its row allows everything, the matcher stays before it, and the next accept answers False."""
+    requests = {r: running_request(manager, r, StructuredOutputsParams(regex="[0-9]+")) for r in "ab"}
+    [one] = tokenizer.encode("1", add_special_tokens=False)
+    [letter] = tokenizer.encode("x", add_special_tokens=False)
+    so = SchedulerOutput(num_scheduled_tokens=dict.fromkeys(requests, 1))
+    manager.grammar_bitmask(so, requests)
+    a, b = (requests[r].structured_output_request for r in "ab")
+    assert a.accept_tokens([letter]) and b.accept_tokens([one])  # queued: not tried yet
+    out = manager.grammar_bitmask(so, requests)
+    assert (out.bitmask[0] == -1).all() and a.refused and not b.refused
+    assert allowed(out.bitmask[1], tokenizer) >= {"1", tokenizer.decode([2])}
+    assert not a.accept_tokens([one]) and b.accept_tokens([2]) and b.is_terminated()
+    assert a.matcher.accept_token(one)  # still at the start: "x" was never accepted
+
+
+@pytest.mark.parametrize("private_binding", [True, False])
+def test_batch_accept_names_the_refusing_matchers(manager, tokenizer, monkeypatch, private_binding):
+    """``batch_accept`` through xgrammar's private binding, and through the public wrapper that
+    replaces it where a release moved it: the same matchers advance, the refusing ones are named."""
+    from pagedllm.structured_output import backend
+
+    if not private_binding:
+        monkeypatch.setattr(backend, "_core_batch_accept", None)
+    elif backend._core_batch_accept is None:
+        pytest.skip("this xgrammar has no private batch-accept binding")
+    compiled = manager.backend.compile(manager.backend.parse(StructuredOutputsParams(json=SCHEMA)))
+    matchers = [manager.backend.new_matcher(compiled, [2]) for _ in range(3)]
+    brace, close = (tokenizer.encode(t, add_special_tokens=False)[0] for t in ("{", "}"))
+    assert manager.backend.batch_accept(matchers, [brace, close, brace]) == [1]
+    # 1 stayed at the start (it takes "{" now); 0 and 2 are inside the object ("}" before "a")
+    assert manager.backend.batch_accept(matchers, [close, brace, close]) == [0, 2]

@@ -19,6 +19,8 @@ def run(scheduler, runner, results: dict) -> dict:
 class FakeGrammar:
     """Ready when told; terminates after ``length`` tokens; refuses every token if ``refuse``."""
 
+    may_jump = False
+
     def __init__(self, length: int = 1000, refuse: bool = False) -> None:
         self.ready = False
         self.failed = False

@@ -15,6 +15,7 @@ class ForcingGrammar:
     """Ready at once, never terminates; after each sampled token it forces ``FORCED``."""
 
     failed = False
+    may_jump = True
 
     def __init__(self) -> None:
         self.accepted: list[int] = []
