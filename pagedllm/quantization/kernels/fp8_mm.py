@@ -43,9 +43,12 @@ def _fp8_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, stride
     n_mask = rn < N
     m_mask = rm < M
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    # Hopper's FP8 MMA accumulates in reduced precision; promoting into fp32 once per K block keeps
+    # long rows (down_proj, K=14336) within 1e-2 of the reference (1.25e-2 without it, on an H100).
     if TMA:
         for k0 in range(0, K, BLOCK_K):
-            acc = tl.dot(w_ptr.load([pid_n * BLOCK_N, k0]), tl.trans(x_ptr.load([pid_m * BLOCK_M, k0])), acc)
+            acc = tl.dot(w_ptr.load([pid_n * BLOCK_N, k0]), tl.trans(x_ptr.load([pid_m * BLOCK_M, k0])), acc,
+                         max_num_imprecise_acc=BLOCK_K)
     else:
         rk = tl.arange(0, BLOCK_K)
         w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :]
@@ -54,7 +57,7 @@ def _fp8_mm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, stride
             k_mask = (k0 + rk) < K
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
             x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            acc = tl.dot(w, tl.trans(x), acc)
+            acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=BLOCK_K)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
     y = acc * tl.load(ws_ptr + rn, mask=n_mask, other=0.0)[:, None]
